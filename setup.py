@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="splitmoe",
+    version="0.1.0",
+    description="Attention-FFN disaggregated inference runtime for Mixture-of-Experts models",
+    packages=find_packages(include=["splitmoe", "splitmoe.*"]),
+    python_requires=">=3.10",
+    # torch is pinned by the install scripts (scripts/setup_env.sh) to a CPU build on machines
+    # without CUDA; here we only state the lower bound the code needs.
+    install_requires=["torch>=2.4", "safetensors>=0.4", "tokenizers>=0.15", "numpy", "tqdm"],
+    extras_require={
+        "test": ["pytest>=7", "transformers>=4.51", "triton>=3.0"],
+        "mpi": ["mpi4py>=3.1", "openmpi"],
+        "triton": ["triton>=3.0"],
+        "plots": ["matplotlib"],
+    },
+)

@@ -1,0 +1,183 @@
+"""The part of an MoE transformer that lives on an attention rank.
+
+Embeddings, attention (RoPE, GQA, optional q/k norms, paged KV), norms, the router, shared experts
+and dense MLP layers, and the LM head. The routed experts are reached through an `ExpertExecutor`
+passed to `forward` explicitly: local experts in colocated mode, dispatch/combine otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from splitmoe.attention_nodes.kv_cache import PagedKVCache
+from splitmoe.config import ModelConfig
+from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention, store_kv
+
+
+class ExpertExecutor(Protocol):
+    def __call__(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Routed-expert output ``[T, H]`` for ``x [T, H]`` and its top-k routing ``[T, k]``."""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 like the HF reference."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    w_qkv: torch.Tensor  # [(nh + 2 nkv) d, H]
+    b_qkv: torch.Tensor | None
+    o_proj: torch.Tensor  # [H, nh d]
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    router: torch.Tensor | None  # [E, H] on MoE layers
+    mlp_gate_up: torch.Tensor | None  # [2I, H]: dense MLP, or the shared expert on MoE layers
+    mlp_down: torch.Tensor | None  # [H, I]
+    shared_expert_gate: torch.Tensor | None  # [1, H]
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> LayerWeights:
+        b = None
+        if "q_bias" in t:
+            b = torch.cat([t["q_bias"], t["k_bias"], t["v_bias"]])
+        if "router" in t:
+            gate, up, down = t.get("shared_gate"), t.get("shared_up"), t.get("shared_down")
+        else:
+            gate, up, down = t["mlp_gate"], t["mlp_up"], t["mlp_down"]
+        return cls(
+            input_norm=t["input_norm"],
+            post_norm=t["post_norm"],
+            w_qkv=torch.cat([t["q_proj"], t["k_proj"], t["v_proj"]]),
+            b_qkv=b,
+            o_proj=t["o_proj"],
+            q_norm=t.get("q_norm"),
+            k_norm=t.get("k_norm"),
+            router=t.get("router"),
+            mlp_gate_up=None if gate is None else torch.cat([gate, up]),
+            mlp_down=down,
+            shared_expert_gate=t.get("shared_expert_gate"),
+        )
+
+
+def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    h = F.linear(x, gate_up)  # [T, 2I]
+    inter = down.shape[1]
+    return F.linear(F.silu(h[:, :inter]) * h[:, inter:], down)
+
+
+class AttentionModel:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        global_weights: dict[str, torch.Tensor],
+        layer_weights: list[dict[str, torch.Tensor]],
+        device: torch.device,
+        attention_backend: str = "torch",
+    ):
+        self.cfg = cfg
+        self.embed = global_weights["embed"]  # [V, H]
+        self.final_norm = global_weights["final_norm"]
+        self.lm_head = global_weights["lm_head"]  # [V, H]
+        self.layers = [LayerWeights.from_tensors(t) for t in layer_weights]
+        self.attention_backend = attention_backend
+        d = cfg.head_dim
+        self.inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+        )  # [d/2]
+        self.scale = d**-0.5
+        self.q_size = cfg.num_heads * d
+        self.kv_size = cfg.num_kv_heads * d
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def route(self, layer: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax over experts (float32) -> top-k -> optional renormalisation."""
+        logits = F.linear(x, layer.router)  # [T, E]
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)  # [T, k]
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def attention(
+        self,
+        layer: LayerWeights,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        qkv = F.linear(x, layer.w_qkv, layer.b_qkv)  # [T, (nh + 2 nkv) d]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if cfg.qk_norm == "full":
+            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":
+            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        cos, sin = cos_sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache, v_cache = kv
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.attention_backend)
+        return F.linear(o.reshape(T, self.q_size), layer.o_proj)
+
+    def ffn(self, i: int, x: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
+        layer = self.layers[i]
+        if layer.router is None:
+            return gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)
+        ids, weights = self.route(layer, x)
+        y = experts(i, x, ids, weights)
+        if layer.shared_expert_gate is not None:
+            shared = gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)
+            y = y + torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
+        return y
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: PagedKVCache,
+        experts: ExpertExecutor,
+    ) -> torch.Tensor:
+        """``input_ids, positions [T]`` -> final hidden states ``[T, H]`` (normed)."""
+        eps = self.cfg.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)  # [T, H]
+        cos_sin = self.rope(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, eps)
+            h = h + self.attention(layer, x, cos_sin, kv_cache.layer(i), meta)
+            x = rms_norm(h, layer.post_norm, eps)
+            h = h + self.ffn(i, x, experts)
+        return rms_norm(h, self.final_norm, eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head).float()  # [B, V]

@@ -1,0 +1,149 @@
+"""The attention rank's step: schedule, build the packed batch, run the model, sample."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from splitmoe.attention_nodes.kv_cache import PagedKVCache
+from splitmoe.attention_nodes.model import AttentionModel
+from splitmoe.attention_nodes.sampler import make_generator, sample
+from splitmoe.comm.transport import Transport
+from splitmoe.config import EngineConfig
+from splitmoe.expert_nodes.experts import LocalExperts
+from splitmoe.kernels.paged_attention import AttentionMetadata
+from splitmoe.models.loader import load_attention_weights
+from splitmoe.outputs import RequestMetrics
+from splitmoe.scheduler.block_manager import BlockManager
+from splitmoe.scheduler.request import RequestSpec
+from splitmoe.scheduler.scheduler import ScheduledBatch, Scheduler
+
+
+@dataclass
+class RequestUpdate:
+    """New tokens of one request from one step; ``metrics`` once it finished."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+class RemoteExperts:
+    """ExpertExecutor over a transport: dispatch to the expert ranks, then combine."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+
+    def __call__(self, layer, x, topk_ids, topk_weights):
+        handle = self.transport.dispatch(x, topk_ids, topk_weights)
+        return self.transport.combine(handle)
+
+
+class AttentionWorker:
+    def __init__(self, cfg: EngineConfig, transport: Transport | None, device: torch.device):
+        m = cfg.model
+        dtype = cfg.torch_dtype
+        self.device = device
+        globals_, layers = load_attention_weights(m, dtype, str(device))
+        self.model = AttentionModel(m, globals_, layers, device)
+        self.experts = (
+            LocalExperts(m, list(range(m.num_experts)), dtype, device)
+            if transport is None
+            else RemoteExperts(transport)
+        )
+        block_size = cfg.cache.block_size
+        num_blocks = cfg.cache.resolve_num_blocks(
+            m, dtype, cfg.scheduler.max_num_seqs, cfg.max_model_len
+        )
+        self.kv_cache = PagedKVCache(
+            m.num_layers, num_blocks, block_size, m.num_kv_heads, m.head_dim, dtype, device
+        )
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(cfg.scheduler, self.blocks, m.eos_token_ids, cfg.max_model_len)
+        self.generators: dict[int, torch.Generator | None] = {}
+        self._batch = ScheduledBatch()
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, spec: RequestSpec) -> None:
+        self.scheduler.add(spec)
+        self.generators[spec.request_id] = make_generator(spec.params, self.device)
+
+    def plan(self) -> int:
+        """Schedules this step; returns how many tokens it computes (0: only takes part)."""
+        self._batch = self.scheduler.schedule()
+        return self._batch.total_tokens
+
+    def _inputs(self, batch: ScheduledBatch):
+        bs = self.blocks.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qlens, seqlens, sample_rows = [], [], []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start = req.num_computed_tokens
+            ids += req.token_ids(start, start + n)
+            table = req.block_table
+            for p in range(start, start + n):
+                slots.append(table[p // bs] * bs + p % bs)
+            positions += range(start, start + n)
+            qlens.append(n)
+            seqlens.append(start + n)
+            if start + n == req.num_tokens:
+                sample_rows.append(len(ids) - 1)
+        width = max((len(r.block_table) for r in batch.requests), default=0)
+        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in batch.requests]
+        dev = self.device
+        loc = [0]
+        for n in qlens:
+            loc.append(loc[-1] + n)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seqlens, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev).view(len(tables), width),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_lens=qlens,
+            seq_lens_list=seqlens,
+        )
+        return (
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            sample_rows,
+        )
+
+    @torch.inference_mode()
+    def execute(self) -> list[RequestUpdate]:
+        """Runs the planned step (with zero tokens it still joins every dispatch/combine)."""
+        batch = self._batch
+        input_ids, positions, meta, sample_rows = self._inputs(batch)
+        h = self.model.forward(input_ids, positions, meta, self.kv_cache, self.experts)
+        to_sample = [
+            r for r, n in zip(batch.requests, batch.num_new_tokens)
+            if r.num_computed_tokens + n == r.num_tokens
+        ]
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+        if not to_sample:
+            return []
+        logits = self.model.logits(h[sample_rows])  # [B, V]
+        tokens = sample(
+            logits, [r.params for r in to_sample], [self.generators[r.request_id] for r in to_sample]
+        )
+        now = time.time()
+        updates = []
+        for req, tok in zip(to_sample, tokens):
+            req.append_token(tok, now)
+            update = RequestUpdate(req.request_id, [tok])
+            if req.finish_reason is not None:
+                self.scheduler.finish(req)
+                del self.generators[req.request_id]
+                update.finish_reason = req.finish_reason
+                update.metrics = req.metrics()
+            updates.append(update)
+        return updates

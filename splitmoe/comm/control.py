@@ -1,0 +1,40 @@
+"""The control plane: one small all-gather per step that every rank takes part in.
+
+Whether a step runs, and whether the job ends, is decided from data all ranks share, never from
+local state, so the collective pattern of the data plane can never diverge between ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """``tokens[r]``: tokens attention rank ``r`` computes this step (0 for expert ranks)."""
+
+    tokens: tuple[int, ...]
+    finished: bool
+
+    @property
+    def run(self) -> bool:
+        return any(self.tokens)
+
+
+class StepSync:
+    """All-gathers ``(tokens this step, done)`` from every rank over the CPU group."""
+
+    def __init__(self, group: dist.ProcessGroup, world_size: int):
+        self.group = group
+        self.world_size = world_size
+        self._out = torch.zeros(world_size, 2, dtype=torch.int64)
+
+    def exchange(self, tokens: int, done: bool) -> StepDecision:
+        mine = torch.tensor([tokens, int(done)], dtype=torch.int64)
+        dist.all_gather_single(self._out.view(-1), mine, group=self.group)
+        rows = self._out.tolist()
+        counts = tuple(r[0] for r in rows)
+        return StepDecision(tokens=counts, finished=not any(counts) and all(r[1] for r in rows))

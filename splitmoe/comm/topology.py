@@ -1,0 +1,100 @@
+"""Who is who: a frozen description of the job's ranks, built once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitmoe.config import ParallelConfig
+
+
+def contiguous_placement(num_experts: int, expert_ranks: int) -> tuple[int, ...]:
+    """Expert ``e`` lives on expert rank ``owner[e]``; ranks get contiguous, near-equal ranges."""
+    base, extra = divmod(num_experts, expert_ranks)
+    owner = []
+    for r in range(expert_ranks):
+        owner += [r] * (base + (1 if r < extra else 0))
+    return tuple(owner)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks ``0..A-1`` are attention ranks, ``A..A+E-1`` expert ranks (E = 0: colocated).
+
+    ``expert_owner[e]`` is the index (0..E-1) of the expert rank holding routed expert ``e``.
+    """
+
+    rank: int
+    world_size: int
+    num_attention: int
+    num_expert: int
+    local_rank: int
+    local_world_size: int
+    expert_owner: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.world_size != self.num_attention + self.num_expert:
+            raise ValueError(
+                f"world size {self.world_size} != attention ranks {self.num_attention} + "
+                f"expert ranks {self.num_expert}"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
+
+    @classmethod
+    def build(
+        cls,
+        rank: int,
+        parallel: ParallelConfig,
+        num_experts: int,
+        local_rank: int | None = None,
+        local_world_size: int | None = None,
+    ) -> Topology:
+        world = parallel.world_size
+        owner = (
+            contiguous_placement(num_experts, parallel.expert_ranks)
+            if parallel.expert_ranks
+            else tuple([0] * num_experts)
+        )
+        return cls(
+            rank=rank,
+            world_size=world,
+            num_attention=parallel.attention_ranks,
+            num_expert=parallel.expert_ranks,
+            local_rank=rank if local_rank is None else local_rank,
+            local_world_size=world if local_world_size is None else local_world_size,
+            expert_owner=owner,
+        )
+
+    @property
+    def colocated(self) -> bool:
+        return self.num_expert == 0
+
+    @property
+    def is_attention(self) -> bool:
+        return self.rank < self.num_attention
+
+    @property
+    def role(self) -> str:
+        return "attention" if self.is_attention else "expert"
+
+    @property
+    def attention_rank_ids(self) -> range:
+        return range(self.num_attention)
+
+    @property
+    def expert_rank_ids(self) -> range:
+        return range(self.num_attention, self.world_size)
+
+    @property
+    def expert_index(self) -> int:
+        """Index of this rank among expert ranks (only for expert ranks)."""
+        if self.is_attention:
+            raise ValueError(f"rank {self.rank} is an attention rank")
+        return self.rank - self.num_attention
+
+    def experts_of(self, expert_index: int) -> list[int]:
+        """Global ids of the routed experts held by expert rank ``expert_index``."""
+        return [e for e, r in enumerate(self.expert_owner) if r == expert_index]
+
+    def describe(self) -> str:
+        return f"rank {self.rank} ({self.role})"

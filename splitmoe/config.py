@@ -1,0 +1,253 @@
+"""Frozen configuration objects, each validated where it is built.
+
+A job is described by four small pieces: the model (`ModelConfig`, read from a checkpoint's
+``config.json``), how ranks are split (`ParallelConfig`), the paged KV cache (`CacheConfig`) and the
+request scheduler (`SchedulerConfig`). `EngineConfig` bundles them for the rank processes. Each
+role receives only the slices it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
+    """``"auto"`` means the checkpoint's dtype on CUDA and float32 on CPU (CPU bf16 GEMMs are slow)."""
+    if name == "auto":
+        if device == "cpu":
+            return torch.float32
+        name = checkpoint_dtype if checkpoint_dtype in _DTYPES else "bfloat16"
+    if name not in _DTYPES:
+        raise ValueError(
+            f"dtype={name!r} is not supported; use one of 'auto', 'float32', 'bfloat16', 'float16'"
+        )
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and family quirks of a supported MoE checkpoint (see `splitmoe.models.families`)."""
+
+    path: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    moe_layers: tuple[int, ...]
+    dense_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    qkv_bias: bool = False
+    qk_norm: str = "none"  # "none" | "head" (Qwen3: per head) | "full" (OLMoE: whole projection)
+    clip_qkv: float | None = None
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads} in {self.path}/config.json"
+            )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.top_k} must be between 1 and num_experts="
+                f"{self.num_experts} in {self.path}/config.json"
+            )
+        if self.qk_norm not in ("none", "head", "full"):
+            raise ValueError(f"qk_norm={self.qk_norm!r} must be 'none', 'head' or 'full'")
+
+    @property
+    def is_moe_layer(self) -> tuple[bool, ...]:
+        return tuple(i in set(self.moe_layers) for i in range(self.num_layers))
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Reads ``config.json`` of an HF-format checkpoint directory; errors name what is wrong."""
+        from splitmoe.models.families import family_for
+
+        root = Path(path)
+        if not root.exists():
+            raise FileNotFoundError(
+                f"model directory {str(root)!r} does not exist; pass a checkpoint directory with "
+                "config.json and *.safetensors (`python -m splitmoe.models.default_model --out DIR` "
+                "writes a small one)"
+            )
+        if not root.is_dir():
+            raise NotADirectoryError(f"model path {str(root)!r} is a file; pass its directory")
+        cfg_file = root / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{str(root)!r} has no config.json: is it an HF checkpoint?")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+        family = family_for(raw.get("model_type"), cfg_file)
+        return cls(path=str(root), **family.parse_config(raw, cfg_file))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the world is split: ranks ``0..A-1`` are attention ranks, ``A..A+E-1`` expert ranks."""
+
+    attention_ranks: int = 1
+    expert_ranks: int = 0
+    transport: str = "flat"
+    # Collective and start-up timeout: a rank that stops answering ends the job after this long.
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attention_ranks, int) or self.attention_ranks < 1:
+            raise ValueError(f"attention_ranks={self.attention_ranks!r} must be an integer >= 1")
+        if not isinstance(self.expert_ranks, int) or self.expert_ranks < 0:
+            raise ValueError(
+                f"expert_ranks={self.expert_ranks!r} must be an integer >= 0 (0 = colocated)"
+            )
+        from splitmoe.comm.transport import TRANSPORTS
+
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"transport={self.transport!r} is not available; choose one of {sorted(TRANSPORTS)}"
+            )
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.attention_ranks + self.expert_ranks
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def check_model(self, model: ModelConfig) -> None:
+        if self.expert_ranks > model.num_experts:
+            raise ValueError(
+                f"expert_ranks={self.expert_ranks} exceeds the model's {model.num_experts} experts: "
+                f"every expert rank needs at least one expert; use expert_ranks <= "
+                f"{model.num_experts}"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: ``num_kv_blocks`` blocks of ``block_size`` tokens per layer.
+
+    ``num_kv_blocks=None`` sizes the pool from ``kv_cache_memory_gb`` (per attention rank), capped at
+    what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size!r} must be an integer >= 1")
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1
+        ):
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r} must be None or an integer >= 1")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
+
+    def resolve_num_blocks(
+        self, model: ModelConfig, dtype: torch.dtype, max_num_seqs: int, max_model_len: int
+    ) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_block = 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
+        from_budget = int(self.kv_cache_memory_gb * (1 << 30)) // per_block
+        needed = max_num_seqs * math.ceil(max_model_len / self.block_size)
+        return max(1, min(from_budget, needed))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per attention rank: at most ``max_num_seqs`` running requests and ``max_num_batched_tokens``
+    new tokens per step (prompt chunks and decode tokens together)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a rank process needs to build its role."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    dtype: str = "auto"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    seed: int = 0
+    threads_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available; use 'cpu'")
+        resolve_dtype(self.dtype, self.model.checkpoint_dtype, self.device_type)
+        self.parallel.check_model(self.model)
+        if self.max_model_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                f"{self.model.max_position_embeddings}"
+            )
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank={self.threads_per_rank!r} must be None or >= 1")
+
+    @property
+    def device_type(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.model.checkpoint_dtype, self.device_type)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len or self.model.max_position_embeddings

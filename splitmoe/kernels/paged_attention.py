@@ -1,0 +1,125 @@
+"""Attention over a paged KV cache: the PyTorch reference of the math the Triton kernels implement.
+
+Layout: the KV pool of one layer is ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+head_dim]``; sequence ``i`` owns the blocks ``block_tables[i, :ceil(seq_lens[i] / block_size)]``.
+A step's queries are packed: sequence ``i`` contributes ``query_lens[i]`` consecutive tokens, the
+last ``query_lens[i]`` of its ``seq_lens[i]`` tokens (a prefill chunk, an extension of a cached
+prefix, or one decode token), and each attends causally to every earlier token of its sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's packed tokens sit in the paged KV cache.
+
+    query_start_loc: ``[B+1]`` int64, cumulative query lengths (sequence ``i`` owns rows
+        ``query_start_loc[i]:query_start_loc[i+1]`` of ``q``).
+    seq_lens: ``[B]`` int64, context length of each sequence *including* this step's tokens.
+    block_tables: ``[B, max_blocks]`` int32, KV block ids per sequence (padding beyond a sequence's
+        blocks is never read).
+    slot_mapping: ``[T]`` int64, flat cache slot (``block * block_size + offset``) of each new token.
+    query_lens: the same lengths as Python ints, for host-side decisions.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_lens: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Writes new keys/values ``[T, num_kv_heads, head_dim]`` into their cache slots."""
+    nkv, d = k_cache.shape[-2:]
+    k_cache.view(-1, nkv, d).index_copy_(0, slots, k)
+    v_cache.view(-1, nkv, d).index_copy_(0, slots, v)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed queries ``q [T, num_heads, head_dim]`` over the paged cache.
+
+    GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. Softmax in float32.
+    Decode rows (one query token) are batched; longer chunks are computed per sequence.
+    """
+    T, nh, d = q.shape
+    nb, bs, nkv, _ = k_cache.shape
+    g = nh // nkv
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    qlens = meta.query_lens
+    starts = meta.query_start_loc.tolist()
+    decode = [i for i, n in enumerate(qlens) if n == 1]
+    if decode:
+        idx = torch.tensor(decode, device=q.device)
+        rows = meta.query_start_loc[idx]  # [Bd]
+        max_blocks = -(-max(meta.seq_lens_list[i] for i in decode) // bs)
+        tables = meta.block_tables[idx, :max_blocks].long()  # [Bd, nbk]
+        k = k_cache[tables].flatten(1, 2)  # [Bd, L, nkv, d]
+        v = v_cache[tables].flatten(1, 2)
+        qd = q[rows].view(-1, nkv, g, d)  # [Bd, nkv, g, d]
+        scores = torch.einsum("bkgd,blkd->bkgl", qd, k).float() * scale  # [Bd, nkv, g, L]
+        pos = torch.arange(k.shape[1], device=q.device)
+        valid = pos[None, :] < meta.seq_lens[idx][:, None]  # [Bd, L]
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        p = scores.softmax(-1).to(q.dtype)
+        out[rows] = torch.einsum("bkgl,blkd->bkgd", p, v).reshape(-1, nh, d)
+    for i, n in enumerate(qlens):
+        if n == 1 or n == 0:
+            continue
+        ctx = meta.seq_lens_list[i]
+        nblk = -(-ctx // bs)
+        table = meta.block_tables[i, :nblk].long()
+        k = k_cache[table].flatten(0, 1)[:ctx]  # [ctx, nkv, d]
+        v = v_cache[table].flatten(0, 1)[:ctx]
+        qs = q[starts[i] : starts[i] + n].view(n, nkv, g, d)
+        scores = torch.einsum("qkgd,lkd->kgql", qs, k).float() * scale  # [nkv, g, n, ctx]
+        qpos = torch.arange(ctx - n, ctx, device=q.device)
+        kpos = torch.arange(ctx, device=q.device)
+        scores.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
+        p = scores.softmax(-1).to(q.dtype)
+        out[starts[i] : starts[i] + n] = torch.einsum("kgql,lkd->qkgd", p, v).reshape(n, nh, d)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """Public entry: checks inputs, then runs the chosen backend (``"torch"`` for now)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"paged_attention: q must be [T, H, D] and caches [blocks, block_size, KVH, D]; got "
+            f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(
+            f"paged_attention: {q.shape[1]} query heads of dim {q.shape[2]} do not fit "
+            f"{k_cache.shape[2]} KV heads of dim {k_cache.shape[3]}"
+        )
+    if backend != "torch":
+        raise ValueError(f"attention backend {backend!r} is not available; use 'torch'")
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,213 @@
+"""Streaming weight loading from safetensors checkpoints.
+
+Each role asks for exactly the tensors it owns; a `CheckpointReader` finds which shard holds each
+name (from ``model.safetensors.index.json`` or the shards' headers), reads only those tensors, and
+checks every shape against `ModelConfig`. Only safetensors are read: no checkpoint code runs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from splitmoe.config import ModelConfig
+from splitmoe.models.families import (
+    ATTENTION_KEYS,
+    BIAS_KEYS,
+    DENSE_KEYS,
+    QK_NORM_KEYS,
+    ROUTER_KEY,
+    SHARED_KEYS,
+    family_for,
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing a tensor, has a wrong shape, or a broken shard."""
+
+
+def expected_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
+    """Shape of a canonical tensor (see `splitmoe.models.families`) for this config."""
+    H, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    Im, Id, Is = cfg.moe_intermediate_size, cfg.dense_intermediate_size, cfg.shared_expert_intermediate_size
+    full = cfg.qk_norm == "full"
+    return {
+        "embed": (cfg.vocab_size, H),
+        "lm_head": (cfg.vocab_size, H),
+        "final_norm": (H,),
+        "input_norm": (H,),
+        "post_norm": (H,),
+        "q_proj": (q, H),
+        "k_proj": (kv, H),
+        "v_proj": (kv, H),
+        "o_proj": (H, q),
+        "q_bias": (q,),
+        "k_bias": (kv,),
+        "v_bias": (kv,),
+        "q_norm": (q,) if full else (d,),
+        "k_norm": (kv,) if full else (d,),
+        "router": (cfg.num_experts, H),
+        "mlp_gate": (Id, H),
+        "mlp_up": (Id, H),
+        "mlp_down": (H, Id),
+        "shared_gate": (Is, H),
+        "shared_up": (Is, H),
+        "shared_down": (H, Is),
+        "shared_expert_gate": (1, H),
+        "gate": (Im, H),
+        "up": (Im, H),
+        "down": (H, Im),
+    }[key]
+
+
+def attention_layer_keys(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
+    """Canonical tensors an attention rank holds for one layer."""
+    keys = list(ATTENTION_KEYS)
+    if cfg.qkv_bias:
+        keys += BIAS_KEYS
+    if cfg.qk_norm != "none":
+        keys += QK_NORM_KEYS
+    if cfg.is_moe_layer[layer]:
+        keys.append(ROUTER_KEY)
+        if cfg.shared_expert_intermediate_size:
+            keys += SHARED_KEYS
+    else:
+        keys += DENSE_KEYS
+    return tuple(keys)
+
+
+class CheckpointReader:
+    """Finds and reads named tensors of an HF safetensors checkpoint directory."""
+
+    def __init__(self, path: str | Path):
+        self.root = Path(path)
+        self.weight_map = self._build_weight_map()
+
+    def _build_weight_map(self) -> dict[str, Path]:
+        index = self.root / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                mapping = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
+            out = {name: self.root / shard for name, shard in mapping.items()}
+            missing = sorted({str(p.name) for p in out.values() if not p.is_file()})
+            if missing:
+                raise CheckpointError(
+                    f"{index} lists shard(s) {missing} that are not in {self.root}; "
+                    "copy the missing files or re-download the checkpoint"
+                )
+            return out
+        shards = sorted(self.root.glob("*.safetensors"))
+        if not shards:
+            pickled = sorted(p.name for p in self.root.glob("*.bin")) + sorted(
+                p.name for p in self.root.glob("*.pt")
+            )
+            hint = (
+                f" It holds pickle-based weights ({', '.join(pickled[:3])}), which splitmoe does not "
+                "load because unpickling can run arbitrary code; convert them once with "
+                "`transformers`: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir, "
+                "safe_serialization=True)."
+                if pickled
+                else ""
+            )
+            raise CheckpointError(f"no *.safetensors weights in {self.root}.{hint}")
+        out: dict[str, Path] = {}
+        for shard in shards:
+            for name in self._open(shard).keys():
+                out[name] = shard
+        return out
+
+    @staticmethod
+    def _open(shard: Path):
+        try:
+            return safe_open(str(shard), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(
+                f"cannot read {shard}: {e} (the file may be truncated or corrupt; re-download it)"
+            ) from None
+
+    def load(
+        self, wanted: dict[str, tuple[str, tuple[int, ...]]], dtype: torch.dtype, device: str
+    ) -> dict[str, torch.Tensor]:
+        """Reads ``{key: (checkpoint_name, expected_shape)}``; every name must exist with its shape."""
+        missing = [name for name, _ in wanted.values() if name not in self.weight_map]
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(
+                f"checkpoint {self.root} lacks tensor(s) {missing[:5]}{more} that its config.json "
+                "implies; is config.json from the same model as the weights?"
+            )
+        by_shard: dict[Path, list[str]] = defaultdict(list)
+        for key, (name, _) in wanted.items():
+            by_shard[self.weight_map[name]].append(key)
+        out: dict[str, torch.Tensor] = {}
+        for shard, keys in by_shard.items():
+            f = self._open(shard)
+            for key in keys:
+                name, shape = wanted[key]
+                try:
+                    t = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(
+                        f"cannot read tensor {name!r} from {shard}: {e} (truncated or corrupt file?)"
+                    ) from None
+                if tuple(t.shape) != tuple(shape):
+                    raise CheckpointError(
+                        f"tensor {name!r} in {shard.name} has shape {tuple(t.shape)}, but "
+                        f"config.json implies {tuple(shape)}"
+                    )
+                out[key] = t.to(device=device, dtype=dtype)
+        return out
+
+
+def load_attention_weights(
+    cfg: ModelConfig, dtype: torch.dtype, device: str
+) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Non-expert weights: (globals ``embed``/``final_norm``/``lm_head``, one dict per layer)."""
+    fam = family_for(cfg.model_type)
+    reader = CheckpointReader(cfg.path)
+    glob_keys = ["embed", "final_norm"]
+    if not cfg.tie_word_embeddings:
+        glob_keys.append("lm_head")
+    wanted = {k: (fam.global_name(k), expected_shape(cfg, k)) for k in glob_keys}
+    for layer in range(cfg.num_layers):
+        for k in attention_layer_keys(cfg, layer):
+            wanted[f"{layer}.{k}"] = (fam.layer_name(layer, k), expected_shape(cfg, k))
+    flat = reader.load(wanted, dtype, device)
+    if cfg.tie_word_embeddings:
+        flat["lm_head"] = flat["embed"]
+    globals_ = {k: flat.pop(k) for k in ("embed", "final_norm", "lm_head")}
+    layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_layers)]
+    for key, t in flat.items():
+        layer, k = key.split(".", 1)
+        layers[int(layer)][k] = t
+    return globals_, layers
+
+
+def load_expert_weights(
+    cfg: ModelConfig, experts: list[int], dtype: torch.dtype, device: str
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Only the listed experts, for every MoE layer, stacked per layer as
+    ``w13 [n, 2*I, H]`` (gate rows then up rows) and ``w2 [n, H, I]``."""
+    fam = family_for(cfg.model_type)
+    reader = CheckpointReader(cfg.path)
+    wanted = {}
+    for layer in cfg.moe_layers:
+        for e in experts:
+            for k in ("gate", "up", "down"):
+                wanted[f"{layer}.{e}.{k}"] = (fam.expert_name(layer, e, k), expected_shape(cfg, k))
+    flat = reader.load(wanted, dtype, device)
+    out = {}
+    for layer in cfg.moe_layers:
+        w13 = torch.stack(
+            [torch.cat([flat[f"{layer}.{e}.gate"], flat[f"{layer}.{e}.up"]], 0) for e in experts]
+        )  # [n, 2I, H]
+        w2 = torch.stack([flat[f"{layer}.{e}.down"] for e in experts])  # [n, H, I]
+        out[layer] = (w13, w2)
+    return out

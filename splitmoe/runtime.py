@@ -1,0 +1,116 @@
+"""The loop every rank runs, whoever started it (the `LLM` front end, torchrun or mpirun).
+
+Each iteration: attention ranks take new requests from their `Channel` and plan a step; all ranks
+all-gather ``(tokens, done)``; if any attention rank has tokens, every rank runs the step (attention
+ranks with zero tokens still join each dispatch/combine, expert ranks serve every MoE layer); when
+no rank has work and every attention rank's channel is closed, all ranks leave together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Protocol
+
+import torch
+
+from splitmoe.attention_nodes.worker import AttentionWorker, RequestUpdate
+from splitmoe.comm.control import StepSync
+from splitmoe.comm.distributed import init_groups, rank_device, shutdown_groups
+from splitmoe.comm.topology import Topology
+from splitmoe.comm.transport import TRANSPORTS
+from splitmoe.config import EngineConfig
+from splitmoe.expert_nodes.worker import ExpertWorker
+from splitmoe.scheduler.request import RequestSpec
+
+logger = logging.getLogger("splitmoe")
+
+IDLE_POLL_S = 0.005  # how long an idle attention rank waits for requests before the next sync
+
+
+class Channel(Protocol):
+    """Where an attention rank's requests come from and its results go."""
+
+    @property
+    def closed(self) -> bool:
+        """True once no more requests will arrive."""
+
+    def poll(self, timeout: float) -> list[RequestSpec]:
+        """New requests; waits up to ``timeout`` seconds when there are none."""
+
+    def emit(self, updates: list[RequestUpdate]) -> None:
+        """Tokens produced by one step."""
+
+    def ready(self, topo: Topology) -> None:
+        """This rank has joined the job and loaded its weights."""
+
+
+def set_threads(cfg: EngineConfig, local_world_size: int) -> None:
+    if cfg.device_type == "cpu":
+        n = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+        torch.set_num_threads(n)
+
+
+def run_rank(
+    cfg: EngineConfig,
+    rank: int,
+    init_method: str,
+    channel: Channel,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+) -> Topology:
+    topo = Topology.build(rank, cfg.parallel, cfg.model.num_experts, local_rank, local_world_size)
+    set_threads(cfg, topo.local_world_size)
+    device = rank_device(cfg.device_type, topo.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    groups = init_groups(
+        rank, topo.world_size, init_method, device, topo.local_world_size, cfg.parallel.timeout
+    )
+    try:
+        transport = None
+        if not topo.colocated:
+            transport = TRANSPORTS[cfg.parallel.transport](
+                topo,
+                groups.data,
+                groups.comm_device,
+                cfg.model.hidden_size,
+                cfg.model.top_k,
+                cfg.torch_dtype,
+                device,
+            )
+        if topo.is_attention:
+            worker = AttentionWorker(cfg, transport, device)
+        else:
+            worker = ExpertWorker(topo, cfg, transport, device)
+        channel.ready(topo)
+        logger.info("%s ready on %s", topo.describe(), device)
+        _loop(topo, worker, channel, StepSync(groups.cpu, topo.world_size))
+    finally:
+        shutdown_groups()
+    return topo
+
+
+def _loop(topo: Topology, worker, channel: Channel, sync: StepSync) -> None:
+    busy = False
+    while True:
+        if topo.is_attention:
+            wait = 0.0 if busy or worker.has_work else IDLE_POLL_S
+            for spec in channel.poll(wait):
+                worker.add_request(spec)
+            tokens = worker.plan()
+            done = channel.closed and not worker.has_work
+        else:
+            tokens, done = 0, True
+        decision = sync.exchange(tokens, done)
+        if decision.finished:
+            return
+        busy = decision.run
+        if not busy:
+            continue
+        if topo.is_attention:
+            updates = worker.execute()
+            if updates:
+                channel.emit(updates)
+        else:
+            worker.step()

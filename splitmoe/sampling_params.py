@@ -1,0 +1,71 @@
+"""Per-request sampling settings, validated where they are built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token and when to stop.
+
+    temperature: 0 means greedy; otherwise logits are divided by it before sampling.
+    top_k: keep the k most likely tokens (-1: all). top_p: keep the smallest set of tokens whose
+    probability reaches top_p (1.0: all). seed: a per-request random stream, so a seeded request
+    gives the same tokens whatever batch or topology it runs in. stop_token_ids / EOS end a request
+    with ``finish_reason="stop"`` (the stop token is kept in ``token_ids``) unless ``ignore_eos``
+    (which only disables EOS).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
+            raise ValueError(f"temperature={self.temperature!r} must be a number >= 0")
+        if self.temperature < 0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature={self.temperature} must be finite and >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k!r} must be -1 (disabled) or an integer >= 1")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed={self.seed!r} must be None or an integer >= 0")
+        stop = tuple(self.stop_token_ids or ())
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative ints")
+        object.__setattr__(self, "stop_token_ids", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "") -> SamplingParams:
+        fields = set(cls.__dataclass_fields__)
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(
+                f"{where}unknown sampling field(s) {sorted(unknown)}; known: {sorted(fields)}"
+            )
+        d = dict(d)
+        if "stop_token_ids" in d and d["stop_token_ids"] is not None:
+            d["stop_token_ids"] = tuple(d["stop_token_ids"])
+        return cls(**d)

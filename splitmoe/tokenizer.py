@@ -1,0 +1,28 @@
+"""Text <-> token ids through a checkpoint's ``tokenizer.json`` (HF `tokenizers`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, tok: _HFTokenizer):
+        self._tok = tok
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> Tokenizer | None:
+        f = Path(path) / "tokenizer.json"
+        if not f.is_file():
+            return None
+        try:
+            return cls(_HFTokenizer.from_file(str(f)))
+        except Exception as e:
+            raise ValueError(f"cannot load {f}: {e}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
