@@ -29,6 +29,7 @@ from splitmoe.inputs import broadcast_params, check_request, normalize_prompts
 from splitmoe.outputs import RequestOutput
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.scheduler.request import RequestSpec
+from splitmoe.scheduler.router import LeastLoadRouter
 from splitmoe.tokenizer import Tokenizer
 
 logger = logging.getLogger("splitmoe")
@@ -104,6 +105,7 @@ def _die_with_parent() -> None:
 
 
 def _rank_main(cfg: EngineConfig, rank: int, init_method: str, in_q, out_q) -> None:
+    from splitmoe.comm.distributed import shutdown_groups
     from splitmoe.runtime import run_rank
 
     _die_with_parent()
@@ -111,6 +113,7 @@ def _rank_main(cfg: EngineConfig, rank: int, init_method: str, in_q, out_q) -> N
     channel = _QueueChannel(rank, in_q, out_q) if in_q is not None else _NoRequests(rank, out_q)
     try:
         run_rank(cfg, rank, init_method, channel)
+        shutdown_groups()
     except BaseException as e:  # report every failure, Ctrl-C included, then exit non-zero
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         out_q.put(("error", rank, role, detail, traceback.format_exc()))
@@ -210,7 +213,7 @@ class LLM:
             self._procs.append(p)
         self._finalizer = weakref.finalize(self, _kill_all, list(self._procs))
         atexit.register(self._finalizer)
-        self._load = [0] * A
+        self._router = LeastLoadRouter(A)
         ready = 0
         deadline = time.monotonic() + cfg.parallel.timeout_s + 60
         while ready < W:
@@ -295,9 +298,8 @@ class LLM:
         for p, sp in zip(ids, params):
             rid = self._next_id
             self._next_id += 1
-            rank = min(range(len(self._load)), key=lambda r: (self._load[r], r))
             cost = len(p) + sp.max_tokens
-            self._load[rank] += cost
+            rank = self._router.pick(cost)
             routed[rid] = (rank, cost)
             batches[rank].append(RequestSpec(rid, list(p), sp, now))
             outputs[rid] = RequestOutput(request_id=rid, prompt_token_ids=list(p))
@@ -323,7 +325,7 @@ class LLM:
                         out.metrics = u.metrics
                         pending.discard(u.request_id)
                         rank, cost = routed[u.request_id]
-                        self._load[rank] -= cost
+                        self._router.release(rank, cost)
                         bar.update(1)
         except KeyboardInterrupt:
             self._shutdown(graceful=False)

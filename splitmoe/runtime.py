@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from splitmoe.attention_nodes.worker import AttentionWorker, RequestUpdate
 from splitmoe.comm.control import StepSync
-from splitmoe.comm.distributed import init_groups, rank_device, shutdown_groups
+from splitmoe.comm.distributed import Groups, init_groups, rank_device
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import TRANSPORTS
 from splitmoe.config import EngineConfig
@@ -51,6 +52,15 @@ def set_threads(cfg: EngineConfig, local_world_size: int) -> None:
         torch.set_num_threads(n)
 
 
+@dataclass(frozen=True)
+class RankContext:
+    """What a finished rank hands back; its process groups are still up (the caller may gather
+    results over ``groups.cpu``) until it calls `shutdown_groups`."""
+
+    topo: Topology
+    groups: Groups
+
+
 def run_rank(
     cfg: EngineConfig,
     rank: int,
@@ -58,7 +68,7 @@ def run_rank(
     channel: Channel,
     local_rank: int | None = None,
     local_world_size: int | None = None,
-) -> Topology:
+) -> RankContext:
     topo = Topology.build(rank, cfg.parallel, cfg.model.num_experts, local_rank, local_world_size)
     set_threads(cfg, topo.local_world_size)
     device = rank_device(cfg.device_type, topo.local_rank)
@@ -67,28 +77,27 @@ def run_rank(
     groups = init_groups(
         rank, topo.world_size, init_method, device, topo.local_world_size, cfg.parallel.timeout
     )
-    try:
-        transport = None
-        if not topo.colocated:
-            transport = TRANSPORTS[cfg.parallel.transport](
-                topo,
-                groups.data,
-                groups.comm_device,
-                cfg.model.hidden_size,
-                cfg.model.top_k,
-                cfg.torch_dtype,
-                device,
-            )
-        if topo.is_attention:
-            worker = AttentionWorker(cfg, transport, device)
-        else:
-            worker = ExpertWorker(topo, cfg, transport, device)
-        channel.ready(topo)
-        logger.info("%s ready on %s", topo.describe(), device)
-        _loop(topo, worker, channel, StepSync(groups.cpu, topo.world_size))
-    finally:
-        shutdown_groups()
-    return topo
+    transport = None
+    if not topo.colocated:
+        transport = TRANSPORTS[cfg.parallel.transport](
+            topo,
+            groups.data,
+            groups.comm_device,
+            cfg.model.hidden_size,
+            cfg.model.top_k,
+            cfg.torch_dtype,
+            device,
+        )
+    if topo.is_attention:
+        worker = AttentionWorker(cfg, transport, device)
+    else:
+        worker = ExpertWorker(topo, cfg, transport, device)
+    sync = StepSync(groups.cpu, topo.world_size)
+    sync.warm_up(groups.data, groups.comm_device)
+    channel.ready(topo)
+    logger.info("%s ready on %s", topo.describe(), device)
+    _loop(topo, worker, channel, sync)
+    return RankContext(topo=topo, groups=groups)
 
 
 def _loop(topo: Topology, worker, channel: Channel, sync: StepSync) -> None:

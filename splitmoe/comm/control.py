@@ -38,3 +38,10 @@ class StepSync:
         rows = self._out.tolist()
         counts = tuple(r[0] for r in rows)
         return StepDecision(tokens=counts, finished=not any(counts) and all(r[1] for r in rows))
+
+    def warm_up(self, data_group: dist.ProcessGroup, comm_device: torch.device) -> None:
+        """Opens every peer connection once at start-up (gloo connects lazily), so the first
+        request does not pay for it."""
+        self.exchange(0, False)
+        n = torch.zeros(self.world_size, dtype=torch.int64, device=comm_device)
+        dist.all_to_all_single(torch.empty_like(n), n, group=data_group)

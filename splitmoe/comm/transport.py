@@ -157,7 +157,7 @@ class FlatTransport(Transport):
     """One uneven ``all_to_all_single`` over all ranks per direction, after a count exchange."""
 
     def _counts(self, send_counts: list[int]) -> list[int]:
-        send = torch.tensor(send_counts, dtype=torch.int64)
+        send = torch.tensor(send_counts, dtype=torch.int64, device=self.comm_device)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         return recv.tolist()
