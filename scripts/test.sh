@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs the test dependencies and runs the test suite (CPU; ~10 minutes on 2 cores).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+bash scripts/setup_env.sh test,mpi
+exec "$PY" -m pytest -q tests "$@"

@@ -1,0 +1,79 @@
+"""The paged-attention reference against dense causal attention on contiguous K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention, store_kv
+
+
+def _dense(q, k, v, scale):
+    """q [n, nh, d] are the last n of ctx = k.shape[0] positions; GQA by repeating KV heads."""
+    n, nh, _ = q.shape
+    g = nh // k.shape[1]
+    k = k.repeat_interleave(g, dim=1)
+    v = v.repeat_interleave(g, dim=1)
+    ctx = k.shape[0]
+    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]  # [n, ctx]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("nh,nkv,d", [(4, 4, 16), (4, 2, 16), (8, 1, 32)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_mixed_batch_matches_dense(nh, nkv, d, block_size):
+    """One step mixing decode tokens, a fresh prompt, and a chunk extending a cached prefix."""
+    g = torch.Generator().manual_seed(0)
+    # (cached tokens, new tokens) per sequence
+    seqs = [(0, 1), (9, 1), (0, 13), (5, 7), (33, 1), (16, 16)]
+    num_blocks = 128
+    k_cache = torch.zeros(num_blocks, block_size, nkv, d)
+    v_cache = torch.zeros_like(k_cache)
+    free = list(torch.randperm(num_blocks, generator=g).tolist())  # scattered block ids
+    tables, full_k, full_v, qs, slots = [], [], [], [], []
+    for cached, new in seqs:
+        ctx = cached + new
+        nblk = -(-ctx // block_size)
+        table = [free.pop() for _ in range(nblk)]
+        tables.append(table)
+        k = torch.randn(ctx, nkv, d, generator=g)
+        v = torch.randn(ctx, nkv, d, generator=g)
+        full_k.append(k)
+        full_v.append(v)
+        pos = torch.arange(ctx)
+        slot = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+        store_kv(k[:cached], v[:cached], k_cache, v_cache, slot[:cached])  # the cached prefix
+        slots.append(slot[cached:])
+        qs.append(torch.randn(new, nh, d, generator=g))
+    q = torch.cat(qs)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs)])
+    slot_mapping = torch.cat(slots)
+    store_kv(new_k, new_v, k_cache, v_cache, slot_mapping)
+    width = max(map(len, tables))
+    qlens = [n for _, n in seqs]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist()),
+        seq_lens=torch.tensor([c + n for c, n in seqs]),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=slot_mapping,
+        query_lens=qlens,
+        seq_lens_list=[c + n for c, n in seqs],
+    )
+    scale = d**-0.5
+    out = paged_attention(q, k_cache, v_cache, meta, scale)
+    ref = torch.cat([_dense(qi, k, v, scale) for qi, k, v in zip(qs, full_k, full_v)])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rejects_mismatched_heads():
+    q = torch.zeros(2, 3, 8)
+    cache = torch.zeros(4, 4, 2, 8)
+    meta = AttentionMetadata(torch.tensor([0, 2]), torch.tensor([2]), torch.zeros(1, 1, dtype=torch.int32),
+                             torch.tensor([0, 1]), [2], [2])
+    with pytest.raises(ValueError, match="query heads"):
+        paged_attention(q, cache, cache, meta, 1.0)

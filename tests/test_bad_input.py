@@ -1,0 +1,113 @@
+"""Bad input gets a clear error before any rank is asked to work."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import subprocess
+import sys
+
+import pytest
+from small_default import write_small_model
+
+from splitmoe import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_small_model(tmp_path_factory.mktemp("small"))
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    with LLM(str(ckpt), attention_ranks=1, expert_ranks=1, device="cpu") as llm:
+        yield llm
+
+
+def _no_children():
+    return not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(expert_ranks=5), r"expert_ranks=5 exceeds the model's 4 experts"),
+        (dict(attention_ranks=0), r"attention_ranks=0 must be an integer >= 1"),
+        (dict(transport="carrier-pigeon"), r"transport='carrier-pigeon' is not available"),
+        (dict(dtype="float8"), r"dtype='float8' is not supported"),
+        (dict(max_model_len=1000), r"max_model_len=1000 exceeds .*max_position_embeddings=64"),
+        (dict(block_size=0), r"block_size=0"),
+    ],
+)
+def test_bad_llm_arguments_start_no_rank(ckpt, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(ckpt), device="cpu", **kwargs)
+    assert _no_children()
+
+
+def test_missing_directory_and_unknown_family(tmp_path, ckpt):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "missing"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type='gpt2' .* not supported"):
+        LLM(str(bad))
+    assert _no_children()
+
+
+@pytest.mark.parametrize(
+    "prompts,params,match",
+    [
+        ([[]], SamplingParams(), "prompt 0 is empty"),
+        ([""], SamplingParams(), "prompt 0 is empty"),
+        ([[1, 2], list(range(64))], SamplingParams(), "prompt 1 has 64 tokens, but max_model_len is 64"),
+        ([[1, 320]], SamplingParams(), r"outside the vocabulary \[0, 320\)"),
+        ([[-1]], SamplingParams(), "outside the vocabulary"),
+        ([[1.5]], SamplingParams(), "non-integer token ids"),
+        ([[1]], SamplingParams(stop_token_ids=(999,)), "stop_token_ids .* outside the vocabulary"),
+        ([[1], [2]], [SamplingParams()], "got 1 SamplingParams for 2 prompts"),
+        (42, SamplingParams(), "prompts must be"),
+    ],
+)
+def test_bad_prompts_rejected_and_llm_still_serves(llm, prompts, params, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        llm.generate(prompts, params)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))
+    assert len(out[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_tokens=0), "max_tokens=0 must be >= 1"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=-1.0), "temperature=-1.0"),
+        (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+        (dict(top_k=0), "top_k=0"),
+        (dict(seed=-3), "seed=-3"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_launcher_reports_bad_jsonl_line(ckpt, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [1, 2]}\n{"prompt_token_ids": [1, 2}\n')
+    r = subprocess.run(
+        [sys.executable, "-m", "splitmoe.launch", "--model", str(ckpt), "--prompts", str(prompts),
+         "--output", str(tmp_path / "o.jsonl")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 2
+    assert f"{prompts}:2: not valid JSON" in r.stderr
+    prompts.write_text('{"prompt_token_ids": [1, 2], "max_tokens": 0}\n')
+    r = subprocess.run(
+        [sys.executable, "-m", "splitmoe.launch", "--model", str(ckpt), "--prompts", str(prompts),
+         "--output", str(tmp_path / "o.jsonl")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 2 and "p.jsonl:1: max_tokens=0 must be >= 1" in r.stderr
