@@ -109,6 +109,9 @@ def _rank_main(cfg: EngineConfig, rank: int, init_method: str, in_q, out_q) -> N
     from splitmoe.runtime import run_rank
 
     _die_with_parent()
+    # Ctrl-C reaches the whole terminal process group: the front end handles it and stops the
+    # ranks, so a rank ignores it instead of dying mid-collective with a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     role = "attention" if rank < cfg.parallel.attention_ranks else "expert"
     channel = _QueueChannel(rank, in_q, out_q) if in_q is not None else _NoRequests(rank, out_q)
     try:
@@ -230,20 +233,39 @@ class LLM:
             try:
                 msg = self._out_q.get(timeout=0.1)
             except queue.Empty:
-                for rank, p in enumerate(self._procs):
-                    if p.exitcode is not None:
-                        self._fail(
-                            f"rank {rank} ({self._role(rank)}) exited with code {p.exitcode} "
-                            f"during {what}"
-                        )
+                died = self._dead_ranks(exclude=-1, grace_s=0)
+                if died or any(p.exitcode is not None for p in self._procs):
+                    self._fail(f"{died or 'a rank exited early'} during {what}")
                 if time.monotonic() > deadline:
                     self._fail(f"no progress from the ranks for too long during {what}")
                 continue
             if msg[0] == "error":
                 _, rank, role, detail, tb = msg
-                logger.debug("rank %d traceback:\n%s", rank, tb)
-                self._fail(f"rank {rank} ({role}) failed: {detail}\n--- rank {rank} traceback ---\n{tb}")
+                died = self._dead_ranks(exclude=rank)
+                cause = f"{died}; then " if died else ""
+                self._fail(
+                    f"{cause}rank {rank} ({role}) failed: {detail}\n"
+                    f"--- rank {rank} traceback ---\n{tb}"
+                )
             return msg
+
+    def _dead_ranks(self, exclude: int, grace_s: float = 0.5) -> str:
+        """Ranks that died without reporting (killed, out of memory): usually the root cause when
+        a peer reports a broken connection."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [
+                (r, p.exitcode) for r, p in enumerate(self._procs)
+                if r != exclude and p.exitcode is not None and p.exitcode != 0
+            ]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        return "; ".join(
+            f"rank {r} ({self._role(r)}) died "
+            + (f"(killed by {signal.Signals(-c).name})" if c < 0 else f"(exit code {c})")
+            for r, c in dead
+        )
 
     def _fail(self, message: str):
         self._shutdown(graceful=False)

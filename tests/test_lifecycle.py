@@ -1,0 +1,99 @@
+"""Rank processes never outlive the job: on close, on a rank's death, on Ctrl-C or a killed
+front end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from small_default import write_small_model
+
+from splitmoe import LLM, RankFailure, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_small_model(tmp_path_factory.mktemp("small"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, timeout=20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if _alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left
+
+
+def test_close_leaves_no_process(ckpt):
+    llm = LLM(str(ckpt), attention_ranks=1, expert_ranks=2, device="cpu")
+    pids = [p.pid for p in llm._procs]
+    assert len(pids) == 3
+    llm.generate([[1, 2]], SamplingParams(max_tokens=3))
+    llm.close()
+    llm.close()  # idempotent
+    assert _wait_gone(pids) == []
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[1]])
+
+
+@pytest.mark.parametrize("victim,role", [(2, "expert"), (0, "attention")])
+def test_dead_rank_fails_generate_and_stops_all(ckpt, victim, role):
+    llm = LLM(str(ckpt), attention_ranks=1, expert_ranks=2, device="cpu", timeout_s=30)
+    pids = [p.pid for p in llm._procs]
+    os.kill(pids[victim], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=rf"rank {victim} \({role}\) died \(killed by SIGKILL\)"):
+        llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=20))
+    assert time.monotonic() - start < 30
+    assert _wait_gone(pids) == []
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from splitmoe import LLM, SamplingParams
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], attention_ranks=1, expert_ranks=1, device="cpu")
+        print(" ".join(str(p.pid) for p in llm._procs), flush=True)
+        while True:
+            llm.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=40, ignore_eos=True))
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_or_killed_front_end_takes_ranks_down(ckpt, tmp_path, sig):
+    script = tmp_path / "serve.py"
+    script.write_text(_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2, proc.stderr.read()
+        time.sleep(0.5)  # mid-generate
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        assert _wait_gone(pids) == []
+    finally:
+        proc.kill()
