@@ -10,7 +10,7 @@ setup(
     # without CUDA; here we only state the lower bound the code needs.
     install_requires=["torch>=2.4", "safetensors>=0.4", "tokenizers>=0.15", "numpy", "tqdm"],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.51", "triton>=3.0"],
+        "test": ["pytest>=7", "transformers>=4.51", "triton>=3.0", "ruff"],
         "mpi": ["mpi4py>=3.1", "openmpi"],
         "triton": ["triton>=3.0"],
         "plots": ["matplotlib"],

@@ -62,8 +62,12 @@ def bench_hf(args, prompts):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.hf_threads)
-    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[args.dtype]
+    dtype = {
+        "auto": torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     model.eval()
     x = torch.tensor(prompts)
@@ -80,7 +84,7 @@ def bench_hf(args, prompts):
     wall, out = run(args.max_tokens)
     decode = wall - ttft
     return dict(
-        tokens=out[:, x.shape[1]:].tolist(),
+        tokens=out[:, x.shape[1] :].tolist(),
         wall_s=wall,
         ttft_ms=1e3 * ttft,
         tpot_ms=1e3 * decode / (args.max_tokens - 1),
@@ -124,11 +128,15 @@ def main() -> None:
         f"experts, top-{cfg.top_k}), batch {args.batch}, prompt {args.prompt_len}, "
         f"{args.max_tokens} new tokens, {args.dtype}, {os.cpu_count()} CPU cores"
     )
-    print(f"{'engine':<18}{'decode tok/s':>14}{'output tok/s':>14}{'TTFT ms':>10}"
-          f"{'TPOT ms':>10}{'wall s':>9}")
+    print(
+        f"{'engine':<18}{'decode tok/s':>14}{'output tok/s':>14}{'TTFT ms':>10}"
+        f"{'TPOT ms':>10}{'wall s':>9}"
+    )
     for name, r in rows:
-        print(f"{name:<18}{r['decode_tok_s']:>14.1f}{r['output_tok_s']:>14.1f}"
-              f"{r['ttft_ms']:>10.1f}{r['tpot_ms']:>10.2f}{r['wall_s']:>9.2f}")
+        print(
+            f"{name:<18}{r['decode_tok_s']:>14.1f}{r['output_tok_s']:>14.1f}"
+            f"{r['ttft_ms']:>10.1f}{r['tpot_ms']:>10.2f}{r['wall_s']:>9.2f}"
+        )
     if len(rows) == 2:
         ratio = rows[0][1]["decode_tok_s"] / rows[1][1]["decode_tok_s"]
         same = rows[0][1]["tokens"] == rows[1][1]["tokens"]

@@ -29,7 +29,7 @@ _DTYPES = {
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
-    """``"auto"`` means the checkpoint's dtype on CUDA and float32 on CPU (CPU bf16 GEMMs are slow)."""
+    """``"auto"``: the checkpoint's dtype on CUDA, float32 on CPU (CPU bf16 GEMMs are slow)."""
     if name == "auto":
         if device == "cpu":
             return torch.float32
@@ -97,8 +97,8 @@ class ModelConfig:
         if not root.exists():
             raise FileNotFoundError(
                 f"model directory {str(root)!r} does not exist; pass a checkpoint directory with "
-                "config.json and *.safetensors (`python -m splitmoe.models.default_model --out DIR` "
-                "writes a small one)"
+                "config.json and *.safetensors (`python -m splitmoe.models.default_model "
+                "--out DIR` writes a small one)"
             )
         if not root.is_dir():
             raise NotADirectoryError(f"model path {str(root)!r} is a file; pass its directory")
@@ -150,8 +150,8 @@ class ParallelConfig:
     def check_model(self, model: ModelConfig) -> None:
         if self.expert_ranks > model.num_experts:
             raise ValueError(
-                f"expert_ranks={self.expert_ranks} exceeds the model's {model.num_experts} experts: "
-                f"every expert rank needs at least one expert; use expert_ranks <= "
+                f"expert_ranks={self.expert_ranks} exceeds the model's {model.num_experts} "
+                f"experts: every expert rank needs at least one expert; use expert_ranks <= "
                 f"{model.num_experts}"
             )
 
@@ -160,8 +160,8 @@ class ParallelConfig:
 class CacheConfig:
     """Paged KV cache: ``num_kv_blocks`` blocks of ``block_size`` tokens per layer.
 
-    ``num_kv_blocks=None`` sizes the pool from ``kv_cache_memory_gb`` (per attention rank), capped at
-    what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use.
+    ``num_kv_blocks=None`` sizes the pool from ``kv_cache_memory_gb`` (per attention rank),
+    capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use.
     """
 
     block_size: int = 16
@@ -174,7 +174,9 @@ class CacheConfig:
         if self.num_kv_blocks is not None and (
             not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1
         ):
-            raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r} must be None or an integer >= 1")
+            raise ValueError(
+                f"num_kv_blocks={self.num_kv_blocks!r} must be None or an integer >= 1"
+            )
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
 
@@ -184,7 +186,9 @@ class CacheConfig:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         elem = torch.empty((), dtype=dtype).element_size()
-        per_block = 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
+        per_block = (
+            2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
+        )
         from_budget = int(self.kv_cache_memory_gb * (1 << 30)) // per_block
         needed = max_num_seqs * math.ceil(max_model_len / self.block_size)
         return max(1, min(from_budget, needed))
@@ -207,7 +211,9 @@ class SchedulerConfig:
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
-            raise ValueError(f"max_model_len={self.max_model_len!r} must be None or an integer >= 2")
+            raise ValueError(
+                f"max_model_len={self.max_model_len!r} must be None or an integer >= 2"
+            )
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,12 @@ def detect_env() -> LaunchEnv:
             "torchrun",
         )
     for rank_key, size_key, lrank_key, lsize_key in (
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-         "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        (
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ),
         ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
         ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
     ):
@@ -101,7 +105,8 @@ def rendezvous(env: LaunchEnv) -> str:
     addr = None
     if env.rank == 0:
         host = os.environ.get("MASTER_ADDR") or (
-            "127.0.0.1" if env.local_world_size == env.world_size
+            "127.0.0.1"
+            if env.local_world_size == env.world_size
             else socket.gethostbyname(socket.gethostname())
         )
         port = int(os.environ.get("MASTER_PORT") or _free_port())
@@ -180,7 +185,9 @@ class _StaticChannel:
         for u in updates:
             out = self.outputs.setdefault(
                 u.request_id,
-                RequestOutput(request_id=u.request_id, prompt_token_ids=self._prompts[u.request_id]),
+                RequestOutput(
+                    request_id=u.request_id, prompt_token_ids=self._prompts[u.request_id]
+                ),
             )
             out.token_ids.extend(u.new_token_ids)
             if u.finish_reason is not None:
@@ -196,8 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m splitmoe.launch", description="AF-disaggregated MoE batch generation"
     )
     ap.add_argument("--model", required=True, help="HF checkpoint directory")
-    ap.add_argument("--attention-ranks", type=int, default=1,
-                    help="attention ranks A; the other WORLD_SIZE - A ranks are expert ranks")
+    ap.add_argument(
+        "--attention-ranks",
+        type=int,
+        default=1,
+        help="attention ranks A; the other WORLD_SIZE - A ranks are expert ranks",
+    )
     ap.add_argument("--prompts", required=True, type=Path, help="input JSONL")
     ap.add_argument("--output", required=True, type=Path, help="output JSONL (written by rank 0)")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -297,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {o.request_id: o for part in gathered for o in part}
     missing = [i for i in range(len(items)) if i not in results]
     if missing:
-        print(f"splitmoe.launch: error: requests {missing[:10]} produced no output", file=sys.stderr)
+        print(
+            f"splitmoe.launch: error: requests {missing[:10]} produced no output", file=sys.stderr
+        )
         return 1
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with open(args.output, "w") as f:

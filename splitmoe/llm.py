@@ -255,7 +255,8 @@ class LLM:
         deadline = time.monotonic() + grace_s
         while True:
             dead = [
-                (r, p.exitcode) for r, p in enumerate(self._procs)
+                (r, p.exitcode)
+                for r, p in enumerate(self._procs)
                 if r != exclude and p.exitcode is not None and p.exitcode != 0
             ]
             if dead or time.monotonic() > deadline:

@@ -53,9 +53,7 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
-            raise ValueError(
-                f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})"
-            )
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "") -> SamplingParams:

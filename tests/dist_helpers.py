@@ -31,11 +31,13 @@ def _entry(fn, rank, world, init_method, args, out_q):
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
-    """``fn(rank, world, *args)`` on ``world`` processes (a gloo group is up); returns results by rank."""
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns the results by rank."""
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, init, args, out_q)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, init, args, out_q)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = {}
@@ -44,7 +46,9 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
             try:
                 rank, status, value = out_q.get(timeout=timeout)
             except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} hung") from None
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world)) - set(results))} hung"
+                ) from None
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = pickle.loads(value)

@@ -62,7 +62,11 @@ def test_missing_directory_and_unknown_family(tmp_path, ckpt):
     [
         ([[]], SamplingParams(), "prompt 0 is empty"),
         ([""], SamplingParams(), "prompt 0 is empty"),
-        ([[1, 2], list(range(64))], SamplingParams(), "prompt 1 has 64 tokens, but max_model_len is 64"),
+        (
+            [[1, 2], list(range(64))],
+            SamplingParams(),
+            "prompt 1 has 64 tokens, but max_model_len is 64",
+        ),
         ([[1, 320]], SamplingParams(), r"outside the vocabulary \[0, 320\)"),
         ([[-1]], SamplingParams(), "outside the vocabulary"),
         ([[1.5]], SamplingParams(), "non-integer token ids"),
@@ -98,16 +102,38 @@ def test_launcher_reports_bad_jsonl_line(ckpt, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_token_ids": [1, 2]}\n{"prompt_token_ids": [1, 2}\n')
     r = subprocess.run(
-        [sys.executable, "-m", "splitmoe.launch", "--model", str(ckpt), "--prompts", str(prompts),
-         "--output", str(tmp_path / "o.jsonl")],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "splitmoe.launch",
+            "--model",
+            str(ckpt),
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(tmp_path / "o.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 2
     assert f"{prompts}:2: not valid JSON" in r.stderr
     prompts.write_text('{"prompt_token_ids": [1, 2], "max_tokens": 0}\n')
     r = subprocess.run(
-        [sys.executable, "-m", "splitmoe.launch", "--model", str(ckpt), "--prompts", str(prompts),
-         "--output", str(tmp_path / "o.jsonl")],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "splitmoe.launch",
+            "--model",
+            str(ckpt),
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(tmp_path / "o.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 2 and "p.jsonl:1: max_tokens=0 must be >= 1" in r.stderr

@@ -85,7 +85,9 @@ def test_interrupted_or_killed_front_end_takes_ranks_down(ckpt, tmp_path, sig):
     script = tmp_path / "serve.py"
     script.write_text(_SCRIPT)
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, str(script), str(ckpt)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
     try:

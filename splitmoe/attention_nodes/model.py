@@ -104,7 +104,9 @@ class AttentionModel:
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, d/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]

@@ -105,7 +105,9 @@ class AttentionWorker:
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
             seq_lens=torch.tensor(seqlens, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev).view(len(tables), width),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev).view(
+                len(tables), width
+            ),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_lens=qlens,
             seq_lens_list=seqlens,
@@ -124,7 +126,8 @@ class AttentionWorker:
         input_ids, positions, meta, sample_rows = self._inputs(batch)
         h = self.model.forward(input_ids, positions, meta, self.kv_cache, self.experts)
         to_sample = [
-            r for r, n in zip(batch.requests, batch.num_new_tokens)
+            r
+            for r, n in zip(batch.requests, batch.num_new_tokens)
             if r.num_computed_tokens + n == r.num_tokens
         ]
         for req, n in zip(batch.requests, batch.num_new_tokens):
@@ -133,7 +136,9 @@ class AttentionWorker:
             return []
         logits = self.model.logits(h[sample_rows])  # [B, V]
         tokens = sample(
-            logits, [r.params for r in to_sample], [self.generators[r.request_id] for r in to_sample]
+            logits,
+            [r.params for r in to_sample],
+            [self.generators[r.request_id] for r in to_sample],
         )
         now = time.time()
         updates = []

@@ -42,7 +42,12 @@ def init_groups(
     backend = "nccl" if use_nccl else "gloo"
     kwargs = {"device_id": device} if use_nccl else {}
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout, **kwargs
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        **kwargs,
     )
     data = dist.group.WORLD
     cpu = dist.new_group(backend="gloo", timeout=timeout) if use_nccl else data

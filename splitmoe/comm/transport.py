@@ -108,7 +108,7 @@ class Transport(ABC):
 
     @abstractmethod
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
-        """Receives the partial sums of a dispatched layer; returns ``[T, H]`` in the model dtype."""
+        """Receives a dispatched layer's partial sums; returns ``[T, H]`` in the model dtype."""
 
     @abstractmethod
     def receive(self) -> ExpertBatch:
@@ -170,8 +170,11 @@ class FlatTransport(Transport):
             (sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self.comm_device
         )
         dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
-        self.stats.add(send_counts, send[0].numel() * send.element_size() if send.numel() else 0,
-                       self.topo.rank)
+        self.stats.add(
+            send_counts,
+            send[0].numel() * send.element_size() if send.numel() else 0,
+            self.topo.rank,
+        )
         return recv.to(self.device)
 
     def dispatch(self, x, topk_ids, topk_weights):
@@ -190,9 +193,7 @@ class FlatTransport(Transport):
     def receive(self):
         zeros = [0] * self.topo.world_size
         recv_counts = self._counts(zeros)
-        rows = self._exchange(
-            torch.empty(0, self.row_bytes, dtype=torch.uint8), zeros, recv_counts
-        )
+        rows = self._exchange(torch.empty(0, self.row_bytes, dtype=torch.uint8), zeros, recv_counts)
         x, ids, w = self.unpack(rows)
         return ExpertBatch(x=x, expert_ids=ids, weights=w, recv_counts=recv_counts)
 

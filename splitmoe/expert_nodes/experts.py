@@ -31,7 +31,7 @@ class LocalExperts:
     def compute(
         self, layer: int, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """``x [N, H]``, ``local_ids / weights [N, k]`` (-1: not here) -> weighted sums ``[N, H]``."""
+        """``x [N, H]``, ``local_ids / weights [N, k]`` (-1: not here) -> sums ``[N, H]``."""
         w13, w2 = self.weights[layer]
         return fused_moe(x, w13, w2, local_ids, weights, self.backend)
 

@@ -23,7 +23,7 @@ class AttentionMetadata:
     seq_lens: ``[B]`` int64, context length of each sequence *including* this step's tokens.
     block_tables: ``[B, max_blocks]`` int32, KV block ids per sequence (padding beyond a sequence's
         blocks is never read).
-    slot_mapping: ``[T]`` int64, flat cache slot (``block * block_size + offset``) of each new token.
+    slot_mapping: ``[T]`` int64, flat cache slot (``block * block_size + offset``) per new token.
     query_lens: the same lengths as Python ints, for host-side decisions.
     """
 
@@ -40,7 +40,11 @@ class AttentionMetadata:
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """Writes new keys/values ``[T, num_kv_heads, head_dim]`` into their cache slots."""
     nkv, d = k_cache.shape[-2:]

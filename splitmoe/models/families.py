@@ -154,7 +154,7 @@ class Qwen2Moe(Family):
 
 @dataclass(frozen=True)
 class Mixtral(Family):
-    """Mixtral: ``block_sparse_moe`` with w1 (gate), w3 (up), w2 (down); top-k always renormalised."""
+    """Mixtral: ``block_sparse_moe`` with w1 (gate), w3 (up), w2 (down); top-k renormalised."""
 
     def family_fields(self, raw, need, layers):
         if raw.get("sliding_window"):

@@ -34,7 +34,11 @@ def expected_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
     """Shape of a canonical tensor (see `splitmoe.models.families`) for this config."""
     H, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    Im, Id, Is = cfg.moe_intermediate_size, cfg.dense_intermediate_size, cfg.shared_expert_intermediate_size
+    Im, Id, Is = (
+        cfg.moe_intermediate_size,
+        cfg.dense_intermediate_size,
+        cfg.shared_expert_intermediate_size,
+    )
     full = cfg.qk_norm == "full"
     return {
         "embed": (cfg.vocab_size, H),
@@ -109,10 +113,10 @@ class CheckpointReader:
                 p.name for p in self.root.glob("*.pt")
             )
             hint = (
-                f" It holds pickle-based weights ({', '.join(pickled[:3])}), which splitmoe does not "
-                "load because unpickling can run arbitrary code; convert them once with "
-                "`transformers`: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir, "
-                "safe_serialization=True)."
+                f" It holds pickle-based weights ({', '.join(pickled[:3])}), which splitmoe "
+                "does not load because unpickling can run arbitrary code; convert them once with "
+                "`transformers`: AutoModelForCausalLM.from_pretrained(dir)"
+                ".save_pretrained(out_dir, safe_serialization=True)."
                 if pickled
                 else ""
             )
@@ -135,7 +139,7 @@ class CheckpointReader:
     def load(
         self, wanted: dict[str, tuple[str, tuple[int, ...]]], dtype: torch.dtype, device: str
     ) -> dict[str, torch.Tensor]:
-        """Reads ``{key: (checkpoint_name, expected_shape)}``; every name must exist with its shape."""
+        """Reads ``{key: (checkpoint_name, expected_shape)}``; each must exist with that shape."""
         missing = [name for name, _ in wanted.values() if name not in self.weight_map]
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -155,7 +159,7 @@ class CheckpointReader:
                     t = f.get_tensor(name)
                 except Exception as e:
                     raise CheckpointError(
-                        f"cannot read tensor {name!r} from {shard}: {e} (truncated or corrupt file?)"
+                        f"cannot read tensor {name!r} from {shard}: {e} (truncated or corrupt?)"
                     ) from None
                 if tuple(t.shape) != tuple(shape):
                     raise CheckpointError(

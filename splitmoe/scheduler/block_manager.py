@@ -32,7 +32,7 @@ class BlockManager:
         return self.blocks_for(num_tokens) - len(block_table) <= self.num_free
 
     def grow(self, block_table: list[int], num_tokens: int) -> bool:
-        """Extends ``block_table`` in place to hold ``num_tokens``; False (nothing taken) if full."""
+        """Extends ``block_table`` to hold ``num_tokens``; False (nothing taken) if full."""
         need = self.blocks_for(num_tokens) - len(block_table)
         if need > self.num_free:
             return False

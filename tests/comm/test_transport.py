@@ -40,8 +40,9 @@ PLAN = {0: [(7, list(range(8))), (5, [0, 1, 2, 3])], 1: [(0, list(range(8))), (3
 def _job(rank, world, num_attention):
     parallel = ParallelConfig(attention_ranks=num_attention, expert_ranks=world - num_attention)
     topo = Topology.build(rank, parallel, NUM_EXPERTS)
-    t = FlatTransport(topo, dist.group.WORLD, torch.device("cpu"), H, K, torch.float32,
-                      torch.device("cpu"))
+    t = FlatTransport(
+        topo, dist.group.WORLD, torch.device("cpu"), H, K, torch.float32, torch.device("cpu")
+    )
     w13, w2 = _weights()
     results = []
     for layer in range(2):

@@ -37,5 +37,10 @@ def test_matches_naive_loop(n, k):
 
 def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="shapes do not fit"):
-        fused_moe(torch.zeros(2, 8), torch.zeros(3, 10, 7), torch.zeros(3, 8, 5),
-                  torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1))
+        fused_moe(
+            torch.zeros(2, 8),
+            torch.zeros(3, 10, 7),
+            torch.zeros(3, 8, 5),
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.zeros(2, 1),
+        )

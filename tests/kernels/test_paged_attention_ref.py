@@ -73,7 +73,13 @@ def test_mixed_batch_matches_dense(nh, nkv, d, block_size):
 def test_rejects_mismatched_heads():
     q = torch.zeros(2, 3, 8)
     cache = torch.zeros(4, 4, 2, 8)
-    meta = AttentionMetadata(torch.tensor([0, 2]), torch.tensor([2]), torch.zeros(1, 1, dtype=torch.int32),
-                             torch.tensor([0, 1]), [2], [2])
+    meta = AttentionMetadata(
+        torch.tensor([0, 2]),
+        torch.tensor([2]),
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.tensor([0, 1]),
+        [2],
+        [2],
+    )
     with pytest.raises(ValueError, match="query heads"):
         paged_attention(q, cache, cache, meta, 1.0)

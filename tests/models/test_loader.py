@@ -36,8 +36,10 @@ def test_sharded_index_loads_same_tensors(ckpt, tmp_path):
     (dst / "model.safetensors").unlink()
     names = sorted(tensors)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half],
-              "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     weight_map = {}
     for shard, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, str(dst / shard))
@@ -119,6 +121,8 @@ def test_config_errors(ckpt, tmp_path):
     (dst / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
     with pytest.raises(ValueError, match="model_type='llama'.*supported families"):
         ModelConfig.from_hf(dst)
-    (dst / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"}))
+    (dst / "config.json").write_text(
+        json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"})
+    )
     with pytest.raises(ValueError, match="hidden_size"):
         ModelConfig.from_hf(dst)

@@ -40,8 +40,12 @@ def test_block_manager_exact_ids_and_reuse():
 
 
 def test_decodes_first_then_prompt_chunks_under_budget():
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8),
-                  BlockManager(64, 4), eos_token_ids=(), max_model_len=100)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8),
+        BlockManager(64, 4),
+        eos_token_ids=(),
+        max_model_len=100,
+    )
     s.add(_spec(0, 3, max_tokens=10))
     assert _step(s) == {0: 3}  # prefill, first token sampled
     s.add(_spec(1, 20))
@@ -53,8 +57,12 @@ def test_decodes_first_then_prompt_chunks_under_budget():
 
 
 def test_max_num_seqs_caps_admission():
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100),
-                  BlockManager(64, 4), eos_token_ids=(), max_model_len=100)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100),
+        BlockManager(64, 4),
+        eos_token_ids=(),
+        max_model_len=100,
+    )
     for i in range(3):
         s.add(_spec(i, 2))
     assert _step(s) == {0: 2, 1: 2}
@@ -63,8 +71,12 @@ def test_max_num_seqs_caps_admission():
 
 def test_finished_requests_free_blocks_and_admit_waiting():
     bm = BlockManager(num_blocks=2, block_size=4)
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), bm,
-                  eos_token_ids=(), max_model_len=100)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        bm,
+        eos_token_ids=(),
+        max_model_len=100,
+    )
     s.add(_spec(0, 4, max_tokens=2))
     s.add(_spec(1, 4, max_tokens=2))
     assert _step(s) == {0: 4, 1: 4}  # both prompts fill one block each

@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny random checkpoints (one per family, built once per
+session, lazily) and cached HF transformers greedy references."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# Rank processes spawned by the runtime (and torchrun / mpirun children)
+# inherit this environment: on a 2-core machine, several processes each with
+# a full OpenMP pool would oversubscribe the CPU badly.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+for p in (str(TESTS_DIR), str(REPO_ROOT)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+# Spawned processes (torchrun, mpirun, the runtime's ranks) must find the package too.
+_pp = os.environ.get("PYTHONPATH", "")
+if str(REPO_ROOT) not in _pp.split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([_pp] if _pp else []))
+
+import pytest  # noqa: E402
+import tiny_models  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+# name -> (family, kwargs for make_tiny_checkpoint)
+CHECKPOINT_SPECS = {
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "mixtral": ("mixtral", {}),
+    "olmoe": ("olmoe", {}),
+    # 3 layers, layer 0 a dense MLP (mlp_only_layers), layers 1-2 MoE.
+    "qwen3_moe_dense": ("qwen3_moe", {"num_layers": 3, "mlp_only_layers": [0]}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """``tiny_ckpt(name, **extra)`` -> Path of a checkpoint, built once per session.
+
+    ``name`` is a key of CHECKPOINT_SPECS; ``extra`` overrides go to
+    make_tiny_checkpoint (and make a distinct checkpoint)."""
+    cache: dict = {}
+
+    def get(name: str, **extra) -> Path:
+        key = (name, tuple(sorted((k, repr(v)) for k, v in extra.items())))
+        if key not in cache:
+            family, kwargs = CHECKPOINT_SPECS[name]
+            kwargs = dict(kwargs, **extra)
+            label = name + "".join(f"-{k}{v}" for k, v in sorted(extra.items()))
+            out = tmp_path_factory.mktemp(
+                label.replace(" ", "").replace("[", "").replace("]", "").replace(",", "_")
+            )
+            cache[key] = tiny_models.make_tiny_checkpoint(family, out, **kwargs)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_ref():
+    """``hf_ref(ckpt, prompt_ids, n)`` -> HF greedy continuation (n tokens), cached."""
+    cache: dict = {}
+
+    def get(ckpt, prompt_ids, n: int) -> list[int]:
+        key = (str(Path(ckpt).resolve()), tuple(prompt_ids))
+        have = cache.get(key)
+        if have is None or len(have) < n:
+            # Greedy is prefix-consistent: a longer run answers shorter queries too.
+            have = tiny_models.hf_greedy(ckpt, list(prompt_ids), max(n, 24))
+            cache[key] = have
+        return list(have[:n])
+
+    return get
