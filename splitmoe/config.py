@@ -241,6 +241,8 @@ class EngineConfig:
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                 f"{self.model.max_position_embeddings}"
             )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r} must be an integer >= 0")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank={self.threads_per_rank!r} must be None or >= 1")
 

@@ -172,11 +172,13 @@ class _StaticChannel:
     def __init__(self, specs: list[RequestSpec]):
         self._specs = specs
         self.outputs: dict[int, RequestOutput] = {}
+        self.start = 0.0
         self._prompts = {s.request_id: s.prompt_token_ids for s in specs}
 
     def poll(self, timeout):
         specs, self._specs = self._specs, []
         now = time.time()  # requests arrive when the rank is ready to take them
+        self.start = self.start or now
         for s in specs:
             s.arrival_time = now
         return specs
@@ -215,7 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None, help="default per-request sampling seed")
+    ap.add_argument(
+        "--engine-seed",
+        type=int,
+        default=0,
+        help="seeds the streams of requests without a seed of their own",
+    )
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--transport", default="flat")
     ap.add_argument("--dtype", default="auto")
@@ -254,6 +262,7 @@ def prepare(args, env: LaunchEnv):
         dtype=args.dtype,
         device=args.device,
         threads_per_rank=args.threads_per_rank,
+        seed=args.engine_seed,
     )
     from splitmoe.models.loader import CheckpointReader
 
@@ -297,9 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         if router.pick(len(ids) + params.max_tokens) == env.rank:
             mine.append(RequestSpec(rid, ids, params, arrival_time=0.0))
     channel = _StaticChannel(mine)
-    start = time.perf_counter()
     ctx = run_rank(cfg, env.rank, init_method, channel, env.local_rank, env.local_world_size)
-    elapsed = time.perf_counter() - start
+    elapsed = time.time() - channel.start  # from the first step, weight loading excluded
     gathered = [None] * env.world_size if env.rank == 0 else None
     dist.gather_object(list(channel.outputs.values()), gathered, dst=0, group=ctx.groups.cpu)
     shutdown_groups()

@@ -143,6 +143,8 @@ class LLM:
         max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits per attention rank.
         threads_per_rank: CPU threads per rank (default: cores / ranks).
         timeout_s: how long a collective or start-up may wait before the job is failed.
+        seed: seeds the random streams of sampled requests that carry no seed of their own, so
+            a `generate` call is reproducible.
     """
 
     def __init__(

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import secrets
-
 import torch
 
 from splitmoe.sampling_params import SamplingParams
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """Seeded requests get their own stream, so their tokens do not depend on the batch or the
-    topology they run in. Greedy requests need none."""
+def make_generator(
+    params: SamplingParams, request_id: int, engine_seed: int, device: torch.device
+) -> torch.Generator | None:
+    """Every sampled request gets its own stream, so its tokens do not depend on the batch or the
+    topology it runs in: from its ``seed``, or else from (engine seed, request id), which makes a
+    whole `generate` call reproducible for a given `LLM(seed=...)`. Greedy requests need none."""
     if params.greedy:
         return None
     g = torch.Generator(device=device)
-    g.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.manual_seed((engine_seed * 0x9E3779B97F4A7C15 + request_id * 0xBF58476D1CE4E5B9) % 2**63)
     return g
 
 

@@ -47,6 +47,7 @@ class AttentionWorker:
         m = cfg.model
         dtype = cfg.torch_dtype
         self.device = device
+        self.seed = cfg.seed
         globals_, layers = load_attention_weights(m, dtype, str(device))
         self.model = AttentionModel(m, globals_, layers, device)
         self.experts = (
@@ -72,7 +73,9 @@ class AttentionWorker:
 
     def add_request(self, spec: RequestSpec) -> None:
         self.scheduler.add(spec)
-        self.generators[spec.request_id] = make_generator(spec.params, self.device)
+        self.generators[spec.request_id] = make_generator(
+            spec.params, spec.request_id, self.seed, self.device
+        )
 
     def plan(self) -> int:
         """Schedules this step; returns how many tokens it computes (0: only takes part)."""
