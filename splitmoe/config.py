@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+BACKENDS = ("auto", "torch", "triton")
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -120,6 +122,9 @@ class ParallelConfig:
     attention_ranks: int = 1
     expert_ranks: int = 0
     transport: str = "flat"
+    # Ranks that share a fast local link (a "node"). None: from the launcher (LOCAL_WORLD_SIZE,
+    # OMPI_COMM_WORLD_LOCAL_SIZE), or the whole world for `LLM`. Set it to emulate several nodes.
+    ranks_per_node: int | None = None
     # Collective and start-up timeout: a rank that stops answering ends the job after this long.
     timeout_s: float = 120.0
 
@@ -138,6 +143,10 @@ class ParallelConfig:
             )
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
+        if self.ranks_per_node is not None and (
+            not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
+        ):
+            raise ValueError(f"ranks_per_node={self.ranks_per_node!r} must be None or an int >= 1")
 
     @property
     def world_size(self) -> int:
@@ -228,6 +237,8 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
     threads_per_rank: int | None = None
+    attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
+    moe_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -243,6 +254,11 @@ class EngineConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be an integer >= 0")
+        for name in ("attention_backend", "moe_backend"):
+            if getattr(self, name) not in BACKENDS:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} must be one of {', '.join(BACKENDS)}"
+                )
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank={self.threads_per_rank!r} must be None or >= 1")
 
@@ -255,6 +271,13 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.model.checkpoint_dtype, self.device_type)
+
+    def backend(self, name: str) -> str:
+        """Resolved ``attention_backend`` / ``moe_backend``: ``auto`` is Triton on CUDA."""
+        value = getattr(self, name)
+        if value == "auto":
+            return "triton" if self.device_type == "cuda" else "torch"
+        return value
 
     @property
     def max_model_len(self) -> int:

@@ -226,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--transport", default="flat")
+    ap.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default: from the launcher); emulates several nodes",
+    )
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--block-size", type=int, default=16)
@@ -253,6 +261,7 @@ def prepare(args, env: LaunchEnv):
             attention_ranks=args.attention_ranks,
             expert_ranks=env.world_size - args.attention_ranks,
             transport=args.transport,
+            ranks_per_node=args.ranks_per_node,
             timeout_s=args.timeout,
         ),
         cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb),
@@ -263,6 +272,8 @@ def prepare(args, env: LaunchEnv):
         device=args.device,
         threads_per_rank=args.threads_per_rank,
         seed=args.engine_seed,
+        attention_backend=args.attention_backend,
+        moe_backend=args.moe_backend,
     )
     from splitmoe.models.loader import CheckpointReader
 

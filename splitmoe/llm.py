@@ -136,6 +136,7 @@ class LLM:
         attention_ranks: data-parallel attention ranks (each with its own KV cache and scheduler).
         expert_ranks: ranks holding the routed experts; 0 runs them inside the attention rank.
         transport: attention<->expert communication scheme (``"flat"``).
+        ranks_per_node: ranks that share a fast link; set it to emulate several nodes.
         dtype: ``"auto"`` (float32 on CPU, the checkpoint's dtype on CUDA), ``"float32"``,
             ``"bfloat16"`` or ``"float16"``.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
@@ -143,6 +144,8 @@ class LLM:
         max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits per attention rank.
         threads_per_rank: CPU threads per rank (default: cores / ranks).
         timeout_s: how long a collective or start-up may wait before the job is failed.
+        attention_backend, moe_backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"torch"``
+            or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``).
         seed: seeds the random streams of sampled requests that carry no seed of their own, so
             a `generate` call is reproducible.
     """
@@ -154,6 +157,7 @@ class LLM:
         attention_ranks: int = 1,
         expert_ranks: int = 0,
         transport: str = "flat",
+        ranks_per_node: int | None = None,
         dtype: str = "auto",
         device: str = "auto",
         block_size: int = 16,
@@ -165,6 +169,8 @@ class LLM:
         threads_per_rank: int | None = None,
         timeout_s: float = 120.0,
         seed: int = 0,
+        attention_backend: str = "auto",
+        moe_backend: str = "auto",
     ):
         self._procs: list[mp.Process] = []
         self.config = EngineConfig(
@@ -173,6 +179,7 @@ class LLM:
                 attention_ranks=attention_ranks,
                 expert_ranks=expert_ranks,
                 transport=transport,
+                ranks_per_node=ranks_per_node,
                 timeout_s=timeout_s,
             ),
             cache=CacheConfig(
@@ -189,6 +196,8 @@ class LLM:
             device=device,
             seed=seed,
             threads_per_rank=threads_per_rank,
+            attention_backend=attention_backend,
+            moe_backend=moe_backend,
         )
         # Reads and checks every tensor header before any rank starts.
         from splitmoe.models.loader import CheckpointReader

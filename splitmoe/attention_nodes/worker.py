@@ -49,9 +49,9 @@ class AttentionWorker:
         self.device = device
         self.seed = cfg.seed
         globals_, layers = load_attention_weights(m, dtype, str(device))
-        self.model = AttentionModel(m, globals_, layers, device)
+        self.model = AttentionModel(m, globals_, layers, device, cfg.backend("attention_backend"))
         self.experts = (
-            LocalExperts(m, list(range(m.num_experts)), dtype, device)
+            LocalExperts(m, list(range(m.num_experts)), dtype, device, cfg.backend("moe_backend"))
             if transport is None
             else RemoteExperts(transport)
         )

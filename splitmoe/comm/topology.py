@@ -30,6 +30,7 @@ class Topology:
     local_rank: int
     local_world_size: int
     expert_owner: tuple[int, ...]
+    ranks_per_node: int = 0  # 0: the whole world is one node
 
     def __post_init__(self) -> None:
         if self.world_size != self.num_attention + self.num_expert:
@@ -39,6 +40,8 @@ class Topology:
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
+        if self.ranks_per_node == 0:
+            object.__setattr__(self, "ranks_per_node", self.world_size)
 
     @classmethod
     def build(
@@ -63,6 +66,8 @@ class Topology:
             local_rank=rank if local_rank is None else local_rank,
             local_world_size=world if local_world_size is None else local_world_size,
             expert_owner=owner,
+            ranks_per_node=parallel.ranks_per_node
+            or (world if local_world_size is None else local_world_size),
         )
 
     @property
@@ -95,6 +100,22 @@ class Topology:
     def experts_of(self, expert_index: int) -> list[int]:
         """Global ids of the routed experts held by expert rank ``expert_index``."""
         return [e for e, r in enumerate(self.expert_owner) if r == expert_index]
+
+    def node_of(self, rank: int) -> int:
+        """Nodes are consecutive blocks of ``ranks_per_node`` ranks (the last may be smaller)."""
+        return rank // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.node_of(self.rank)
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.world_size // self.ranks_per_node)
+
+    def ranks_of_node(self, node: int) -> range:
+        start = node * self.ranks_per_node
+        return range(start, min(start + self.ranks_per_node, self.world_size))
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.role})"

@@ -17,7 +17,11 @@ class ExpertWorker:
         self.topo = topo
         self.moe_layers = cfg.model.moe_layers
         self.experts = LocalExperts(
-            cfg.model, topo.experts_of(topo.expert_index), cfg.torch_dtype, device
+            cfg.model,
+            topo.experts_of(topo.expert_index),
+            cfg.torch_dtype,
+            device,
+            cfg.backend("moe_backend"),
         )
         self.transport = transport
         self.tokens_served = 0
