@@ -70,13 +70,17 @@ def bench_hf(args, prompts):
     }[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     model.eval()
+    # No EOS: every row runs to n tokens, like splitmoe's ignore_eos (min_new_tokens would
+    # instead mask EOS out of the logits and change the greedy tokens).
+    model.generation_config.eos_token_id = None
     x = torch.tensor(prompts)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
     def run(n):
         t = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(x, max_new_tokens=n, min_new_tokens=n, **kw)
+            out = model.generate(x, max_new_tokens=n, **kw)
+        assert out.shape[1] == x.shape[1] + n, "HF stopped early"
         return time.perf_counter() - t, out
 
     run(2)  # warm-up

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from splitmoe.comm.distributed import shutdown_groups
 from splitmoe.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from splitmoe.inputs import check_request
+from splitmoe.metrics import StepRecord, summarize
 from splitmoe.outputs import RequestOutput
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.scheduler.request import RequestSpec
@@ -172,6 +173,7 @@ class _StaticChannel:
     def __init__(self, specs: list[RequestSpec]):
         self._specs = specs
         self.outputs: dict[int, RequestOutput] = {}
+        self.steps: list[StepRecord] = []
         self.start = 0.0
         self._prompts = {s.request_id: s.prompt_token_ids for s in specs}
 
@@ -183,7 +185,8 @@ class _StaticChannel:
             s.arrival_time = now
         return specs
 
-    def emit(self, updates):
+    def emit(self, updates, record):
+        self.steps.append(record)
         for u in updates:
             out = self.outputs.setdefault(
                 u.request_id,
@@ -244,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--threads-per-rank", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
+    ap.add_argument("--metrics", action="store_true", help="print serving metrics at the end")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
 
@@ -320,11 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     ctx = run_rank(cfg, env.rank, init_method, channel, env.local_rank, env.local_world_size)
     elapsed = time.time() - channel.start  # from the first step, weight loading excluded
     gathered = [None] * env.world_size if env.rank == 0 else None
-    dist.gather_object(list(channel.outputs.values()), gathered, dst=0, group=ctx.groups.cpu)
+    mine = (list(channel.outputs.values()), channel.steps)
+    dist.gather_object(mine, gathered, dst=0, group=ctx.groups.cpu)
     shutdown_groups()
     if env.rank != 0:
         return 0
-    results = {o.request_id: o for part in gathered for o in part}
+    results = {o.request_id: o for outs, _ in gathered for o in outs}
+    steps = [s for _, part in gathered for s in part]
     missing = [i for i in range(len(items)) if i not in results]
     if missing:
         print(
@@ -347,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         f"({n_out / elapsed:.1f} tok/s) on {cfg.parallel.attention_ranks} attention + "
         f"{cfg.parallel.expert_ranks} expert ranks -> {args.output}"
     )
+    if args.metrics:
+        print(summarize(list(results.values()), steps, elapsed).table())
     return 0
 
 

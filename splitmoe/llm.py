@@ -20,13 +20,15 @@ import sys
 import time
 import traceback
 import weakref
+from collections.abc import Iterator
 
 from tqdm import tqdm
 
 from splitmoe.comm.topology import Topology
 from splitmoe.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from splitmoe.inputs import broadcast_params, check_request, normalize_prompts
-from splitmoe.outputs import RequestOutput
+from splitmoe.metrics import ServingMetrics, StepRecord, summarize
+from splitmoe.outputs import RequestOutput, StreamDelta
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.scheduler.request import RequestSpec
 from splitmoe.scheduler.router import LeastLoadRouter
@@ -72,8 +74,8 @@ class _QueueChannel:
             pass
         return specs
 
-    def emit(self, updates) -> None:
-        self.out_q.put(("step", self.rank, updates))
+    def emit(self, updates, record) -> None:
+        self.out_q.put(("step", self.rank, updates, record))
 
     def ready(self, topo: Topology) -> None:
         self.out_q.put(("ready", self.rank, topo.role))
@@ -90,7 +92,7 @@ class _NoRequests:
     def poll(self, timeout):
         return []
 
-    def emit(self, updates):
+    def emit(self, updates, record):
         raise AssertionError("expert ranks produce no tokens")
 
     def ready(self, topo):
@@ -205,6 +207,8 @@ class LLM:
         CheckpointReader(model)
         self.tokenizer = Tokenizer.from_checkpoint(model)
         self._next_id = 0
+        self._live: dict[int, RequestOutput] = {}
+        self.reset_metrics()
         self._start()
 
     # ---- process management -------------------------------------------------------------------
@@ -238,16 +242,19 @@ class LLM:
     def _role(self, rank: int) -> str:
         return "attention" if rank < self.config.parallel.attention_ranks else "expert"
 
-    def _next_message(self, deadline: float, what: str):
-        """Next message from the ranks; a failed or dead rank stops the whole job."""
+    def _next_message(self, deadline: float, what: str, fail_on_timeout: bool = True):
+        """Next message from the ranks; a failed or dead rank stops the whole job. Past the
+        deadline: `RankFailure` (``fail_on_timeout``) or `queue.Empty`."""
         while True:
             try:
-                msg = self._out_q.get(timeout=0.1)
+                msg = self._out_q.get(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
             except queue.Empty:
                 died = self._dead_ranks(exclude=-1, grace_s=0)
                 if died or any(p.exitcode is not None for p in self._procs):
                     self._fail(f"{died or 'a rank exited early'} during {what}")
-                if time.monotonic() > deadline:
+                if time.monotonic() >= deadline:
+                    if not fail_on_timeout:
+                        raise
                     self._fail(f"no progress from the ranks for too long during {what}")
                 continue
             if msg[0] == "error":
@@ -307,6 +314,98 @@ class LLM:
         self._shutdown(graceful=exc_type is None)
 
     # ---- generation ---------------------------------------------------------------------------
+    def submit(self, prompts, sampling_params=None) -> list[int]:
+        """Validates and sends requests to the attention ranks without waiting; returns their
+        request ids. Results come from `poll` (or use `generate` / `stream`)."""
+        if not self._procs:
+            raise RuntimeError("this LLM is closed; create a new one")
+        ids = normalize_prompts(prompts, self.tokenizer)
+        params = broadcast_params(sampling_params, len(ids))
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            check_request(i, p, sp, self.config)
+        now = time.time()
+        batches: list[list[RequestSpec]] = [[] for _ in self._in_qs]
+        rids = []
+        for p, sp in zip(ids, params):
+            rid = self._next_id
+            self._next_id += 1
+            rank = self._router.pick(len(p))
+            batches[rank].append(RequestSpec(rid, list(p), sp, now))
+            self._live[rid] = RequestOutput(
+                request_id=rid, prompt_token_ids=list(p), attention_rank=rank
+            )
+            rids.append(rid)
+        for q, batch in zip(self._in_qs, batches):
+            if batch:
+                q.put(batch)
+        return rids
+
+    def poll(self, timeout: float | None = None) -> list[tuple[RequestOutput, list[int]]]:
+        """Waits for the next step's progress (up to ``timeout`` s, or the job's collective
+        timeout); returns ``(output so far, new token ids)`` per request that advanced. A failed
+        rank raises `RankFailure` here."""
+        wait = self.config.parallel.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        progress = []
+        while not progress:
+            try:
+                msg = self._next_message(deadline, "generate", fail_on_timeout=timeout is None)
+            except queue.Empty:
+                return []
+            if msg[0] != "step":
+                continue
+            _, rank, updates, record = msg
+            self._steps.append(record)
+            for u in updates:
+                out = self._live[u.request_id]
+                out.token_ids.extend(u.new_token_ids)
+                self._router.add(rank, len(u.new_token_ids))
+                if u.finish_reason is not None:
+                    out.finish_reason = u.finish_reason
+                    out.metrics = u.metrics
+                    if self.tokenizer is not None:
+                        out.text = self.tokenizer.decode(out.token_ids)
+                    del self._live[u.request_id]
+                    self._router.release(rank, len(out.prompt_token_ids) + len(out.token_ids))
+                    self._finished.append(out)
+                progress.append((out, u.new_token_ids))
+        return progress
+
+    def stream(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> Iterator[StreamDelta]:
+        """Generates like `generate`, yielding a `StreamDelta` as each token is produced."""
+        return self._follow(self.submit(prompts, sampling_params))
+
+    def _follow(self, rids: list[int]) -> Iterator[StreamDelta]:
+        index = {rid: i for i, rid in enumerate(rids)}
+        texts = dict.fromkeys(rids, "")
+        pending = set(rids)
+        try:
+            while pending:
+                for out, new in self.poll():
+                    if out.request_id not in index:
+                        continue  # another caller's request
+                    text = ""
+                    if self.tokenizer is not None:
+                        full = out.text if out.finished else self.tokenizer.decode(out.token_ids)
+                        if out.finished or not full.endswith("\ufffd"):
+                            text = full[len(texts[out.request_id]) :]
+                            texts[out.request_id] = full
+                    if out.finished:
+                        pending.discard(out.request_id)
+                    yield StreamDelta(
+                        index=index[out.request_id],
+                        request_id=out.request_id,
+                        token_ids=list(new),
+                        text=text,
+                        finish_reason=out.finish_reason,
+                        output=out if out.finished else None,
+                    )
+        except KeyboardInterrupt:
+            self._shutdown(graceful=False)
+            raise
+
     def generate(
         self,
         prompts,
@@ -316,60 +415,40 @@ class LLM:
         """Generates for every prompt; returns outputs in prompt order.
 
         prompts: a string, a list of strings (needs tokenizer.json), or a list of token-id lists.
-        sampling_params: one for all prompts, or one per prompt.
+        sampling_params: one for all prompts, or one per prompt. `metrics()` then summarises
+        the call (throughput, TTFT/TBT percentiles, KV usage, batch sizes).
         """
-        if not self._procs:
-            raise RuntimeError("this LLM is closed; create a new one")
-        ids = normalize_prompts(prompts, self.tokenizer)
-        params = broadcast_params(sampling_params, len(ids))
-        for i, (p, sp) in enumerate(zip(ids, params)):
-            check_request(i, p, sp, self.config)
-        now = time.time()
-        outputs: dict[int, RequestOutput] = {}
-        order = []
-        routed: dict[int, tuple[int, int]] = {}
-        batches: list[list[RequestSpec]] = [[] for _ in self._in_qs]
-        for p, sp in zip(ids, params):
-            rid = self._next_id
-            self._next_id += 1
-            cost = len(p) + sp.max_tokens
-            rank = self._router.pick(cost)
-            routed[rid] = (rank, cost)
-            batches[rank].append(RequestSpec(rid, list(p), sp, now))
-            outputs[rid] = RequestOutput(request_id=rid, prompt_token_ids=list(p))
-            order.append(rid)
-        for q, batch in zip(self._in_qs, batches):
-            if batch:
-                q.put(batch)
+        self.reset_metrics()
+        rids = self.submit(prompts, sampling_params)
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
-        bar = tqdm(total=len(order), desc="generate", unit="req", disable=not show)
-        pending = set(order)
-        try:
-            while pending:
-                msg = self._next_message(
-                    time.monotonic() + self.config.parallel.timeout_s, "generate"
-                )
-                if msg[0] != "step":
-                    continue
-                for u in msg[2]:
-                    out = outputs[u.request_id]
-                    out.token_ids.extend(u.new_token_ids)
-                    if u.finish_reason is not None:
-                        out.finish_reason = u.finish_reason
-                        out.metrics = u.metrics
-                        pending.discard(u.request_id)
-                        rank, cost = routed[u.request_id]
-                        self._router.release(rank, cost)
-                        bar.update(1)
-        except KeyboardInterrupt:
-            self._shutdown(graceful=False)
-            raise
-        finally:
-            bar.close()
-        if self.tokenizer is not None:
-            for out in outputs.values():
-                out.text = self.tokenizer.decode(out.token_ids)
-        return [outputs[r] for r in order]
+        outputs: list[RequestOutput | None] = [None] * len(rids)
+        with tqdm(total=len(rids), desc="generate", unit="req", disable=not show) as bar:
+            for delta in self._follow(rids):
+                if delta.output is not None:
+                    outputs[delta.index] = delta.output
+                    bar.update(1)
+        return outputs
+
+    def reset_metrics(self) -> None:
+        """Starts a new measurement period for `metrics`."""
+        self._finished = []
+        self._steps = []
+        self._metrics_start = time.time()
+
+    def metrics(self) -> ServingMetrics:
+        """Serving metrics over the requests finished since `reset_metrics` (each `generate`
+        call starts a new period)."""
+        steps = self._steps
+        end = max(
+            (o.metrics.arrival_time + o.metrics.e2e_latency for o in self._finished),
+            default=self._metrics_start,
+        )
+        return summarize(self._finished, steps, end - self._metrics_start)
+
+    @property
+    def step_records(self) -> list[StepRecord]:
+        """Every executed step of every attention rank since `reset_metrics`."""
+        return list(self._steps)
 
 
 def _kill_all(procs: list[mp.Process]) -> None:

@@ -7,9 +7,12 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """Times in seconds. ``ttft``: arrival to first token; ``tpot``: mean time per output token
-    after the first; ``e2e_latency``: arrival to last token; ``queue_time``: arrival to first
-    scheduled step."""
+    """Times in seconds, measured on the attention rank that served the request.
+
+    ``queue_time``: arrival to the first step that computed any of its tokens; ``ttft``: arrival
+    to first token (so it includes the queue time); ``tbt``: every inter-token gap, so
+    ``e2e_latency == ttft + sum(tbt)``; ``tpot``: their mean.
+    """
 
     arrival_time: float
     queue_time: float
@@ -19,6 +22,7 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_output_tokens: int
     num_preemptions: int = 0
+    tbt: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -34,6 +38,7 @@ class RequestOutput:
     text: str | None = None
     finish_reason: str | None = None  # "length" | "stop"
     metrics: RequestMetrics | None = None
+    attention_rank: int | None = None  # which data-parallel attention rank served it
 
     @property
     def finished(self) -> bool:
@@ -47,4 +52,22 @@ class RequestOutput:
             "text": self.text,
             "finish_reason": self.finish_reason,
             "metrics": self.metrics.to_dict() if self.metrics else None,
+            "attention_rank": self.attention_rank,
         }
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What `LLM.stream` yields each time a request makes progress.
+
+    ``index``: position of the prompt in the call; ``token_ids``/``text``: only what is new (text
+    is held back while it ends in an incomplete UTF-8 sequence); ``output``: the complete
+    `RequestOutput` once ``finish_reason`` is set, else None.
+    """
+
+    index: int
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    output: RequestOutput | None = None

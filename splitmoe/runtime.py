@@ -22,6 +22,7 @@ from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import TRANSPORTS
 from splitmoe.config import EngineConfig
 from splitmoe.expert_nodes.worker import ExpertWorker
+from splitmoe.metrics import StepRecord
 from splitmoe.scheduler.request import RequestSpec
 
 logger = logging.getLogger("splitmoe")
@@ -39,8 +40,8 @@ class Channel(Protocol):
     def poll(self, timeout: float) -> list[RequestSpec]:
         """New requests; waits up to ``timeout`` seconds when there are none."""
 
-    def emit(self, updates: list[RequestUpdate]) -> None:
-        """Tokens produced by one step."""
+    def emit(self, updates: list[RequestUpdate], record: StepRecord) -> None:
+        """Tokens produced by one step, and the step's record."""
 
     def ready(self, topo: Topology) -> None:
         """This rank has joined the job and loaded its weights."""
@@ -89,7 +90,7 @@ def run_rank(
             device,
         )
     if topo.is_attention:
-        worker = AttentionWorker(cfg, transport, device)
+        worker = AttentionWorker(cfg, transport, device, rank)
     else:
         worker = ExpertWorker(topo, cfg, transport, device)
     sync = StepSync(groups.cpu, topo.world_size)
@@ -118,8 +119,8 @@ def _loop(topo: Topology, worker, channel: Channel, sync: StepSync) -> None:
         if not busy:
             continue
         if topo.is_attention:
-            updates = worker.execute()
-            if updates:
-                channel.emit(updates)
+            updates, record = worker.execute()
+            if record is not None:
+                channel.emit(updates, record)
         else:
             worker.step()

@@ -216,21 +216,23 @@ def _load_hf(ckpt_dir) -> torch.nn.Module:
 
 
 def hf_greedy(ckpt_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation of one prompt (no padding) by HF transformers, float32,
-    eager attention, ignoring EOS: exactly ``max_new_tokens`` new token ids."""
+    """Greedy continuation of one prompt (no padding) by HF transformers, float32, eager
+    attention: exactly ``max_new_tokens`` new token ids, EOS included like any other token.
+
+    A plain argmax loop over the model's forward with its KV cache, rather than `generate`, so no
+    generation-config logits processor (e.g. min_new_tokens masking EOS) alters the oracle."""
     model = _load_hf(ckpt_dir)
-    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    out: list[int] = []
+    past = None
     with torch.no_grad():
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, input_ids.shape[1] :].tolist()
+        for _ in range(max_new_tokens):
+            res = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            nxt = int(res.logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.tensor([[nxt]], dtype=torch.long)
+    return out
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:

@@ -19,8 +19,9 @@ class PagedKVCache:
         device: torch.device,
     ):
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        # torch.empty: pages are committed as blocks are first written, not up front.
-        self.pool = torch.empty(shape, dtype=dtype, device=device)
+        # Zeroed, not torch.empty: attention reads whole blocks and masks the unwritten slots
+        # with probability 0, and 0 * NaN (garbage memory) would still poison the output.
+        self.pool = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 

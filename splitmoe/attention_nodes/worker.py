@@ -14,6 +14,7 @@ from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.kernels.paged_attention import AttentionMetadata
+from splitmoe.metrics import StepRecord
 from splitmoe.models.loader import load_attention_weights
 from splitmoe.outputs import RequestMetrics
 from splitmoe.scheduler.block_manager import BlockManager
@@ -43,8 +44,11 @@ class RemoteExperts:
 
 
 class AttentionWorker:
-    def __init__(self, cfg: EngineConfig, transport: Transport | None, device: torch.device):
+    def __init__(
+        self, cfg: EngineConfig, transport: Transport | None, device: torch.device, rank: int = 0
+    ):
         m = cfg.model
+        self.rank = rank
         dtype = cfg.torch_dtype
         self.device = device
         self.seed = cfg.seed
@@ -122,10 +126,31 @@ class AttentionWorker:
             sample_rows,
         )
 
+    def _record(self, batch: ScheduledBatch) -> StepRecord | None:
+        if not batch.requests:
+            return None
+        return StepRecord(
+            rank=self.rank,
+            time=time.time(),
+            num_seqs=len(batch),
+            num_tokens=batch.total_tokens,
+            num_decode=sum(
+                1
+                for r, n in zip(batch.requests, batch.num_new_tokens)
+                if n == 1 and r.output_token_ids
+            ),
+            kv_blocks_used=self.blocks.num_used,
+            kv_blocks_total=self.blocks.num_blocks,
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
     @torch.inference_mode()
-    def execute(self) -> list[RequestUpdate]:
-        """Runs the planned step (with zero tokens it still joins every dispatch/combine)."""
+    def execute(self) -> tuple[list[RequestUpdate], StepRecord | None]:
+        """Runs the planned step (with zero tokens it still joins every dispatch/combine);
+        returns the requests' new tokens and a record of the step (None if it had no tokens)."""
         batch = self._batch
+        record = self._record(batch)
         input_ids, positions, meta, sample_rows = self._inputs(batch)
         h = self.model.forward(input_ids, positions, meta, self.kv_cache, self.experts)
         to_sample = [
@@ -136,7 +161,7 @@ class AttentionWorker:
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         if not to_sample:
-            return []
+            return [], record
         logits = self.model.logits(h[sample_rows])  # [B, V]
         tokens = sample(
             logits,
@@ -154,4 +179,4 @@ class AttentionWorker:
                 update.finish_reason = req.finish_reason
                 update.metrics = req.metrics()
             updates.append(update)
-        return updates
+        return updates, record

@@ -89,4 +89,5 @@ class Request:
             num_prompt_tokens=self.prompt_len,
             num_output_tokens=n,
             num_preemptions=self.num_preemptions,
+            tbt=tuple(b - a for a, b in zip(times, times[1:])),
         )

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 
 class LeastLoadRouter:
-    """Sends each request to the attention rank with the least outstanding work (prompt +
-    max_tokens of its unfinished requests); ties go to the lowest rank, so the choice is
-    deterministic and every rank that replays the same requests reaches the same assignment."""
+    """Sends each request to the attention rank with the least load, in tokens: those its
+    unfinished requests hold in the KV cache plus those still queued. The caller adds a request's
+    cost when it is routed (`pick`), grows it as tokens are generated (`add`) and takes it all
+    back when the request finishes (`release`). Ties go to the lowest rank, so the choice is
+    deterministic: every rank replaying the same requests reaches the same assignment."""
 
     def __init__(self, num_ranks: int):
         self.load = [0] * num_ranks
@@ -16,5 +18,8 @@ class LeastLoadRouter:
         self.load[rank] += cost
         return rank
 
-    def release(self, rank: int, cost: int) -> None:
-        self.load[rank] -= cost
+    def add(self, rank: int, tokens: int) -> None:
+        self.load[rank] += tokens
+
+    def release(self, rank: int, tokens: int) -> None:
+        self.load[rank] -= tokens
