@@ -34,6 +34,7 @@ from splitmoe.config import CacheConfig, EngineConfig, ModelConfig, ParallelConf
 from splitmoe.inputs import check_request
 from splitmoe.metrics import StepRecord, summarize
 from splitmoe.outputs import RequestOutput
+from splitmoe.runtime import Inbox
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.scheduler.request import RequestSpec
 from splitmoe.scheduler.router import LeastLoadRouter
@@ -177,13 +178,16 @@ class _StaticChannel:
         self.start = 0.0
         self._prompts = {s.request_id: s.prompt_token_ids for s in specs}
 
-    def poll(self, timeout):
+    def poll(self, timeout) -> Inbox:
         specs, self._specs = self._specs, []
         now = time.time()  # requests arrive when the rank is ready to take them
         self.start = self.start or now
         for s in specs:
             s.arrival_time = now
-        return specs
+        return Inbox(requests=specs)
+
+    def send_stats(self, stats):
+        pass
 
     def emit(self, updates, record):
         self.steps.append(record)

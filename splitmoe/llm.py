@@ -29,6 +29,7 @@ from splitmoe.config import CacheConfig, EngineConfig, ModelConfig, ParallelConf
 from splitmoe.inputs import broadcast_params, check_request, normalize_prompts
 from splitmoe.metrics import ServingMetrics, StepRecord, summarize
 from splitmoe.outputs import RequestOutput, StreamDelta
+from splitmoe.runtime import Inbox
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.scheduler.request import RequestSpec
 from splitmoe.scheduler.router import LeastLoadRouter
@@ -48,54 +49,44 @@ def _free_port() -> int:
 
 
 class _QueueChannel:
-    """Channel of an `LLM`-spawned rank: requests in through a queue, tokens out through another."""
+    """Channel of an `LLM`-spawned rank: commands in through a queue, results out through another.
 
-    def __init__(self, rank: int, in_q, out_q):
+    In: ``("add", [RequestSpec])`` (attention ranks), ``("stats",)``, ``("close",)``.
+    """
+
+    def __init__(self, rank: int, in_q, out_q, takes_requests: bool):
         self.rank = rank
         self.in_q = in_q
         self.out_q = out_q
-        self._closed = False
+        self._closed = not takes_requests
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def poll(self, timeout: float) -> list[RequestSpec]:
-        specs: list[RequestSpec] = []
+    def poll(self, timeout: float) -> Inbox:
+        inbox = Inbox()
         try:
             msg = self.in_q.get(timeout=timeout) if timeout > 0 else self.in_q.get_nowait()
             while True:
-                if msg is None:
-                    self._closed = True
+                if msg[0] == "add":
+                    inbox.requests.extend(msg[1])
+                elif msg[0] == "stats":
+                    inbox.stats_wanted = True
                 else:
-                    specs.extend(msg)
+                    self._closed = True
                 msg = self.in_q.get_nowait()
         except queue.Empty:
             pass
-        return specs
+        return inbox
 
     def emit(self, updates, record) -> None:
         self.out_q.put(("step", self.rank, updates, record))
 
+    def send_stats(self, stats: dict) -> None:
+        self.out_q.put(("stats", self.rank, stats))
+
     def ready(self, topo: Topology) -> None:
-        self.out_q.put(("ready", self.rank, topo.role))
-
-
-class _NoRequests:
-    """Expert ranks' channel: they never receive requests."""
-
-    closed = True
-
-    def __init__(self, rank: int, out_q):
-        self.rank, self.out_q = rank, out_q
-
-    def poll(self, timeout):
-        return []
-
-    def emit(self, updates, record):
-        raise AssertionError("expert ranks produce no tokens")
-
-    def ready(self, topo):
         self.out_q.put(("ready", self.rank, topo.role))
 
 
@@ -115,7 +106,7 @@ def _rank_main(cfg: EngineConfig, rank: int, init_method: str, in_q, out_q) -> N
     # ranks, so a rank ignores it instead of dying mid-collective with a traceback of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     role = "attention" if rank < cfg.parallel.attention_ranks else "expert"
-    channel = _QueueChannel(rank, in_q, out_q) if in_q is not None else _NoRequests(rank, out_q)
+    channel = _QueueChannel(rank, in_q, out_q, takes_requests=role == "attention")
     try:
         run_rank(cfg, rank, init_method, channel)
         shutdown_groups()
@@ -208,6 +199,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_checkpoint(model)
         self._next_id = 0
         self._live: dict[int, RequestOutput] = {}
+        self._stats: dict[int, dict] = {}
         self.reset_metrics()
         self._start()
 
@@ -217,13 +209,12 @@ class LLM:
         ctx = mp.get_context("spawn")
         self._out_q = ctx.Queue()
         A, W = cfg.parallel.attention_ranks, cfg.parallel.world_size
-        self._in_qs = [ctx.Queue() for _ in range(A)]
+        self._in_qs = [ctx.Queue() for _ in range(W)]
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         for rank in range(W):
-            in_q = self._in_qs[rank] if rank < A else None
             p = ctx.Process(
                 target=_rank_main,
-                args=(cfg, rank, init_method, in_q, self._out_q),
+                args=(cfg, rank, init_method, self._in_qs[rank], self._out_q),
                 name=f"splitmoe-rank{rank}",
                 daemon=True,
             )
@@ -295,7 +286,7 @@ class LLM:
             return
         if graceful:
             for q in self._in_qs:
-                q.put(None)
+                q.put(("close",))
             deadline = time.monotonic() + 30
             for p in self._procs:
                 p.join(timeout=max(0.1, deadline - time.monotonic()))
@@ -324,7 +315,7 @@ class LLM:
         for i, (p, sp) in enumerate(zip(ids, params)):
             check_request(i, p, sp, self.config)
         now = time.time()
-        batches: list[list[RequestSpec]] = [[] for _ in self._in_qs]
+        batches: list[list[RequestSpec]] = [[] for _ in range(self.config.parallel.attention_ranks)]
         rids = []
         for p, sp in zip(ids, params):
             rid = self._next_id
@@ -337,7 +328,7 @@ class LLM:
             rids.append(rid)
         for q, batch in zip(self._in_qs, batches):
             if batch:
-                q.put(batch)
+                q.put(("add", batch))
         return rids
 
     def poll(self, timeout: float | None = None) -> list[tuple[RequestOutput, list[int]]]:
@@ -352,6 +343,9 @@ class LLM:
                 msg = self._next_message(deadline, "generate", fail_on_timeout=timeout is None)
             except queue.Empty:
                 return []
+            if msg[0] == "stats":
+                self._stats[msg[1]] = msg[2]
+                break
             if msg[0] != "step":
                 continue
             _, rank, updates, record = msg
@@ -428,6 +422,23 @@ class LLM:
                     outputs[delta.index] = delta.output
                     bar.update(1)
         return outputs
+
+    def stats(self, timeout: float | None = None) -> list[dict]:
+        """A snapshot from every rank, in rank order: role, resident memory (``rss_mb``,
+        ``peak_rss_mb``), KV blocks / running / waiting / preemptions (attention ranks), tokens
+        served (expert ranks), and the transport's counters under ``"comm"``."""
+        self._stats = {}
+        for q in self._in_qs:
+            q.put(("stats",))
+        deadline = time.monotonic() + (
+            self.config.parallel.timeout_s if timeout is None else timeout
+        )
+        while len(self._stats) < len(self._procs):
+            if not self.poll(timeout=max(0.0, deadline - time.monotonic())) and (
+                time.monotonic() >= deadline
+            ):
+                self._fail("ranks did not answer a stats request in time")
+        return [self._stats[r] for r in range(len(self._procs))]
 
     def reset_metrics(self) -> None:
         """Starts a new measurement period for `metrics`."""

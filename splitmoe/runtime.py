@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import resource
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -30,21 +31,49 @@ logger = logging.getLogger("splitmoe")
 IDLE_POLL_S = 0.005  # how long an idle attention rank waits for requests before the next sync
 
 
+@dataclass
+class Inbox:
+    """What a rank found in its channel: new requests, and whether a stats snapshot is wanted."""
+
+    requests: list[RequestSpec] = field(default_factory=list)
+    stats_wanted: bool = False
+
+
 class Channel(Protocol):
-    """Where an attention rank's requests come from and its results go."""
+    """Where a rank's requests and commands come from and its results go."""
 
     @property
     def closed(self) -> bool:
-        """True once no more requests will arrive."""
+        """True once no more requests will arrive (always, for expert ranks)."""
 
-    def poll(self, timeout: float) -> list[RequestSpec]:
-        """New requests; waits up to ``timeout`` seconds when there are none."""
+    def poll(self, timeout: float) -> Inbox:
+        """New requests and commands; waits up to ``timeout`` seconds when there are none."""
 
     def emit(self, updates: list[RequestUpdate], record: StepRecord) -> None:
         """Tokens produced by one step, and the step's record."""
 
     def ready(self, topo: Topology) -> None:
         """This rank has joined the job and loaded its weights."""
+
+    def send_stats(self, stats: dict) -> None:
+        """Answer to a stats request."""
+
+
+def rank_stats(topo: Topology, worker, transport) -> dict:
+    """A JSON-able snapshot of one rank: role, memory, worker state, transport counters."""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {
+        "rank": topo.rank,
+        "role": topo.role,
+        "rss_mb": rss / 2**20,
+        "peak_rss_mb": peak_kb / 1024,
+    }
+    out.update(worker.stats())
+    snapshot = getattr(transport, "stats_snapshot", None)
+    out["comm"] = snapshot() if snapshot else None
+    return out
 
 
 def set_threads(cfg: EngineConfig, local_world_size: int) -> None:
@@ -97,16 +126,19 @@ def run_rank(
     sync.warm_up(groups.data, groups.comm_device)
     channel.ready(topo)
     logger.info("%s ready on %s", topo.describe(), device)
-    _loop(topo, worker, channel, sync)
+    _loop(topo, worker, channel, sync, transport)
     return RankContext(topo=topo, groups=groups)
 
 
-def _loop(topo: Topology, worker, channel: Channel, sync: StepSync) -> None:
+def _loop(topo: Topology, worker, channel: Channel, sync: StepSync, transport) -> None:
     busy = False
     while True:
+        idle = topo.is_attention and not (busy or worker.has_work)
+        inbox = channel.poll(IDLE_POLL_S if idle else 0.0)
+        if inbox.stats_wanted:
+            channel.send_stats(rank_stats(topo, worker, transport))
         if topo.is_attention:
-            wait = 0.0 if busy or worker.has_work else IDLE_POLL_S
-            for spec in channel.poll(wait):
+            for spec in inbox.requests:
                 worker.add_request(spec)
             tokens = worker.plan()
             done = channel.closed and not worker.has_work

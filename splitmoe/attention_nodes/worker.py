@@ -75,6 +75,16 @@ class AttentionWorker:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "kv_blocks_used": self.blocks.num_used,
+            "kv_blocks_total": self.blocks.num_blocks,
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "preemptions": s.num_preemptions,
+        }
+
     def add_request(self, spec: RequestSpec) -> None:
         self.scheduler.add(spec)
         self.generators[spec.request_id] = make_generator(

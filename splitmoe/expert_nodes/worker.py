@@ -26,6 +26,9 @@ class ExpertWorker:
         self.transport = transport
         self.tokens_served = 0
 
+    def stats(self) -> dict:
+        return {"experts": self.experts.expert_ids, "tokens_served": self.tokens_served}
+
     def step(self) -> None:
         """One engine step: the MoE layers in order, as every attention rank runs them."""
         for layer in self.moe_layers:

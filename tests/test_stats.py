@@ -1,0 +1,25 @@
+"""`LLM.stats()`: a snapshot from every rank."""
+
+from __future__ import annotations
+
+from tiny_models import prompt_ids
+
+from splitmoe import LLM, SamplingParams
+
+
+def test_stats_from_every_rank(tiny_ckpt):
+    ckpt = tiny_ckpt("qwen3_moe")
+    with LLM(
+        str(ckpt), attention_ranks=2, expert_ranks=2, device="cpu", num_kv_blocks=64, block_size=4
+    ) as llm:
+        llm.generate([prompt_ids(9, seed=i) for i in range(6)], SamplingParams(max_tokens=5))
+        stats = llm.stats()
+    assert [s["rank"] for s in stats] == [0, 1, 2, 3]
+    assert [s["role"] for s in stats] == ["attention"] * 2 + ["expert"] * 2
+    for s in stats[:2]:
+        # every request finished: all KV blocks are free again
+        assert s["kv_blocks_used"] == 0 and s["kv_blocks_total"] == 64
+        assert s["running"] == 0 and s["waiting"] == 0
+    assert [s["experts"] for s in stats[2:]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert all(s["tokens_served"] > 0 for s in stats[2:])
+    assert all(0 < s["rss_mb"] <= s["peak_rss_mb"] + 1 for s in stats)
