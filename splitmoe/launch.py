@@ -325,7 +325,17 @@ def main(argv: list[str] | None = None) -> int:
         if router.pick(len(ids) + params.max_tokens) == env.rank:
             mine.append(RequestSpec(rid, ids, params, arrival_time=0.0))
     channel = _StaticChannel(mine)
-    ctx = run_rank(cfg, env.rank, init_method, channel, env.local_rank, env.local_world_size)
+    role = "attention" if env.rank < cfg.parallel.attention_ranks else "expert"
+    try:
+        ctx = run_rank(cfg, env.rank, init_method, channel, env.local_rank, env.local_world_size)
+    except Exception as e:
+        # A broken connection here usually means a peer rank died; the launcher (torchrun,
+        # mpirun) names the rank that exited first and stops the rest.
+        print(
+            f"splitmoe.launch: rank {env.rank} ({role}) failed: {type(e).__name__}: {e}",
+            file=sys.stderr,
+        )
+        return 1
     elapsed = time.time() - channel.start  # from the first step, weight loading excluded
     gathered = [None] * env.world_size if env.rank == 0 else None
     mine = (list(channel.outputs.values()), channel.steps)
