@@ -126,7 +126,7 @@ class ParallelConfig:
     # OMPI_COMM_WORLD_LOCAL_SIZE), or the whole world for `LLM`. Set it to emulate several nodes.
     ranks_per_node: int | None = None
     # Collective and start-up timeout: a rank that stops answering ends the job after this long.
-    timeout_s: float = 120.0
+    timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_ranks, int) or self.attention_ranks < 1:

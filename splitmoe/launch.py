@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--threads-per-rank", type=int, default=None)
-    ap.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
+    ap.add_argument("--timeout", type=float, default=30.0, help="collective timeout, seconds")
     ap.add_argument("--metrics", action="store_true", help="print serving metrics at the end")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap

@@ -136,7 +136,8 @@ class LLM:
         block_size, num_kv_blocks, kv_cache_memory_gb: paged KV cache (see `CacheConfig`).
         max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits per attention rank.
         threads_per_rank: CPU threads per rank (default: cores / ranks).
-        timeout_s: how long a collective or start-up may wait before the job is failed.
+        timeout_s: how long a collective, a step or start-up may take before the job is failed
+            (a hung rank is detected within this bound; a dead one at once).
         attention_backend, moe_backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"torch"``
             or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``).
         seed: seeds the random streams of sampled requests that carry no seed of their own, so
@@ -160,7 +161,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         threads_per_rank: int | None = None,
-        timeout_s: float = 120.0,
+        timeout_s: float = 30.0,
         seed: int = 0,
         attention_backend: str = "auto",
         moe_backend: str = "auto",

@@ -137,3 +137,17 @@ def test_launcher_reports_bad_jsonl_line(ckpt, tmp_path):
         timeout=120,
     )
     assert r.returncode == 2 and "p.jsonl:1: max_tokens=0 must be >= 1" in r.stderr
+
+
+def test_truncated_checkpoint_refused_before_any_rank_starts(ckpt, tmp_path):
+    import shutil
+
+    from splitmoe.models.loader import CheckpointError
+
+    bad = tmp_path / "truncated"
+    shutil.copytree(ckpt, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        LLM(str(bad), expert_ranks=1, device="cpu")
+    assert _no_children()
