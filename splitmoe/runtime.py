@@ -117,6 +117,7 @@ def run_rank(
             cfg.model.top_k,
             cfg.torch_dtype,
             device,
+            timeout=cfg.parallel.timeout,
         )
     if topo.is_attention:
         worker = AttentionWorker(cfg, transport, device, rank)

@@ -39,7 +39,7 @@ class RemoteExperts:
         self.transport = transport
 
     def __call__(self, layer, x, topk_ids, topk_weights):
-        handle = self.transport.dispatch(x, topk_ids, topk_weights)
+        handle = self.transport.dispatch(x, topk_ids, topk_weights, layer=layer)
         return self.transport.combine(handle)
 
 

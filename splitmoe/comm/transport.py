@@ -2,24 +2,43 @@
 
 Every MoE layer, each attention rank sends each of its tokens **once per distinct destination
 expert rank**, together with the (local expert id, router weight) pairs that rank must apply; each
-expert rank returns one weighted partial sum per received token; the attention rank adds them.
+expert rank returns one weighted partial sum per token; the attention rank adds them.
 Bytes per layer are therefore ~ tokens x hidden x distinct destinations, not tokens x top-k.
 
 All ranks call the same collectives in the same order (attention ranks with zero tokens too), so
 the pattern never deadlocks. A token travels as one packed byte row: its hidden vector in the model
 dtype, then ``k`` int32 local expert ids (-1: served elsewhere) and ``k`` float32 weights, so one
 message per (source, destination) carries everything.
+
+`FlatTransport` (one all-to-all per direction) is the baseline and the oracle; the two-phase and
+adaptive transports live in `splitmoe.comm.two_phase`. All register in `TRANSPORTS` and account
+their traffic the same way in `CommStats`.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from splitmoe.comm.cost_model import DEFAULT_COST_MODEL, LINK_CLASSES, CostModel
 from splitmoe.comm.topology import Topology
+
+DIRECTIONS = ("dispatch", "combine")  # attention -> experts / experts -> attention
+# Where a layer's communication time goes: the per-layer count exchange, the node-local
+# aggregation of the two-phase scheme (phase 1, both directions), and the exchange with the
+# expert ranks (flat all-to-all, or phase 2).
+STAGES = ("counts", "aggregate", "exchange")
+SCHEMES = ("flat", "two_phase")
+UNKNOWN_LAYER = -1  # calls that did not say which layer they serve
 
 
 @dataclass
@@ -31,11 +50,16 @@ class DispatchHandle:
     send_counts: rows sent to each world rank (zero for attention ranks); the partial sums come
         back with the same counts.
     num_tokens: ``T``, tokens of this rank in the layer.
+    layer: the MoE layer (for the statistics; `UNKNOWN_LAYER` if the caller did not say).
+    plan: transport-specific layout of this layer (`splitmoe.comm.two_phase.LayerPlan` for the
+        two-phase and adaptive transports; None for flat).
     """
 
     token_index: torch.Tensor
     send_counts: list[int]
     num_tokens: int
+    layer: int = UNKNOWN_LAYER
+    plan: Any = None
 
 
 @dataclass
@@ -45,32 +69,123 @@ class ExpertBatch:
     x: ``[N, H]`` hidden states; expert_ids: ``[N, k]`` int32 *local* expert ids, -1 where the
     slot is served by another rank; weights: ``[N, k]`` float32 router weights;
     recv_counts: rows received from each world rank (the partial sums go back with these).
+    Rows are in the same order whichever transport carried them: by source attention rank, then
+    as that rank sent them. ``layer`` and ``plan``: as in `DispatchHandle`.
     """
 
     x: torch.Tensor
     expert_ids: torch.Tensor
     weights: torch.Tensor
     recv_counts: list[int]
+    layer: int = UNKNOWN_LAYER
+    plan: Any = None
 
 
-@dataclass
+def _empty_record() -> dict:
+    return {
+        "calls": 0,
+        "schemes": dict.fromkeys(SCHEMES, 0),
+        **{d: {c: {"messages": 0, "bytes": 0} for c in LINK_CLASSES} for d in DIRECTIONS},
+        "seconds": dict.fromkeys(STAGES, 0.0),
+        "predicted_s": dict.fromkeys(SCHEMES, 0.0),
+    }
+
+
+def _add_records(into: dict, rec: dict) -> None:
+    for key, value in rec.items():
+        if isinstance(value, dict):
+            _add_records(into[key], value)
+        else:
+            into[key] += value
+
+
 class CommStats:
-    """Messages (non-empty peer transfers) and bytes this rank sent, since start."""
+    """What this rank's transport sent and how long it waited, cumulative since start.
 
-    messages: int = 0
-    bytes: int = 0
+    Kept per MoE layer; within a layer: ``calls`` (dispatch or receive calls, i.e. steps that ran
+    the layer), ``schemes`` (calls that used each scheme), per direction and link class the
+    messages (non-empty transfers to *another* rank; self-copies are free) and bytes this rank
+    sent, ``seconds`` per stage (host wall-clock around each collective; on CUDA it includes the
+    count synchronisation but not the asynchronous data copies) and, for the adaptive transport,
+    ``predicted_s`` the cost model's per-layer time of each scheme summed over calls.
+    """
 
-    def add(self, counts: list[int], row_bytes: int, rank: int) -> None:
-        self.messages += sum(1 for r, c in enumerate(counts) if c and r != rank)
-        self.bytes += sum(c for r, c in enumerate(counts) if r != rank) * row_bytes
+    def __init__(self) -> None:
+        self.layers: dict[int, dict] = {}
+
+    def record(self, layer: int) -> dict:
+        rec = self.layers.get(layer)
+        if rec is None:
+            rec = self.layers[layer] = _empty_record()
+        return rec
+
+    def call(self, layer: int, scheme: str) -> None:
+        rec = self.record(layer)
+        rec["calls"] += 1
+        rec["schemes"][scheme] += 1
+
+    def add(
+        self,
+        layer: int,
+        direction: str,
+        counts: list[int],
+        row_bytes: int,
+        peers: list[int] | range,
+        links: list[str],
+        rank: int,
+    ) -> None:
+        """``counts[i]`` rows of ``row_bytes`` sent to world rank ``peers[i]``; ``links[r]`` is
+        the link class to world rank ``r``."""
+        rec = self.record(layer)[direction]
+        for peer, n in zip(peers, counts):
+            if n and peer != rank:
+                cls = rec[links[peer]]
+                cls["messages"] += 1
+                cls["bytes"] += n * row_bytes
+
+    @contextmanager
+    def timed(self, layer: int, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record(layer)["seconds"][stage] += time.perf_counter() - t0
+
+    def total(self) -> dict:
+        out = _empty_record()
+        for rec in self.layers.values():
+            _add_records(out, rec)
+        return out
+
+    @property
+    def messages(self) -> int:
+        t = self.total()
+        return sum(t[d][c]["messages"] for d in DIRECTIONS for c in LINK_CLASSES)
+
+    @property
+    def bytes(self) -> int:
+        t = self.total()
+        return sum(t[d][c]["bytes"] for d in DIRECTIONS for c in LINK_CLASSES)
+
+    def snapshot(self) -> dict:
+        """``{"layers": {"<layer>": record}, "total": record}`` (see the class doc), JSON-ready."""
+        layers = {str(k): _copy(v) for k, v in sorted(self.layers.items())}
+        return {"layers": layers, "total": self.total()}
+
+
+def _copy(rec: dict) -> dict:
+    return {k: _copy(v) if isinstance(v, dict) else v for k, v in rec.items()}
 
 
 class Transport(ABC):
     """Moves tokens attention -> experts and partial sums back, for one layer at a time.
 
     Attention ranks call `dispatch` then `combine`; expert ranks call `receive` then `send_back`.
-    The calls of all ranks for one layer form one collective pattern.
+    The calls of all ranks for one layer form one collective pattern. ``layer`` (optional) only
+    labels the statistics.
     """
+
+    name = "base"
 
     def __init__(
         self,
@@ -81,7 +196,13 @@ class Transport(ABC):
         top_k: int,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        cost_model: CostModel | None = None,
+        timeout: timedelta | None = None,
     ):
+        """Every transport takes the same arguments. ``cost_model``: link profile for transports
+        that choose a scheme per layer (default: NVLink 4 + 400 Gb/s InfiniBand); ``timeout``: for
+        process groups a transport creates (default: torch's)."""
         self.topo = topo
         self.group = group
         self.comm_device = comm_device
@@ -98,11 +219,21 @@ class Transport(ABC):
             local[mine] = torch.arange(mine.numel(), device=device)
         self.owner_of = owner  # [num_experts] expert -> expert-rank index
         self.local_of = local  # [num_experts] expert -> local id on its rank
+        # link class from this rank to every world rank
+        self.links = [
+            "intra" if topo.node_of(r) == topo.node else "inter" for r in range(topo.world_size)
+        ]
         self.stats = CommStats()
+        self.cost_model = cost_model or DEFAULT_COST_MODEL
+        self.timeout = timeout
 
     @abstractmethod
     def dispatch(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        layer: int = UNKNOWN_LAYER,
     ) -> DispatchHandle:
         """Sends ``x [T, H]`` routed by ``topk_ids / topk_weights [T, k]`` to the expert ranks."""
 
@@ -111,12 +242,35 @@ class Transport(ABC):
         """Receives a dispatched layer's partial sums; returns ``[T, H]`` in the model dtype."""
 
     @abstractmethod
-    def receive(self) -> ExpertBatch:
+    def receive(self, layer: int = UNKNOWN_LAYER) -> ExpertBatch:
         """Expert side of `dispatch`."""
 
     @abstractmethod
     def send_back(self, y: torch.Tensor, batch: ExpertBatch) -> None:
         """Expert side of `combine`: ``y [N, H]`` partial sums, one per received row."""
+
+    def stats_snapshot(self) -> dict:
+        """This rank's cumulative statistics, JSON-serialisable::
+
+            {"rank": int, "role": "attention" | "expert", "node": int, "transport": str,
+             "layers": {"<layer>": record, ...}, "total": record}
+
+        record = {"calls": int, "schemes": {"flat": int, "two_phase": int},
+                  "dispatch": {"intra": {"messages": int, "bytes": int}, "inter": {...}},
+                  "combine":  {"intra": {...}, "inter": {...}},
+                  "seconds": {"counts": float, "aggregate": float, "exchange": float},
+                  "predicted_s": {"flat": float, "two_phase": float}}
+
+        Messages and bytes are what *this* rank sent (summing over ranks counts each transfer
+        once); layer ``"-1"`` collects calls that did not name their layer.
+        """
+        return {
+            "rank": self.topo.rank,
+            "role": self.topo.role,
+            "node": self.topo.node,
+            "transport": self.name,
+            **self.stats.snapshot(),
+        }
 
     # ---- packing ------------------------------------------------------------------------------
     def pack(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -152,53 +306,96 @@ class Transport(ABC):
         counts = [0] * self.topo.num_attention + per_expert_rank
         return token_index, ids, w, counts
 
-
-class FlatTransport(Transport):
-    """One uneven ``all_to_all_single`` over all ranks per direction, after a count exchange."""
-
-    def _counts(self, send_counts: list[int]) -> list[int]:
-        send = torch.tensor(send_counts, dtype=torch.int64, device=self.comm_device)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        return recv.tolist()
-
-    def _exchange(
-        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    # ---- data plane ---------------------------------------------------------------------------
+    def all_to_all(
+        self,
+        send: torch.Tensor,
+        send_counts: list[int],
+        recv_counts: list[int],
+        layer: int,
+        direction: str,
+        stage: str = "exchange",
+        group: dist.ProcessGroup | None = None,
+        peers: list[int] | range | None = None,
     ) -> torch.Tensor:
+        """Uneven ``all_to_all_single`` of rows over ``group`` (default: the data group, whose
+        members are all world ranks); ``peers[i]`` is the world rank of member ``i``. Counts the
+        transfer in `stats` and returns the received rows on the compute device."""
         send = send.to(self.comm_device)
         recv = torch.empty(
             (sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self.comm_device
         )
-        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
+        with self.stats.timed(layer, stage):
+            dist.all_to_all_single(
+                recv, send, recv_counts, send_counts, group=self.group if group is None else group
+            )
         self.stats.add(
+            layer,
+            direction,
             send_counts,
-            send[0].numel() * send.element_size() if send.numel() else 0,
+            math.prod(send.shape[1:]) * send.element_size(),
+            range(self.topo.world_size) if peers is None else peers,
+            self.links,
             self.topo.rank,
         )
         return recv.to(self.device)
 
-    def dispatch(self, x, topk_ids, topk_weights):
+
+TRANSPORTS: dict[str, type[Transport]] = {}
+
+
+def register_transport(name: str):
+    """Class decorator: makes ``ParallelConfig(transport=name)`` build this transport."""
+
+    def deco(cls: type[Transport]) -> type[Transport]:
+        cls.name = name
+        TRANSPORTS[name] = cls
+        return cls
+
+    return deco
+
+
+@register_transport("flat")
+class FlatTransport(Transport):
+    """One uneven ``all_to_all_single`` over all ranks per direction, after a count exchange."""
+
+    def _counts(self, send_counts: list[int], layer: int) -> list[int]:
+        send = torch.tensor(send_counts, dtype=torch.int64, device=self.comm_device)
+        recv = torch.empty_like(send)
+        with self.stats.timed(layer, "counts"):
+            dist.all_to_all_single(recv, send, group=self.group)
+            return recv.tolist()
+
+    def dispatch(self, x, topk_ids, topk_weights, layer=UNKNOWN_LAYER):
+        self.stats.call(layer, "flat")
         token_index, ids, w, counts = self.route(topk_ids, topk_weights)
         rows = self.pack(x[token_index], ids, w)  # [P, row_bytes]
-        self._exchange(rows, counts, self._counts(counts))
-        return DispatchHandle(token_index=token_index, send_counts=counts, num_tokens=x.shape[0])
+        self.all_to_all(rows, counts, self._counts(counts, layer), layer, "dispatch")
+        return DispatchHandle(
+            token_index=token_index, send_counts=counts, num_tokens=x.shape[0], layer=layer
+        )
 
     def combine(self, handle):
         nothing = torch.empty(0, self.hidden_size, dtype=self.dtype)
-        partial = self._exchange(nothing, [0] * self.topo.world_size, handle.send_counts)
+        zeros = [0] * self.topo.world_size
+        partial = self.all_to_all(nothing, zeros, handle.send_counts, handle.layer, "combine")
         out = torch.zeros(handle.num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
         out.index_add_(0, handle.token_index, partial)
         return out
 
-    def receive(self):
+    def receive(self, layer=UNKNOWN_LAYER):
+        self.stats.call(layer, "flat")
         zeros = [0] * self.topo.world_size
-        recv_counts = self._counts(zeros)
-        rows = self._exchange(torch.empty(0, self.row_bytes, dtype=torch.uint8), zeros, recv_counts)
+        recv_counts = self._counts(zeros, layer)
+        nothing = torch.empty(0, self.row_bytes, dtype=torch.uint8)
+        rows = self.all_to_all(nothing, zeros, recv_counts, layer, "dispatch")
         x, ids, w = self.unpack(rows)
-        return ExpertBatch(x=x, expert_ids=ids, weights=w, recv_counts=recv_counts)
+        return ExpertBatch(x=x, expert_ids=ids, weights=w, recv_counts=recv_counts, layer=layer)
 
     def send_back(self, y, batch):
-        self._exchange(y, batch.recv_counts, [0] * self.topo.world_size)
+        self.all_to_all(y, batch.recv_counts, [0] * self.topo.world_size, batch.layer, "combine")
 
 
-TRANSPORTS: dict[str, type[Transport]] = {"flat": FlatTransport}
+# The two-phase and adaptive transports register themselves; imported last because they build on
+# the classes above.
+from splitmoe.comm import two_phase as _two_phase  # noqa: E402, F401

@@ -32,7 +32,7 @@ class ExpertWorker:
     def step(self) -> None:
         """One engine step: the MoE layers in order, as every attention rank runs them."""
         for layer in self.moe_layers:
-            batch = self.transport.receive()
+            batch = self.transport.receive(layer=layer)
             y = self.experts.compute(layer, batch.x, batch.expert_ids, batch.weights)
             self.transport.send_back(y, batch)
             self.tokens_served += batch.x.shape[0]
