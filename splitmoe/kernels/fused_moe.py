@@ -1,14 +1,24 @@
-"""Grouped expert FFN: the PyTorch reference of the fused MoE kernel.
+"""Grouped expert FFN: the public entry, its PyTorch reference, and the GPU fast paths.
 
 Given tokens ``x [N, H]``, the experts each token uses *here* (``expert_ids [N, k]``, local ids,
 -1 for a slot served elsewhere) and their router weights, computes for every token
 ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over its local experts ``e = expert_ids[:, j]``.
+
+Backends: ``"torch"`` runs `fused_moe_ref`. ``"triton"`` runs the fused Triton grouped GEMMs
+(`splitmoe.kernels.moe_gemm`); on CUDA it also measures ``torch._grouped_mm`` (CUTLASS grouped
+GEMM, where this torch build and GPU have it) once per (device, dtype, shapes, batch-size bucket)
+and keeps whichever is faster, provided both agree with each other.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 def fused_moe_ref(
@@ -46,6 +56,162 @@ def fused_moe_ref(
     return out
 
 
+@dataclass(frozen=True)
+class ExpertSort:
+    """(token, expert) pairs grouped by expert, each expert's run padded to ``block_m`` rows.
+
+    sorted_ids: ``[num_blocks * block_m]`` int32, the flat pair index ``token * k + j`` of each
+        row; padding rows hold ``N * k``.
+    block_expert: ``[num_blocks]`` int32, the expert of each ``block_m`` rows; -1 for blocks past
+        the padded total (``num_blocks`` is an upper bound, so nothing waits on the GPU).
+    """
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+
+
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
+    """Groups the pairs of ``expert_ids [N, k]`` (-1: skip) by expert, on the device, no sync."""
+    flat = expert_ids.reshape(-1)  # [P]
+    P = flat.numel()
+    dev = flat.device
+    key = torch.where(flat >= 0, flat, num_experts).long()  # skipped slots sort last
+    sorted_key, order = torch.sort(key, stable=True)  # [P]
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    pad_end = padded.cumsum(0)  # [E] end row of each expert's padded run
+    first = counts.cumsum(0) - counts  # [E] first sorted index of each expert
+    e = sorted_key.clamp(max=num_experts - 1)
+    dest = pad_end[e] - padded[e] + torch.arange(P, device=dev) - first[e]  # [P] padded row
+    # At most min(E, P) experts are used, each wasting < block_m rows to padding.
+    num_blocks = -(-(P + (block_m - 1) * min(num_experts, P)) // block_m)
+    rows = num_blocks * block_m
+    dest = torch.where(sorted_key < num_experts, dest, rows)  # skipped pairs: one spare row
+    sorted_ids = torch.full((rows + 1,), P, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(num_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(pad_end, starts, right=True)  # [num_blocks]
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return ExpertSort(sorted_ids=sorted_ids[:rows], block_expert=block_expert)
+
+
+def fused_moe_grouped_mm(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """The same math on ``torch._grouped_mm``: gather rows sorted by expert, two grouped GEMMs,
+    un-permute, per-token sum. Needs H and I multiples of 16 bytes of elements."""
+    N, H = x.shape
+    E = w13.shape[0]
+    I = w2.shape[2]
+    k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1)  # [P]
+    key = torch.where(flat >= 0, flat, E).long()
+    sorted_key, order = torch.sort(key, stable=True)  # [P]
+    ends = torch.bincount(key, minlength=E + 1)[:E].cumsum(0).to(torch.int32)  # [E]
+    a = x[order // k]  # [P, H]; rows past ends[-1] are skipped slots
+    h = torch._grouped_mm(a, w13.transpose(1, 2), offs=ends)  # [P, 2I]
+    h = F.silu(h[:, :I]) * h[:, I:]  # [P, I]
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)  # [P, H]
+    w = weights.reshape(-1)[order].to(y.dtype)  # [P]
+    y = torch.where((sorted_key < E)[:, None], y * w[:, None], 0)  # rows past ends: undefined
+    out = torch.empty_like(y).index_copy_(0, order, y)  # [P, H] back in pair order
+    return out.view(N, k, H).sum(1)
+
+
+def _check_shapes(x, w13, w2, expert_ids, weights) -> None:
+    N, H = x.shape
+    E, two_i, H2 = w13.shape
+    if H2 != H or two_i % 2 or w2.shape != (E, H, two_i // 2) or expert_ids.shape != weights.shape:
+        raise ValueError(
+            f"fused_moe: shapes do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+            f"w2 {tuple(w2.shape)}, expert_ids {tuple(expert_ids.shape)}, "
+            f"weights {tuple(weights.shape)}"
+        )
+    if expert_ids.shape[0] != N:
+        raise ValueError(f"fused_moe: {expert_ids.shape[0]} routing rows for {N} tokens")
+
+
+def check_moe_inputs(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> None:
+    """Shapes, dtypes, strides and devices the fused paths rely on."""
+    _check_shapes(x, w13, w2, expert_ids, weights)
+    from splitmoe.kernels.triton_utils import SUPPORTED_DTYPES
+
+    if x.dtype not in SUPPORTED_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(
+            f"fused_moe: x and the weights must share one of float16/bfloat16/float32; got "
+            f"x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}"
+        )
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype == torch.bool:
+        raise ValueError(f"fused_moe: expert_ids must be integers, got {expert_ids.dtype}")
+    if not weights.dtype.is_floating_point:
+        raise ValueError(f"fused_moe: weights must be floating point, got {weights.dtype}")
+    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError(
+            "fused_moe: the last dim of x, w13 and w2 must be contiguous; got strides "
+            f"x {x.stride()}, w13 {w13.stride()}, w2 {w2.stride()}"
+        )
+    for name, t in (("w13", w13), ("w2", w2), ("expert_ids", expert_ids), ("weights", weights)):
+        if t.device != x.device:
+            raise ValueError(f"fused_moe: {name} is on {t.device}, x on {x.device}")
+
+
+# (device, dtype, w13 shape, k, token bucket) -> "triton" | "grouped_mm"
+_FASTER_PATH: dict[tuple, str] = {}
+
+
+def _cuda_ms(fn, iters: int = 5) -> float:
+    fn()  # compiles / warms up
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _faster_path(x, w13, w2, expert_ids, weights) -> str:
+    """Times the Triton kernels and ``torch._grouped_mm`` once per shape class on this GPU."""
+    from splitmoe.kernels.moe_gemm import launch_fused_moe
+
+    bucket = 1 << max(0, x.shape[0] - 1).bit_length()
+    key = (str(x.device), x.dtype, tuple(w13.shape), expert_ids.shape[1], bucket)
+    path = _FASTER_PATH.get(key)
+    if path is not None:
+        return path
+    path = "triton"
+    if hasattr(torch, "_grouped_mm"):
+        try:
+            want = launch_fused_moe(x, w13, w2, expert_ids, weights)
+            got = fused_moe_grouped_mm(x, w13, w2, expert_ids, weights)
+            tol = 1e-4 if x.dtype == torch.float32 else 5e-2
+            if torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+                t_triton = _cuda_ms(lambda: launch_fused_moe(x, w13, w2, expert_ids, weights))
+                t_gmm = _cuda_ms(lambda: fused_moe_grouped_mm(x, w13, w2, expert_ids, weights))
+                path = "grouped_mm" if t_gmm < t_triton else "triton"
+                log.info(
+                    "fused_moe %s: triton %.3f ms, torch._grouped_mm %.3f ms -> %s",
+                    key, t_triton, t_gmm, path,
+                )  # fmt: skip
+            else:
+                log.warning("fused_moe %s: torch._grouped_mm disagrees with Triton; not used", key)
+        except RuntimeError as e:  # not built for this GPU / dtype / alignment
+            log.info("fused_moe %s: torch._grouped_mm unavailable (%s)", key, e)
+    _FASTER_PATH[key] = path
+    return path
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -54,17 +220,24 @@ def fused_moe(
     weights: torch.Tensor,
     backend: str = "torch",
 ) -> torch.Tensor:
-    """Public entry: checks shapes, then runs the chosen backend (``"torch"`` for now)."""
-    N, H = x.shape
-    E, two_i, H2 = w13.shape
-    if H2 != H or w2.shape != (E, H, two_i // 2) or expert_ids.shape != weights.shape:
-        raise ValueError(
-            f"fused_moe: shapes do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-            f"w2 {tuple(w2.shape)}, expert_ids {tuple(expert_ids.shape)}, "
-            f"weights {tuple(weights.shape)}"
-        )
-    if expert_ids.shape[0] != N:
-        raise ValueError(f"fused_moe: {expert_ids.shape[0]} routing rows for {N} tokens")
-    if backend != "torch":
-        raise ValueError(f"moe backend {backend!r} is not available; use 'torch'")
-    return fused_moe_ref(x, w13, w2, expert_ids, weights)
+    """Routed-expert output ``[N, H]`` in x's dtype.
+
+    x ``[N, H]``; w13 ``[E, 2I, H]`` (gate rows, then up rows); w2 ``[E, H, I]``; expert_ids
+    ``[N, k]`` local expert ids (-1: the slot is served by another rank); weights ``[N, k]``
+    router weights (float32, or x's dtype). ``backend``: ``"torch"`` or ``"triton"``.
+    """
+    if backend == "torch":
+        _check_shapes(x, w13, w2, expert_ids, weights)
+        return fused_moe_ref(x, w13, w2, expert_ids, weights)
+    if backend != "triton":
+        raise ValueError(f"moe backend {backend!r} is not available; use 'torch' or 'triton'")
+    from splitmoe.kernels.triton_utils import require_triton
+
+    require_triton("moe_backend", x.device)
+    from splitmoe.kernels.moe_gemm import launch_fused_moe
+
+    check_moe_inputs(x, w13, w2, expert_ids, weights)
+    if x.shape[0] and x.device.type == "cuda":
+        if _faster_path(x, w13, w2, expert_ids, weights) == "grouped_mm":
+            return fused_moe_grouped_mm(x, w13, w2, expert_ids, weights)
+    return launch_fused_moe(x, w13, w2, expert_ids, weights)

@@ -1,10 +1,14 @@
-"""Attention over a paged KV cache: the PyTorch reference of the math the Triton kernels implement.
+"""Attention over a paged KV cache: the public entry, its metadata, and the PyTorch reference.
 
 Layout: the KV pool of one layer is ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
 head_dim]``; sequence ``i`` owns the blocks ``block_tables[i, :ceil(seq_lens[i] / block_size)]``.
 A step's queries are packed: sequence ``i`` contributes ``query_lens[i]`` consecutive tokens, the
 last ``query_lens[i]`` of its ``seq_lens[i]`` tokens (a prefill chunk, an extension of a cached
 prefix, or one decode token), and each attends causally to every earlier token of its sequence.
+
+Backends: ``"torch"`` runs `paged_attention_ref`; ``"triton"`` sends one-token rows to the
+split-KV decode kernel (`decode_attention`) and longer rows to the FlashAttention prefill/extend
+kernel (`prefill_attention`), both of which read K/V through the block table.
 """
 
 from __future__ import annotations
@@ -105,6 +109,70 @@ def paged_attention_ref(
     return out
 
 
+def check_paged_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    out: torch.Tensor | None = None,
+) -> None:
+    """What the Triton kernels assume beyond the shapes: dtypes, devices and strides."""
+    from splitmoe.kernels.triton_utils import SUPPORTED_DTYPES
+
+    if out is not None and (
+        out.shape != q.shape
+        or out.dtype != q.dtype
+        or out.device != q.device
+        or out.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"paged_attention: out must be like q {tuple(q.shape)} {q.dtype} with contiguous "
+            f"head_dim; got {tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        )
+
+    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"paged_attention: q and the caches must share one of float16/bfloat16/float32; got "
+            f"q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+        )
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            "paged_attention: head_dim must be contiguous in q and the caches, and both caches "
+            f"must share strides; got q {q.stride()}, k_cache {k_cache.stride()}, "
+            f"v_cache {v_cache.stride()}"
+        )
+    B = meta.num_seqs
+    bt = meta.block_tables
+    if (
+        bt.dtype != torch.int32
+        or bt.dim() != 2
+        or bt.shape[0] != B
+        or (bt.numel() and bt.stride(1) != 1)
+    ):
+        raise ValueError(
+            f"paged_attention: block_tables must be int32 [{B}, max_blocks] with contiguous rows; "
+            f"got {bt.dtype} {tuple(bt.shape)} strides {bt.stride()}"
+        )
+    for name, t, n in (
+        ("query_start_loc", meta.query_start_loc, B + 1),
+        ("seq_lens", meta.seq_lens, B),
+    ):
+        if t.dtype not in (torch.int32, torch.int64) or t.shape != (n,) or t.stride(0) != 1:
+            raise ValueError(
+                f"paged_attention: {name} must be a contiguous int32/int64 [{n}] tensor; "
+                f"got {t.dtype} {tuple(t.shape)}"
+            )
+    for name, t in (
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_tables", bt),
+        ("query_start_loc", meta.query_start_loc),
+        ("seq_lens", meta.seq_lens),
+    ):
+        if t.device != q.device:
+            raise ValueError(f"paged_attention: {name} is on {t.device}, q on {q.device}")
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -113,7 +181,9 @@ def paged_attention(
     scale: float,
     backend: str = "torch",
 ) -> torch.Tensor:
-    """Public entry: checks inputs, then runs the chosen backend (``"torch"`` for now)."""
+    """Causal attention of the packed queries ``q [T, num_heads, head_dim]`` over the paged cache
+    ``k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]``; returns ``[T, num_heads,
+    head_dim]`` in q's dtype. ``backend``: ``"torch"`` (reference) or ``"triton"``."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"paged_attention: q must be [T, H, D] and caches [blocks, block_size, KVH, D]; got "
@@ -124,6 +194,18 @@ def paged_attention(
             f"paged_attention: {q.shape[1]} query heads of dim {q.shape[2]} do not fit "
             f"{k_cache.shape[2]} KV heads of dim {k_cache.shape[3]}"
         )
-    if backend != "torch":
-        raise ValueError(f"attention backend {backend!r} is not available; use 'torch'")
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    if backend == "torch":
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    if backend != "triton":
+        raise ValueError(f"attention backend {backend!r} is not available; use 'torch' or 'triton'")
+    from splitmoe.kernels.triton_utils import require_triton
+
+    require_triton("attention_backend", q.device)
+    from splitmoe.kernels.decode_attention import launch_decode
+    from splitmoe.kernels.prefill_attention import launch_prefill
+
+    check_paged_inputs(q, k_cache, v_cache, meta)
+    out = torch.empty_like(q)
+    launch_prefill(q, k_cache, v_cache, meta, scale, out)  # rows of sequences with > 1 token
+    launch_decode(q, k_cache, v_cache, meta, scale, out)  # rows of one-token sequences
+    return out
