@@ -27,13 +27,15 @@ def make_prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[in
     return torch.randint(1, vocab, (batch, length), generator=g).tolist()
 
 
-def bench_splitmoe(args, prompts):
+def bench_splitmoe(args, prompts, micro_batches=None):
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     with LLM(
         args.model,
         attention_ranks=args.attention_ranks,
         expert_ranks=args.expert_ranks,
+        micro_batches=micro_batches,
+        transport=args.transport,
         dtype=args.dtype,
         device=args.device,
         threads_per_rank=args.threads_per_rank,
@@ -44,6 +46,7 @@ def bench_splitmoe(args, prompts):
         t = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - t
+        metrics = llm.metrics()
     ttft = [o.metrics.ttft for o in outs]
     decode_time = max(o.metrics.e2e_latency for o in outs) - max(ttft)
     n = sum(len(o.token_ids) for o in outs)
@@ -55,6 +58,7 @@ def bench_splitmoe(args, prompts):
         tpot_ms=1e3 * statistics.mean(o.metrics.tpot for o in outs),
         decode_tok_s=len(outs) * (args.max_tokens - 1) / decode_time,
         output_tok_s=n / wall,
+        metrics=metrics,
     )
 
 
@@ -110,6 +114,13 @@ def main() -> None:
     ap.add_argument("--threads-per-rank", type=int, default=None)
     ap.add_argument("--hf-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--transport", default="flat")
+    ap.add_argument(
+        "--micro-batches",
+        default="auto",
+        help="comma-separated counts to compare in one run, e.g. 1,2 (auto: chosen per step)",
+    )
+    ap.add_argument("--metrics", action="store_true", help="print each run's serving metrics")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.max_tokens < 2:
@@ -124,9 +135,15 @@ def main() -> None:
     cfg = ModelConfig.from_hf(args.model)
     prompts = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed)
     topo = f"{args.attention_ranks}+{args.expert_ranks}"
-    rows = [(f"splitmoe {topo}", bench_splitmoe(args, prompts))]
+    counts = (
+        [None] if args.micro_batches == "auto" else [int(m) for m in args.micro_batches.split(",")]
+    )
+    rows = [
+        (f"splitmoe {topo}" + ("" if m is None else f" m={m}"), bench_splitmoe(args, prompts, m))
+        for m in counts
+    ]
     if not args.skip_hf:
-        rows.append(("HF transformers", bench_hf(args, prompts)))
+        rows.insert(0, ("HF transformers", bench_hf(args, prompts)))
     print(
         f"\nmodel {args.model} ({cfg.model_type}, {cfg.num_layers} layers, {cfg.num_experts} "
         f"experts, top-{cfg.top_k}), batch {args.batch}, prompt {args.prompt_len}, "
@@ -141,10 +158,15 @@ def main() -> None:
             f"{name:<18}{r['decode_tok_s']:>14.1f}{r['output_tok_s']:>14.1f}"
             f"{r['ttft_ms']:>10.1f}{r['tpot_ms']:>10.2f}{r['wall_s']:>9.2f}"
         )
-    if len(rows) == 2:
-        ratio = rows[0][1]["decode_tok_s"] / rows[1][1]["decode_tok_s"]
-        same = rows[0][1]["tokens"] == rows[1][1]["tokens"]
-        print(f"decode throughput ratio splitmoe/HF: {ratio:.2f}x; tokens identical: {same}")
+    base = rows[0][1]
+    for name, r in rows[1:]:
+        ratio = r["decode_tok_s"] / base["decode_tok_s"]
+        same = r["tokens"] == base["tokens"]
+        print(f"decode throughput {name} / {rows[0][0]}: {ratio:.2f}x; tokens identical: {same}")
+    if args.metrics:
+        for name, r in rows:
+            if "metrics" in r:
+                print(f"\n{name}\n{r['metrics'].table()}")
 
 
 if __name__ == "__main__":

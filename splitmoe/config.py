@@ -125,6 +125,9 @@ class ParallelConfig:
     # Ranks that share a fast local link (a "node"). None: from the launcher (LOCAL_WORLD_SIZE,
     # OMPI_COMM_WORLD_LOCAL_SIZE), or the whole world for `LLM`. Set it to emulate several nodes.
     ranks_per_node: int | None = None
+    # Micro-batches per step (ping-pong: attention of one overlaps the experts of another).
+    # None: chosen each step from the batch (see `micro_batches_for`).
+    micro_batches: int | None = None
     # Collective and start-up timeout: a rank that stops answering ends the job after this long.
     timeout_s: float = 30.0
 
@@ -143,6 +146,12 @@ class ParallelConfig:
             )
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
+        if self.micro_batches is not None and (
+            not isinstance(self.micro_batches, int) or not 1 <= self.micro_batches <= 16
+        ):
+            raise ValueError(
+                f"micro_batches={self.micro_batches!r} must be None (automatic) or 1..16"
+            )
         if self.ranks_per_node is not None and (
             not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
         ):
@@ -151,6 +160,20 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.attention_ranks + self.expert_ranks
+
+    # Below this many tokens on the busiest attention rank, splitting a step costs more latency
+    # (one more round trip per layer) than the overlap gains.
+    MIN_TOKENS_TO_SPLIT = 8
+
+    def micro_batches_for(self, tokens_per_rank: tuple[int, ...]) -> int:
+        """Micro-batches of a step, from the all-gathered token counts: the same on every rank.
+        Automatic: 2 when there is something to overlap (expert ranks, and at least
+        `MIN_TOKENS_TO_SPLIT` tokens on the busiest attention rank), else 1."""
+        if self.micro_batches is not None:
+            return self.micro_batches
+        if self.expert_ranks == 0 or max(tokens_per_rank) < self.MIN_TOKENS_TO_SPLIT:
+            return 1
+        return 2
 
     @property
     def timeout(self) -> timedelta:

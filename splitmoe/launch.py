@@ -239,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="ranks per node (default: from the launcher); emulates several nodes",
     )
+    ap.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="micro-batches per step (default: chosen per step)",
+    )
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--dtype", default="auto")
@@ -270,6 +276,7 @@ def prepare(args, env: LaunchEnv):
             expert_ranks=env.world_size - args.attention_ranks,
             transport=args.transport,
             ranks_per_node=args.ranks_per_node,
+            micro_batches=args.micro_batches,
             timeout_s=args.timeout,
         ),
         cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb),

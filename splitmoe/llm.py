@@ -73,6 +73,8 @@ class _QueueChannel:
                     inbox.requests.extend(msg[1])
                 elif msg[0] == "stats":
                     inbox.stats_wanted = True
+                elif msg[0] == "trace":
+                    inbox.trace_wanted = True
                 else:
                     self._closed = True
                 msg = self.in_q.get_nowait()
@@ -130,6 +132,9 @@ class LLM:
         expert_ranks: ranks holding the routed experts; 0 runs them inside the attention rank.
         transport: attention<->expert communication scheme (``"flat"``).
         ranks_per_node: ranks that share a fast link; set it to emulate several nodes.
+        micro_batches: split each step into this many micro-batches so that attention and the
+            experts overlap (ping-pong); None chooses per step (2 with expert ranks and enough
+            tokens, else 1).
         dtype: ``"auto"`` (float32 on CPU, the checkpoint's dtype on CUDA), ``"float32"``,
             ``"bfloat16"`` or ``"float16"``.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
@@ -152,6 +157,7 @@ class LLM:
         expert_ranks: int = 0,
         transport: str = "flat",
         ranks_per_node: int | None = None,
+        micro_batches: int | None = None,
         dtype: str = "auto",
         device: str = "auto",
         block_size: int = 16,
@@ -174,6 +180,7 @@ class LLM:
                 expert_ranks=expert_ranks,
                 transport=transport,
                 ranks_per_node=ranks_per_node,
+                micro_batches=micro_batches,
                 timeout_s=timeout_s,
             ),
             cache=CacheConfig(
@@ -428,9 +435,17 @@ class LLM:
         """A snapshot from every rank, in rank order: role, resident memory (``rss_mb``,
         ``peak_rss_mb``), KV blocks / running / waiting / preemptions (attention ranks), tokens
         served (expert ranks), and the transport's counters under ``"comm"``."""
+        return self._ask("stats", timeout)
+
+    def trace(self, timeout: float | None = None) -> list[dict]:
+        """Every rank's recent timeline (``{"rank", "role", "timeline": [Span]}``, rank order):
+        what it computed, sent and waited for in its last steps (see `splitmoe.timeline`)."""
+        return self._ask("trace", timeout)
+
+    def _ask(self, command: str, timeout: float | None) -> list[dict]:
         self._stats = {}
         for q in self._in_qs:
-            q.put(("stats",))
+            q.put((command,))
         deadline = time.monotonic() + (
             self.config.parallel.timeout_s if timeout is None else timeout
         )

@@ -148,6 +148,7 @@ def test_truncated_checkpoint_refused_before_any_rank_starts(ckpt, tmp_path):
     shutil.copytree(ckpt, bad)
     data = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) * 2 // 3])
+    before = set(multiprocessing.active_children())
     with pytest.raises(CheckpointError, match=r"model\.safetensors"):
         LLM(str(bad), expert_ranks=1, device="cpu")
-    assert _no_children()
+    assert set(multiprocessing.active_children()) <= before

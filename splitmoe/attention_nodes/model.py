@@ -19,10 +19,31 @@ from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention,
 
 
 class ExpertExecutor(Protocol):
-    def __call__(
+    """The routed experts, seen from an attention rank, in two halves so that other work (the
+    next micro-batch's attention, the shared expert) runs while the experts compute."""
+
+    def start(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """Routed-expert output ``[T, H]`` for ``x [T, H]`` and its top-k routing ``[T, k]``."""
+    ) -> object:
+        """Hands ``x [T, H]`` and its top-k routing ``[T, k]`` to the experts; returns a handle."""
+
+    def finish(self, handle: object) -> torch.Tensor:
+        """The routed-expert output ``[T, H]`` of a started layer."""
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch's packed tokens: ids and positions ``[T]``, and their KV metadata."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+
+
+@dataclass
+class _MoeInFlight:
+    handle: object
+    shared: torch.Tensor | None  # shared-expert output, computed while the experts work
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -151,35 +172,54 @@ class AttentionModel:
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.attention_backend)
         return F.linear(o.reshape(T, self.q_size), layer.o_proj)
 
-    def ffn(self, i: int, x: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
+    def start_moe(self, i: int, x: torch.Tensor, experts: ExpertExecutor) -> _MoeInFlight:
         layer = self.layers[i]
-        if layer.router is None:
-            return gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)
         ids, weights = self.route(layer, x)
-        y = experts(i, x, ids, weights)
+        handle = experts.start(i, x, ids, weights)
+        shared = None
         if layer.shared_expert_gate is not None:
             shared = gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)
-            y = y + torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
-        return y
+            shared = torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
+        return _MoeInFlight(handle, shared)
+
+    @staticmethod
+    def finish_moe(moe: _MoeInFlight, experts: ExpertExecutor) -> torch.Tensor:
+        y = experts.finish(moe.handle)
+        return y if moe.shared is None else y + moe.shared
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: PagedKVCache,
-        experts: ExpertExecutor,
-    ) -> torch.Tensor:
-        """``input_ids, positions [T]`` -> final hidden states ``[T, H]`` (normed)."""
+        self, mbs: list[MicroBatch], kv_cache: PagedKVCache, experts: ExpertExecutor
+    ) -> list[torch.Tensor]:
+        """Final hidden states ``[T_j, H]`` (normed) of each micro-batch.
+
+        Layer by layer, micro-batch by micro-batch (ping-pong): micro-batch j's MoE is started
+        after its attention and finished only when its next layer needs it, so the attention of
+        micro-batch j+1 runs while the experts work on j. With one micro-batch this is the plain
+        sequential forward.
+        """
         eps = self.cfg.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)  # [T, H]
-        cos_sin = self.rope(positions, h.dtype)
+        hs = [F.embedding(mb.input_ids, self.embed) for mb in mbs]  # [T_j, H]
+        rope = [self.rope(mb.positions, h.dtype) for mb, h in zip(mbs, hs)]
+        in_flight: list[_MoeInFlight | None] = [None] * len(mbs)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, eps)
-            h = h + self.attention(layer, x, cos_sin, kv_cache.layer(i), meta)
-            x = rms_norm(h, layer.post_norm, eps)
-            h = h + self.ffn(i, x, experts)
-        return rms_norm(h, self.final_norm, eps)
+            kv = kv_cache.layer(i)
+            for j, mb in enumerate(mbs):
+                h = hs[j]
+                if in_flight[j] is not None:
+                    h = h + self.finish_moe(in_flight[j], experts)
+                    in_flight[j] = None
+                x = rms_norm(h, layer.input_norm, eps)
+                h = h + self.attention(layer, x, rope[j], kv, mb.meta)
+                x = rms_norm(h, layer.post_norm, eps)
+                if layer.router is None:
+                    h = h + gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)
+                else:
+                    in_flight[j] = self.start_moe(i, x, experts)
+                hs[j] = h
+        for j, moe in enumerate(in_flight):
+            if moe is not None:
+                hs[j] = hs[j] + self.finish_moe(moe, experts)
+        return [rms_norm(h, self.final_norm, eps) for h in hs]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head).float()  # [B, V]

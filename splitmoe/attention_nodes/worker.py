@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from splitmoe.attention_nodes.kv_cache import PagedKVCache
-from splitmoe.attention_nodes.model import AttentionModel
+from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
 from splitmoe.attention_nodes.sampler import make_generator, sample
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
@@ -20,6 +20,7 @@ from splitmoe.outputs import RequestMetrics
 from splitmoe.scheduler.block_manager import BlockManager
 from splitmoe.scheduler.request import RequestSpec
 from splitmoe.scheduler.scheduler import ScheduledBatch, Scheduler
+from splitmoe.timeline import Timeline
 
 
 @dataclass
@@ -33,14 +34,33 @@ class RequestUpdate:
 
 
 class RemoteExperts:
-    """ExpertExecutor over a transport: dispatch to the expert ranks, then combine."""
+    """ExpertExecutor over a transport: `start` dispatches to the expert ranks, `finish`
+    combines their partial sums."""
 
-    def __init__(self, transport: Transport):
+    def __init__(self, transport: Transport, timeline: Timeline):
         self.transport = transport
+        self.timeline = timeline
 
-    def __call__(self, layer, x, topk_ids, topk_weights):
-        handle = self.transport.dispatch(x, topk_ids, topk_weights, layer=layer)
-        return self.transport.combine(handle)
+    def start(self, layer, x, topk_ids, topk_weights):
+        with self.timeline.span(f"dispatch L{layer}", "comm"):
+            return self.transport.dispatch(x, topk_ids, topk_weights, layer=layer)
+
+    def finish(self, handle):
+        with self.timeline.span(f"combine L{handle.layer}", "wait"):
+            return self.transport.combine(handle)
+
+
+def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:
+    """Indices of the requests in each of ``m`` micro-batches, balanced by token count (longest
+    first onto the lightest micro-batch; ties to the lowest index), each in batch order. Some may
+    be empty: every micro-batch still takes part in the collectives."""
+    loads = [0] * m
+    parts: list[list[int]] = [[] for _ in range(m)]
+    for i in sorted(range(len(num_tokens)), key=lambda i: (-num_tokens[i], i)):
+        j = min(range(m), key=lambda j: (loads[j], j))
+        loads[j] += num_tokens[i]
+        parts[j].append(i)
+    return [sorted(p) for p in parts]
 
 
 class AttentionWorker:
@@ -52,12 +72,13 @@ class AttentionWorker:
         dtype = cfg.torch_dtype
         self.device = device
         self.seed = cfg.seed
+        self.timeline = Timeline()
         globals_, layers = load_attention_weights(m, dtype, str(device))
         self.model = AttentionModel(m, globals_, layers, device, cfg.backend("attention_backend"))
         self.experts = (
             LocalExperts(m, list(range(m.num_experts)), dtype, device, cfg.backend("moe_backend"))
             if transport is None
-            else RemoteExperts(transport)
+            else RemoteExperts(transport, self.timeline)
         )
         block_size = cfg.cache.block_size
         num_blocks = cfg.cache.resolve_num_blocks(
@@ -96,45 +117,44 @@ class AttentionWorker:
         self._batch = self.scheduler.schedule()
         return self._batch.total_tokens
 
-    def _inputs(self, batch: ScheduledBatch):
+    def _inputs(self, reqs: list, counts: list[int]) -> tuple[MicroBatch, list[int]]:
+        """Packs the tokens of ``reqs`` (``counts[i]`` new tokens each); returns the micro-batch
+        and the rows whose last token gets sampled."""
         bs = self.blocks.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        qlens, seqlens, sample_rows = [], [], []
-        for req, n in zip(batch.requests, batch.num_new_tokens):
+        seqlens, sample_rows = [], []
+        for req, n in zip(reqs, counts):
             start = req.num_computed_tokens
             ids += req.token_ids(start, start + n)
             table = req.block_table
             for p in range(start, start + n):
                 slots.append(table[p // bs] * bs + p % bs)
             positions += range(start, start + n)
-            qlens.append(n)
             seqlens.append(start + n)
             if start + n == req.num_tokens:
                 sample_rows.append(len(ids) - 1)
-        width = max((len(r.block_table) for r in batch.requests), default=0)
-        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in batch.requests]
+        width = max((len(r.block_table) for r in reqs), default=0)
+        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in reqs]
         dev = self.device
         loc = [0]
-        for n in qlens:
+        for n in counts:
             loc.append(loc[-1] + n)
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
             seq_lens=torch.tensor(seqlens, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev).view(
-                len(tables), width
-            ),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev).view(len(reqs), width),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_lens=qlens,
+            query_lens=list(counts),
             seq_lens_list=seqlens,
         )
-        return (
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta,
-            sample_rows,
+        mb = MicroBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
         )
+        return mb, sample_rows
 
     def _record(self, batch: ScheduledBatch) -> StepRecord | None:
         if not batch.requests:
@@ -156,23 +176,31 @@ class AttentionWorker:
         )
 
     @torch.inference_mode()
-    def execute(self) -> tuple[list[RequestUpdate], StepRecord | None]:
-        """Runs the planned step (with zero tokens it still joins every dispatch/combine);
+    def execute(self, micro_batches: int = 1) -> tuple[list[RequestUpdate], StepRecord | None]:
+        """Runs the planned step as ``micro_batches`` micro-batches (every attention and expert
+        rank uses the same count; with zero tokens a rank still joins every dispatch/combine);
         returns the requests' new tokens and a record of the step (None if it had no tokens)."""
         batch = self._batch
         record = self._record(batch)
-        input_ids, positions, meta, sample_rows = self._inputs(batch)
-        h = self.model.forward(input_ids, positions, meta, self.kv_cache, self.experts)
-        to_sample = [
-            r
-            for r, n in zip(batch.requests, batch.num_new_tokens)
-            if r.num_computed_tokens + n == r.num_tokens
-        ]
+        parts = split_micro_batches(batch.num_new_tokens, micro_batches)
+        mbs, rows, to_sample = [], [], []
+        for part in parts:
+            reqs = [batch.requests[i] for i in part]
+            counts = [batch.num_new_tokens[i] for i in part]
+            mb, sample_rows = self._inputs(reqs, counts)
+            mbs.append(mb)
+            rows.append(sample_rows)
+            to_sample += [
+                r for r, n in zip(reqs, counts) if r.num_computed_tokens + n == r.num_tokens
+            ]
+        with self.timeline.span(f"forward m={micro_batches}", "compute"):
+            hs = self.model.forward(mbs, self.kv_cache, self.experts)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         if not to_sample:
             return [], record
-        logits = self.model.logits(h[sample_rows])  # [B, V]
+        h = torch.cat([h[r] for h, r in zip(hs, rows)])  # [B, H], in to_sample order
+        logits = self.model.logits(h)  # [B, V]
         tokens = sample(
             logits,
             [r.params for r in to_sample],

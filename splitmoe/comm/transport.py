@@ -226,6 +226,15 @@ class Transport(ABC):
         self.stats = CommStats()
         self.cost_model = cost_model or DEFAULT_COST_MODEL
         self.timeout = timeout
+        # One group per direction ("lane"): with micro-batches, dispatches of later micro-batches
+        # and combines of earlier ones interleave differently on attention and expert ranks, and
+        # collectives on one group must be issued in the same order everywhere. Each lane on its
+        # own is in the same (layer, micro-batch) order on every rank.
+        self.lanes = {
+            "dispatch": group,
+            "combine": dist.new_group(list(range(topo.world_size)), timeout=timeout),
+        }
+        self._in_flight: list = []  # (work, buffer) of asynchronous sends not yet completed
 
     @abstractmethod
     def dispatch(
@@ -247,7 +256,9 @@ class Transport(ABC):
 
     @abstractmethod
     def send_back(self, y: torch.Tensor, batch: ExpertBatch) -> None:
-        """Expert side of `combine`: ``y [N, H]`` partial sums, one per received row."""
+        """Expert side of `combine`: ``y [N, H]`` partial sums, one per received row. Returns
+        before the transfer completes, so the expert rank can receive the next micro-batch;
+        `flush` waits for all of them."""
 
     def stats_snapshot(self) -> dict:
         """This rank's cumulative statistics, JSON-serialisable::
@@ -317,17 +328,24 @@ class Transport(ABC):
         stage: str = "exchange",
         group: dist.ProcessGroup | None = None,
         peers: list[int] | range | None = None,
-    ) -> torch.Tensor:
-        """Uneven ``all_to_all_single`` of rows over ``group`` (default: the data group, whose
-        members are all world ranks); ``peers[i]`` is the world rank of member ``i``. Counts the
-        transfer in `stats` and returns the received rows on the compute device."""
+        async_op: bool = False,
+    ) -> torch.Tensor | None:
+        """Uneven ``all_to_all_single`` of rows over ``group`` (default: the lane of
+        ``direction``, whose members are all world ranks); ``peers[i]`` is the world rank of
+        member ``i``. Counts the transfer in `stats` and returns the received rows on the compute
+        device. ``async_op`` (sends only: nothing is received) returns at once; `flush` waits."""
         send = send.to(self.comm_device)
         recv = torch.empty(
             (sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self.comm_device
         )
         with self.stats.timed(layer, stage):
-            dist.all_to_all_single(
-                recv, send, recv_counts, send_counts, group=self.group if group is None else group
+            work = dist.all_to_all_single(
+                recv,
+                send,
+                recv_counts,
+                send_counts,
+                group=self.lanes[direction] if group is None else group,
+                async_op=async_op,
             )
         self.stats.add(
             layer,
@@ -338,7 +356,46 @@ class Transport(ABC):
             self.links,
             self.topo.rank,
         )
+        if async_op:
+            self._in_flight.append((work, send))
+            return None
         return recv.to(self.device)
+
+    def post(
+        self,
+        send: torch.Tensor,
+        send_counts: list[int],
+        recv_counts: list[int],
+        layer: int,
+        direction: str,
+    ) -> tuple[torch.Tensor, object]:
+        """Asynchronous `all_to_all` on the lane of ``direction``: returns the receive buffer
+        (on the communication device, valid once the work is waited) and the work."""
+        send = send.to(self.comm_device)
+        recv = torch.empty(
+            (sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self.comm_device
+        )
+        with self.stats.timed(layer, "exchange"):
+            work = dist.all_to_all_single(
+                recv, send, recv_counts, send_counts, group=self.lanes[direction], async_op=True
+            )
+        self.stats.add(
+            layer,
+            direction,
+            send_counts,
+            math.prod(send.shape[1:]) * send.element_size(),
+            range(self.topo.world_size),
+            self.links,
+            self.topo.rank,
+        )
+        self._in_flight.append((work, send))
+        return recv, work
+
+    def flush(self) -> None:
+        """Waits until every asynchronous send has completed (expert ranks, end of a step)."""
+        for work, _ in self._in_flight:
+            work.wait()
+        self._in_flight.clear()
 
 
 TRANSPORTS: dict[str, type[Transport]] = {}
@@ -355,6 +412,17 @@ def register_transport(name: str):
     return deco
 
 
+@dataclass
+class _InFlight:
+    """A flat dispatch in progress: its works, the buffers they use, and the partial-sum
+    receive buffer the combine fills."""
+
+    works: list
+    keep: tuple
+    partial: torch.Tensor
+    combine_work: object
+
+
 @register_transport("flat")
 class FlatTransport(Transport):
     """One uneven ``all_to_all_single`` over all ranks per direction, after a count exchange."""
@@ -363,22 +431,48 @@ class FlatTransport(Transport):
         send = torch.tensor(send_counts, dtype=torch.int64, device=self.comm_device)
         recv = torch.empty_like(send)
         with self.stats.timed(layer, "counts"):
-            dist.all_to_all_single(recv, send, group=self.group)
+            dist.all_to_all_single(recv, send, group=self.lanes["dispatch"])
             return recv.tolist()
 
     def dispatch(self, x, topk_ids, topk_weights, layer=UNKNOWN_LAYER):
+        """Posts the count exchange, the rows and the receive of the partial sums, all
+        asynchronously, and returns at once: the attention rank computes on (the next
+        micro-batch) while the tokens travel and the experts work. `combine` waits."""
         self.stats.call(layer, "flat")
         token_index, ids, w, counts = self.route(topk_ids, topk_weights)
         rows = self.pack(x[token_index], ids, w)  # [P, row_bytes]
-        self.all_to_all(rows, counts, self._counts(counts, layer), layer, "dispatch")
+        zeros = [0] * self.topo.world_size
+        send_counts = torch.tensor(counts, dtype=torch.int64, device=self.comm_device)
+        with self.stats.timed(layer, "counts"):
+            works = [
+                dist.all_to_all_single(
+                    torch.empty_like(send_counts),
+                    send_counts,
+                    group=self.lanes["dispatch"],
+                    async_op=True,
+                )
+            ]
+        works.append(self.post(rows, counts, zeros, layer, "dispatch")[1])
+        partial, combine_work = self.post(
+            torch.empty(0, self.hidden_size, dtype=self.dtype), zeros, counts, layer, "combine"
+        )
         return DispatchHandle(
-            token_index=token_index, send_counts=counts, num_tokens=x.shape[0], layer=layer
+            token_index=token_index,
+            send_counts=counts,
+            num_tokens=x.shape[0],
+            layer=layer,
+            plan=_InFlight(
+                works=works, keep=(send_counts, rows), partial=partial, combine_work=combine_work
+            ),
         )
 
     def combine(self, handle):
-        nothing = torch.empty(0, self.hidden_size, dtype=self.dtype)
-        zeros = [0] * self.topo.world_size
-        partial = self.all_to_all(nothing, zeros, handle.send_counts, handle.layer, "combine")
+        flight: _InFlight = handle.plan
+        with self.stats.timed(handle.layer, "exchange"):
+            flight.combine_work.wait()
+            for work in flight.works:
+                work.wait()
+        partial = flight.partial.to(self.device)
         out = torch.zeros(handle.num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
         out.index_add_(0, handle.token_index, partial)
         return out
@@ -393,7 +487,8 @@ class FlatTransport(Transport):
         return ExpertBatch(x=x, expert_ids=ids, weights=w, recv_counts=recv_counts, layer=layer)
 
     def send_back(self, y, batch):
-        self.all_to_all(y, batch.recv_counts, [0] * self.topo.world_size, batch.layer, "combine")
+        zeros = [0] * self.topo.world_size
+        self.all_to_all(y, batch.recv_counts, zeros, batch.layer, "combine", async_op=True)
 
 
 # The two-phase and adaptive transports register themselves; imported last because they build on

@@ -225,12 +225,15 @@ class TwoPhaseTransport(Transport):
         # Phase-1 groups: the attention ranks of each node holding two or more. Every rank creates
         # every group, in node order, as torch.distributed requires.
         self.node_ranks = self.layout.members[topo.node] if topo.is_attention else range(0)
-        self.intra_group: dist.ProcessGroup | None = None
-        for ranks in self.layout.members:
-            if len(ranks) >= 2:
-                g = dist.new_group(list(ranks), timeout=self.timeout)
-                if topo.rank in ranks:
-                    self.intra_group = g
+        # One per lane, like the data groups (see `Transport.lanes`).
+        self.intra_groups: dict[str, dist.ProcessGroup | None] = {}
+        for lane in ("dispatch", "combine"):
+            self.intra_groups[lane] = None
+            for ranks in self.layout.members:
+                if len(ranks) >= 2:
+                    g = dist.new_group(list(ranks), timeout=self.timeout)
+                    if topo.rank in ranks:
+                        self.intra_groups[lane] = g
 
     # ---- the per-layer plan -------------------------------------------------------------------
     def choose(
@@ -246,7 +249,7 @@ class TwoPhaseTransport(Transport):
         send = torch.tensor(mine, dtype=torch.int64, device=self.comm_device)  # [E]
         out = torch.empty(W * E, dtype=torch.int64, device=self.comm_device)
         with self.stats.timed(layer, "counts"):
-            dist.all_gather_single(out, send, group=self.group)
+            dist.all_gather_single(out, send, group=self.lanes["dispatch"])
             counts = out.view(W, E)[: self.topo.num_attention].cpu()
         return counts
 
@@ -347,7 +350,7 @@ class TwoPhaseTransport(Transport):
             layer,
             direction,
             stage="aggregate",
-            group=self.intra_group,
+            group=self.intra_groups[direction],
             peers=self.node_ranks,
         )
 
@@ -363,7 +366,8 @@ class TwoPhaseTransport(Transport):
         )
 
     def send_back(self, y, batch):
-        self.all_to_all(y, batch.recv_counts, [0] * self.topo.world_size, batch.layer, "combine")
+        zeros = [0] * self.topo.world_size
+        self.all_to_all(y, batch.recv_counts, zeros, batch.layer, "combine", async_op=True)
 
 
 @register_transport("auto")

@@ -35,8 +35,12 @@ class LocalExperts:
         w13, w2 = self.weights[layer]
         return fused_moe(x, w13, w2, local_ids, weights, self.backend)
 
-    # Colocated mode: an ExpertExecutor whose local ids are the global ids.
-    def __call__(
+    # Colocated mode: an ExpertExecutor whose local ids are the global ids; nothing to overlap,
+    # so `start` computes and `finish` hands the result back.
+    def start(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         return self.compute(layer, x, topk_ids, topk_weights)
+
+    def finish(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle

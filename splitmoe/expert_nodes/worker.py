@@ -8,6 +8,7 @@ from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
 from splitmoe.expert_nodes.experts import LocalExperts
+from splitmoe.timeline import Timeline
 
 
 class ExpertWorker:
@@ -25,14 +26,24 @@ class ExpertWorker:
         )
         self.transport = transport
         self.tokens_served = 0
+        self.timeline = Timeline()
 
     def stats(self) -> dict:
         return {"experts": self.experts.expert_ids, "tokens_served": self.tokens_served}
 
-    def step(self) -> None:
-        """One engine step: the MoE layers in order, as every attention rank runs them."""
+    def step(self, micro_batches: int = 1) -> None:
+        """One engine step: the MoE layers in order, each micro-batch in order, as every
+        attention rank runs them. A micro-batch's partial sums leave asynchronously, so the next
+        one is received (and the attention ranks are unblocked) at once."""
+        tl = self.timeline
         for layer in self.moe_layers:
-            batch = self.transport.receive(layer=layer)
-            y = self.experts.compute(layer, batch.x, batch.expert_ids, batch.weights)
-            self.transport.send_back(y, batch)
-            self.tokens_served += batch.x.shape[0]
+            for j in range(micro_batches):
+                with tl.span(f"receive L{layer}.{j}", "wait"):
+                    batch = self.transport.receive(layer=layer)
+                with tl.span(f"experts L{layer}.{j}", "compute"):
+                    y = self.experts.compute(layer, batch.x, batch.expert_ids, batch.weights)
+                with tl.span(f"send L{layer}.{j}", "comm"):
+                    self.transport.send_back(y, batch)
+                self.tokens_served += batch.x.shape[0]
+        with tl.span("flush", "wait"):
+            self.transport.flush()

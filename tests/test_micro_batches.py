@@ -1,0 +1,61 @@
+"""Ping-pong micro-batches: the same tokens as HF transformers for any micro-batch count."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import prompt_ids
+
+from splitmoe import LLM, SamplingParams
+from splitmoe.attention_nodes.worker import split_micro_batches
+from splitmoe.config import ParallelConfig
+
+PROMPTS = [prompt_ids(n, seed=80 + i) for i, n in enumerate((1, 7, 19, 4, 11, 2))]
+
+
+def test_split_balances_tokens_and_keeps_batch_order():
+    assert split_micro_batches([5, 1, 1, 1, 4], 2) == [[0, 2], [1, 3, 4]]  # 6 and 6 tokens
+    assert split_micro_batches([3], 3) == [[0], [], []]
+    assert split_micro_batches([], 2) == [[], []]
+
+
+def test_automatic_count_is_shared_by_all_ranks():
+    p = ParallelConfig(attention_ranks=2, expert_ranks=1)
+    assert p.micro_batches_for((3, 0)) == 1  # too few tokens to gain from overlap
+    assert p.micro_batches_for((0, 40)) == 2
+    assert ParallelConfig(1, 0).micro_batches_for((100,)) == 1  # colocated: nothing to overlap
+    assert ParallelConfig(1, 1, micro_batches=3).micro_batches_for((1,)) == 3
+    with pytest.raises(ValueError, match="micro_batches=0"):
+        ParallelConfig(1, 1, micro_batches=0)
+
+
+@pytest.mark.parametrize("attention_ranks,expert_ranks", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_tokens_match_hf(tiny_ckpt, hf_ref, attention_ranks, expert_ranks, m):
+    ckpt = tiny_ckpt("qwen2_moe")  # shared expert: overlapped with the routed experts
+    with LLM(
+        str(ckpt),
+        attention_ranks=attention_ranks,
+        expert_ranks=expert_ranks,
+        micro_batches=m,
+        device="cpu",
+        max_num_batched_tokens=16,
+    ) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == hf_ref(ckpt, p, 10)
+
+
+def test_two_phase_with_micro_batches(tiny_ckpt, hf_ref):
+    ckpt = tiny_ckpt("qwen3_moe")
+    with LLM(
+        str(ckpt),
+        attention_ranks=2,
+        expert_ranks=2,
+        micro_batches=2,
+        ranks_per_node=2,
+        transport="two_phase",
+        device="cpu",
+    ) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == hf_ref(ckpt, p, 8)
