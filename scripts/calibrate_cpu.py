@@ -1,0 +1,49 @@
+"""Measures this machine's hardware profile for the cluster simulator.
+
+    python scripts/calibrate_cpu.py --out splitmoe/sim/profiles/cpu.json
+
+In-process: 1-thread GEMM FLOP/s and copy bandwidth, and the runtime's own attention layers and
+experts timed on the model (host overhead per layer, per sequence, per activated expert). Then a
+few short `LLM` runs (`splitmoe.sim.calibrate.CALIBRATION_RUNS`: 1 and 2 colocated ranks,
+1+1, 1+2, 2+2) fit the fixed cost of a step, the effective cores and the cost of one gloo
+collective in the runtime's step pattern per world size. About a minute on 2 cores. Timings on
+a shared machine drift: the scaling study (``--validate``) refits the run-based constants from
+its own runs, in the same passes as the runs it checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from splitmoe.sim.calibrate import calibrate  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint (default: the built-in model)")
+    ap.add_argument("--out", default="out/cpu_profile.json")
+    ap.add_argument("--max-world", type=int, default=4, help="largest calibration run (ranks)")
+    args = ap.parse_args(argv)
+    if args.model is None:
+        from splitmoe.models.default_model import write_default_model
+
+        path = Path(".splitmoe/default-model")
+        if not (path / "config.json").is_file():
+            write_default_model(path)
+        args.model = str(path)
+    hw = calibrate(args.model, args.max_world)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    hw.to_file(out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

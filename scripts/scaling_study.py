@@ -1,0 +1,674 @@
+"""Scaling study: sweeps topologies and workloads with real `LLM` runs; CSV, plots, and a check
+of the cluster simulator against what was measured.
+
+    python scripts/scaling_study.py --quick --out out/scaling           # a few minutes, 2 cores
+    python scripts/scaling_study.py --attention-ranks 1,2,4 --expert-ranks 0,1,2 \\
+        --batch 1,8,32 --rate inf,20 --micro-batches 1,2 --transport flat,two_phase \\
+        --balancer static,global --replicas 1,2 --out out/scaling
+
+Sweep axes (comma lists): attention ranks, expert ranks (0 = colocated), closed-batch size or
+Poisson request rate, micro-batches, transport, balancer (with ``--redundant-experts``) and
+replicas (independent instances sharing the machine). An axis whose `LLM` option does not exist
+yet (``micro_batches``, ``balancer``) or whose transport is not registered runs only at its
+default and the skipped values are listed in ``notes.txt`` and on the console: nothing else
+changes when the option lands.
+
+Every run point is measured ``--repeats`` times on one started instance and the median kept
+(other work on the machine makes single timings noisy). Outputs under ``--out``:
+
+* ``scaling.csv``: one row per run point: settings; output tokens/s, per rank, TTFT/TBT
+  percentiles, TPOT, comm share (attention ranks' time in collectives), expert imbalance
+  (max / mean tokens served per expert rank); and, with a profile, the simulator's predictions;
+* ``plots/*.png``: throughput per rank and latency against each swept axis (matplotlib; skipped,
+  with a note, when it is missing), and predicted against measured;
+* ``cpu_profile.json`` and ``validation.txt`` (``--validate``, on by default with ``--quick``):
+  this machine's profile, calibrated at the start of the study, and the simulator's predictions
+  for the closed-batch runs with their errors (the ±25 % check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import inspect
+import itertools
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tqdm import tqdm  # noqa: E402
+
+from splitmoe import LLM, SamplingParams  # noqa: E402
+from splitmoe.config import ModelConfig  # noqa: E402
+from splitmoe.metrics import summarize  # noqa: E402
+
+# axis -> (LLM keyword, default value); the default runs even when the keyword does not exist.
+OPTIONAL_AXES = {
+    "micro_batches": ("micro_batches", 1),
+    "balancer": ("balancer", "static"),
+}
+
+FIELDS = [
+    "status", "attention_ranks", "expert_ranks", "ranks", "replicas", "transport",
+    "micro_batches", "balancer", "redundant_experts", "num_requests", "rate", "prompt_len",
+    "max_tokens", "max_num_batched_tokens", "repeats", "duration_s", "output_tok_s",
+    "output_tok_s_per_rank", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tbt_p50_ms",
+    "tbt_p90_ms", "tbt_p99_ms", "tpot_mean_ms", "comm_share", "imbalance",
+    "seqs_per_step_mean", "pred_output_tok_s", "pred_tbt_ms", "pred_ttft_ms", "pred_comm_share",
+    "err_output_tok_s", "err_tbt", "calibration",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Topology:
+    attention_ranks: int
+    expert_ranks: int
+    transport: str
+    micro_batches: int
+    balancer: str
+    redundant_experts: int
+    replicas: int
+
+    @property
+    def ranks(self) -> int:
+        return self.attention_ranks + self.expert_ranks
+
+    def llm_kwargs(self) -> dict:
+        kw = dict(
+            attention_ranks=self.attention_ranks,
+            expert_ranks=self.expert_ranks,
+            transport=self.transport,
+        )
+        if self.micro_batches != 1:
+            kw["micro_batches"] = self.micro_batches
+        if self.balancer != "static":
+            kw["balancer"] = self.balancer
+            kw["redundant_experts"] = self.redundant_experts
+        return kw
+
+    def label(self) -> str:
+        return (
+            f"{self.attention_ranks}A+{self.expert_ranks}E {self.transport} "
+            f"m={self.micro_batches} {self.balancer} x{self.replicas}"
+        )
+
+
+def csv_list(kind):
+    def parse(text: str):
+        return [kind(x) for x in text.split(",") if x]
+
+    return parse
+
+
+def rate_value(text: str) -> float:
+    return math.inf if text in ("inf", "closed") else float(text)
+
+
+def supported_options() -> tuple[set[str], set[str]]:
+    """`LLM` keyword arguments, and registered transports."""
+    from splitmoe.comm.transport import TRANSPORTS
+
+    return set(inspect.signature(LLM).parameters), set(TRANSPORTS)
+
+
+def plan_topologies(args, notes: list[str]) -> list[Topology]:
+    """The sweep's topologies; axes the runtime cannot run yet keep only their default."""
+    params, transports = supported_options()
+    axes = {
+        "micro_batches": args.micro_batches,
+        "balancer": args.balancer,
+    }
+    for axis, values in axes.items():
+        kw, default = OPTIONAL_AXES[axis]
+        if kw not in params:
+            skipped = [v for v in values if v != default]
+            if skipped:
+                notes.append(
+                    f"skipped {axis}={skipped}: LLM has no {kw!r} option yet (ran {default!r})"
+                )
+            axes[axis] = [default]
+    usable = [t for t in args.transport if t in transports]
+    if len(usable) < len(args.transport):
+        missing = [t for t in args.transport if t not in transports]
+        notes.append(f"skipped transport={missing}: not registered (have {sorted(transports)})")
+    usable = usable or ["flat"]
+    topos = []
+    for a, e, tr, m, bal, rep in itertools.product(
+        args.attention_ranks,
+        args.expert_ranks,
+        usable,
+        axes["micro_batches"],
+        axes["balancer"],
+        args.replicas,
+    ):
+        if e == 0 and (tr != usable[0] or bal != "static"):
+            continue  # colocated: no transport, no expert balancer
+        if (a + e) * rep > args.max_processes:
+            notes.append(
+                f"skipped {a}A+{e}E x{rep}: more than --max-processes {args.max_processes}"
+            )
+            continue
+        topos.append(Topology(a, e, tr, m, bal, args.redundant_experts, rep))
+    return topos
+
+
+# ---- one run point ----------------------------------------------------------------------------
+def stats_counters(llms: list[LLM]) -> tuple[float, list[float]]:
+    """(attention ranks' seconds in collectives, tokens served per expert rank), cumulative."""
+    comm, served = 0.0, []
+    for llm in llms:
+        for s in llm.stats():
+            if s["role"] == "attention" and s.get("comm"):
+                comm += sum(s["comm"]["total"]["seconds"].values())
+            if s["role"] == "expert":
+                served.append(float(s.get("tokens_served", 0)))
+    return comm, served
+
+
+def run_point(llms: list[LLM], topo: Topology, num_requests: int, rate: float, args, rng):
+    """Submits ``num_requests`` requests (all at once, or Poisson at ``rate``) spread over the
+    replicas; returns the ServingMetrics-like dict of the point."""
+    vocab = llms[0].config.model.vocab_size
+    prompts = [
+        [rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(num_requests)
+    ]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    arrivals, t = [], 0.0
+    for _ in prompts:
+        arrivals.append(t)
+        if rate != math.inf:
+            t += rng.expovariate(rate)
+    comm0, served0 = stats_counters(llms)
+    for llm in llms:
+        llm.reset_metrics()
+    start = time.perf_counter()
+    start_wall = time.time()
+    outputs, pending, nxt = [], 0, 0
+    while nxt < len(prompts) or pending:
+        now = time.perf_counter() - start
+        due = []
+        while nxt < len(prompts) and arrivals[nxt] <= now:
+            due.append(nxt)
+            nxt += 1
+        for i in due:  # round-robin over replicas
+            llms[i % len(llms)].submit([prompts[i]], params)
+            pending += 1
+        wait = 0.02 if nxt >= len(prompts) else max(0.0, min(0.02, arrivals[nxt] - now))
+        for llm in llms:
+            for out, _ in llm.poll(timeout=wait / len(llms)):
+                if out.finished:
+                    outputs.append(out)
+                    pending -= 1
+    end = max(o.metrics.arrival_time + o.metrics.e2e_latency for o in outputs)
+    steps = [s for llm in llms for s in llm.step_records]
+    m = summarize(outputs, steps, end - start_wall)
+    comm1, served1 = stats_counters(llms)
+    served = [b - a for a, b in zip(served0, served1)]
+    imbalance = max(served) / statistics.fmean(served) if served and sum(served) else 1.0
+    busy = topo.attention_ranks * topo.replicas * m.duration_s
+    return dict(
+        duration_s=m.duration_s,
+        output_tok_s=m.output_tok_s,
+        ttft_p50_ms=m.ttft_p50 * 1e3,
+        ttft_p90_ms=m.ttft_p90 * 1e3,
+        ttft_p99_ms=m.ttft_p99 * 1e3,
+        tbt_p50_ms=m.tbt_p50 * 1e3,
+        tbt_p90_ms=m.tbt_p90 * 1e3,
+        tbt_p99_ms=m.tbt_p99 * 1e3,
+        tpot_mean_ms=m.tpot_mean * 1e3,
+        comm_share=(comm1 - comm0) / busy if busy else 0.0,
+        imbalance=imbalance,
+        seqs_per_step_mean=m.seqs_per_step_mean,
+    )
+
+
+def median_dict(runs: list[dict]) -> dict:
+    """Per-key median over repeats (throughput and latencies alike)."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def sweep(args, topos: list[Topology], bar: tqdm) -> list[dict]:
+    """Every topology x workload point, ``--passes`` times over the whole sweep (so repeats of a
+    point are minutes apart, not back to back: the machine's other load changes slowly) and
+    ``--repeats`` times per pass; each row keeps the medians."""
+    points = [(b, math.inf) for b in args.batch] + [(args.num_requests, r) for r in args.rate]
+    rng = random.Random(args.seed)
+    runs: dict[tuple[Topology, int], list[dict]] = {}
+    failed: dict[Topology, str] = {}
+    for _ in range(args.passes):
+        for topo in topos:
+            if topo in failed:
+                bar.update(len(points))
+                continue
+            bar.set_description(topo.label())
+            llms: list[LLM] = []
+            try:
+                for _ in range(topo.replicas):
+                    llms.append(
+                        LLM(
+                            args.model,
+                            device="cpu",
+                            threads_per_rank=1,
+                            max_num_seqs=max(64, max(args.batch)),
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            timeout_s=120,
+                            **topo.llm_kwargs(),
+                        )
+                    )
+                for llm in llms:  # warm-up
+                    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+                for i, (n, rate) in enumerate(points):
+                    for _ in range(args.repeats):
+                        r = run_point(llms, topo, n, rate, args, rng)
+                        runs.setdefault((topo, i), []).append(r)
+                    bar.update(1)
+            except Exception as e:  # one failing topology must not lose the rest of the study
+                tqdm.write(f"{topo.label()}: failed: {str(e).splitlines()[0]}")
+                failed[topo] = f"failed: {type(e).__name__}"
+                bar.update(len(points) - sum((topo, i) in runs for i in range(len(points))))
+            finally:
+                for llm in llms:
+                    llm.close()
+    rows = []
+    for topo in topos:
+        base = dict(
+            attention_ranks=topo.attention_ranks,
+            expert_ranks=topo.expert_ranks,
+            ranks=topo.ranks,
+            replicas=topo.replicas,
+            transport=topo.transport if topo.expert_ranks else "none",
+            micro_batches=topo.micro_batches,
+            balancer=topo.balancer,
+            redundant_experts=topo.redundant_experts if topo.balancer != "static" else 0,
+            prompt_len=args.prompt_len,
+            max_tokens=args.max_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        for i, (n, rate) in enumerate(points):
+            measured = runs.get((topo, i))
+            if not measured:
+                rows.append({**base, "status": failed.get(topo, "not run"), "num_requests": n,
+                             "rate": rate})  # fmt: skip
+                continue
+            m = median_dict(measured)
+            m["output_tok_s_per_rank"] = m["output_tok_s"] / (topo.ranks * topo.replicas)
+            rows.append(
+                {**base, "status": "ok", "num_requests": n, "rate": rate,
+                 "repeats": len(measured), **m}
+            )  # fmt: skip
+    return rows
+
+
+# ---- outputs ----------------------------------------------------------------------------------
+def write_csv(rows: list[dict], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _fmt(r.get(k, "")) for k in FIELDS})
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return "inf" if v == math.inf else f"{v:.6g}"
+    return v
+
+
+SWEEP_AXES = (
+    ("attention_ranks", "attention ranks"),
+    ("expert_ranks", "expert ranks"),
+    ("num_requests", "batch (closed-batch requests)"),
+    ("rate", "request rate (req/s)"),
+    ("micro_batches", "micro-batches"),
+    ("transport", "transport"),
+    ("balancer", "balancer"),
+    ("replicas", "replicas"),
+)
+
+
+def write_plots(rows: list[dict], out: Path, notes: list[str]) -> list[Path]:
+    """One figure per swept axis: output tokens/s per rank and latency (TBT p50, TTFT p50)
+    against it, one line per setting of the other axes; and predicted vs measured."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        notes.append("plots skipped: matplotlib is not installed (pip install matplotlib)")
+        return []
+    ok = [r for r in rows if r["status"] == "ok"]
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for axis, title in SWEEP_AXES:
+        pool = [r for r in ok if (axis == "rate") == (r["rate"] != math.inf)]
+        if axis == "num_requests":
+            pool = [r for r in ok if r["rate"] == math.inf]
+        if axis in ("transport", "balancer", "micro_batches"):
+            pool = [r for r in pool if r["expert_ranks"]]  # colocated runs have none of these
+        values = sorted(
+            {r[axis] for r in pool}, key=str if axis in ("transport", "balancer") else float
+        )
+        if len(values) < 2:
+            continue
+        others = [a for a, _ in SWEEP_AXES if a not in (axis, "rate", "num_requests")]
+        if axis not in ("num_requests", "rate"):
+            others.append("num_requests" if pool and pool[0]["rate"] == math.inf else "rate")
+        groups: dict[tuple, list[dict]] = {}
+        for r in pool:
+            # colocated runs (transport "none") sit on the flat transport's lines
+            key = tuple("flat" if a == "transport" and r[a] == "none" else r[a] for a in others)
+            groups.setdefault(key, []).append(r)
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for key, rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
+            if len(rs) < 2:
+                continue
+            rs = sorted(rs, key=lambda r: values.index(r[axis]))
+            xs = [values.index(r[axis]) for r in rs]
+            label = _group_label(dict(zip(others, key)))
+            ax1.plot(xs, [r["output_tok_s_per_rank"] for r in rs], marker="o", label=label)
+            (line,) = ax2.plot(xs, [r["tbt_p50_ms"] for r in rs], marker="o", label=label)
+            ax2.plot(
+                xs, [r["ttft_p50_ms"] for r in rs], marker="x", ls="--", color=line.get_color()
+            )
+        for ax, ylabel in (
+            (ax1, "output tokens/s per rank"),
+            (ax2, "TBT p50 (solid) / TTFT p50 (dashed), ms"),
+        ):
+            ax.set_xticks(range(len(values)), [str(v) for v in values])
+            ax.set_xlabel(title)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        ax2.set_yscale("log")
+        handles, labels = ax1.get_legend_handles_labels()
+        if handles:
+            fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7)
+        fig.suptitle(f"splitmoe on this machine: throughput per rank and latency vs {title}")
+        fig.tight_layout(rect=(0, 0.12 if handles else 0, 1, 1))
+        path = out / f"scaling_{axis}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    pred = [r for r in ok if r.get("pred_output_tok_s") not in (None, "")]
+    if pred:
+        fig, ax = plt.subplots(figsize=(5.2, 5))
+        for cal in (False, True):
+            sel = [r for r in pred if bool(r.get("calibration")) == cal]
+            ax.scatter(
+                [r["output_tok_s"] for r in sel],
+                [r["pred_output_tok_s"] for r in sel],
+                marker="s" if cal else "o",
+                label="calibration runs" if cal else "validation runs",
+            )
+            for r in sel:
+                ax.annotate(
+                    f"{r['attention_ranks']}+{r['expert_ranks']} b{r['num_requests']}",
+                    (r["output_tok_s"], r["pred_output_tok_s"]),
+                    fontsize=6,
+                )
+        lo = min(min(r["output_tok_s"], r["pred_output_tok_s"]) for r in pred) * 0.7
+        hi = max(max(r["output_tok_s"], r["pred_output_tok_s"]) for r in pred) * 1.3
+        xs = [lo, hi]
+        ax.plot(xs, xs, color="k", lw=0.8)
+        ax.fill_between(
+            xs, [x * 0.75 for x in xs], [x * 1.25 for x in xs], alpha=0.15, label="±25%"
+        )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("measured output tokens/s")
+        ax.set_ylabel("simulated output tokens/s")
+        ax.legend(fontsize=8)
+        ax.set_title("simulator vs measured (this machine)")
+        fig.tight_layout()
+        path = out / "scaling_validation.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _group_label(d: dict) -> str:
+    parts = []
+    if "attention_ranks" in d and "expert_ranks" in d:
+        parts.append(f"{d['attention_ranks']}A+{d['expert_ranks']}E")
+    elif "attention_ranks" in d:
+        parts.append(f"A={d['attention_ranks']}")
+    elif "expert_ranks" in d:
+        parts.append(f"E={d['expert_ranks']}")
+    if d.get("transport") not in (None, "none", "flat"):
+        parts.append(d["transport"])
+    if d.get("micro_batches", 1) != 1:
+        parts.append(f"m={d['micro_batches']}")
+    if d.get("balancer", "static") != "static":
+        parts.append(d["balancer"])
+    if d.get("replicas", 1) != 1:
+        parts.append(f"x{d['replicas']}")
+    if "num_requests" in d:
+        parts.append(f"batch {d['num_requests']}")
+    if "rate" in d:
+        parts.append(f"rate {d['rate']}")
+    return " ".join(parts)
+
+
+# ---- main -------------------------------------------------------------------------------------
+def read_csv(path: Path) -> list[dict]:
+    """Rows of an earlier ``scaling.csv`` with their numbers parsed back."""
+    rows = []
+    for r in csv.DictReader(path.open()):
+        row = {}
+        for k, v in r.items():
+            if v in ("", None) or k in ("status", "transport", "balancer"):
+                row[k] = v
+            elif k == "calibration":
+                row[k] = v == "True"
+            else:
+                x = float(v)
+                row[k] = int(x) if x.is_integer() and k not in FLOAT_FIELDS else x
+        rows.append(row)
+    return rows
+
+
+FLOAT_FIELDS = {"rate"} | {f for f in FIELDS if f.endswith(("_ms", "_s", "share", "imbalance"))}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint (default: the built-in model)")
+    ap.add_argument("--out", default="out/scaling")
+    ap.add_argument("--quick", action="store_true", help="small preset: a few minutes on 2 cores")
+    ap.add_argument("--attention-ranks", type=csv_list(int), default=[1, 2, 4])
+    ap.add_argument("--expert-ranks", type=csv_list(int), default=[0, 1, 2])
+    ap.add_argument("--batch", type=csv_list(int), default=[1, 8, 32], help="closed batches")
+    ap.add_argument("--rate", type=csv_list(rate_value), default=[], help="req/s (Poisson)")
+    ap.add_argument("--num-requests", type=int, default=64, help="requests per rate point")
+    ap.add_argument("--micro-batches", type=csv_list(int), default=[1, 2])
+    ap.add_argument("--transport", type=csv_list(str), default=["flat", "two_phase"])
+    ap.add_argument("--balancer", type=csv_list(str), default=["static", "global"])
+    ap.add_argument("--redundant-experts", type=int, default=4)
+    ap.add_argument("--replicas", type=csv_list(int), default=[1])
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per point and pass")
+    ap.add_argument("--passes", type=int, default=2, help="times over the whole sweep")
+    ap.add_argument("--max-processes", type=int, default=6, help="skip bigger topologies")
+    ap.add_argument("--validate", action=argparse.BooleanOptionalAction, default=None,
+                    help="calibrate this machine first, then check the simulator (default: on "
+                    "with --quick)")  # fmt: skip
+    ap.add_argument("--profile", default=None, help="use this CPU profile instead of calibrating")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--from-csv", default=None, help="redo plots (and the check with --profile) "
+                    "from an earlier scaling.csv instead of running")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.attention_ranks, args.expert_ranks = [1, 2], [0, 1, 2]
+        args.batch, args.rate = [1, 16], []
+        args.micro_batches, args.transport, args.balancer = [1, 2], ["flat"], ["static", "global"]
+        args.replicas, args.repeats, args.passes = [1], 2, 2
+    if args.validate is None:
+        args.validate = args.quick
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.model is None:
+        from splitmoe.models.default_model import write_default_model
+
+        path = Path(".splitmoe/default-model")
+        if not (path / "config.json").is_file():
+            write_default_model(path)
+        args.model = str(path)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    if args.from_csv:
+        rows = read_csv(Path(args.from_csv))
+        if args.profile:
+            from splitmoe.sim.hardware import load_profile
+
+            check, _ = validate(args, load_profile(args.profile), rows, out)
+            by_key = {id_key(r): r for r in check.rows}
+            rows = [by_key.get(id_key(r), r) for r in rows]
+            print(check.table())
+        write_csv(rows, out / "scaling.csv")
+        for p in write_plots(rows, out / "plots", notes):
+            print(f"plot: {p}")
+        return 0
+    topos = plan_topologies(args, notes)
+    cfg = ModelConfig.from_hf(args.model)
+    for n in notes:
+        print(f"note: {n}")
+    hw = None
+    if args.profile:
+        from splitmoe.sim.hardware import load_profile
+
+        hw = load_profile(args.profile)
+    elif args.validate:
+        from splitmoe.sim.calibrate import measure_hardware
+
+        # The step-level constants are fitted below from this sweep's own calibration runs
+        # (`CALIBRATION_RUNS`), measured in the same passes as the runs they are checked on.
+        print("measuring this machine's roofline and component overheads ...")
+        hw = measure_hardware(args.model, log=print)
+    total = len(topos) * (len(args.batch) + len(args.rate)) * args.passes
+    print(
+        f"{len(topos)} topologies x {len(args.batch) + len(args.rate)} workload points, "
+        f"model {cfg.model_type} ({cfg.num_layers} layers, {cfg.num_experts} experts, "
+        f"top-{cfg.top_k}), {os.cpu_count()} cores"
+    )
+    t0 = time.time()
+    with tqdm(total=total, unit="point", file=sys.stdout, mininterval=1.0) as bar:
+        rows = sweep(args, topos, bar)
+    write_csv(rows, out / "scaling.csv")  # before anything else can fail
+    check = None
+    if hw is not None:
+        check, hw = validate(args, hw, rows, out)
+        by_key = {id_key(r): r for r in check.rows}
+        rows = [by_key.get(id_key(r), r) for r in rows]
+    write_csv(rows, out / "scaling.csv")
+    plots = write_plots(rows, out / "plots", notes)
+    summary = [
+        f"{len(rows)} run points in {time.time() - t0:.0f} s -> {out / 'scaling.csv'}",
+        *(f"plot: {p}" for p in plots),
+        *(f"note: {n}" for n in notes),
+    ]
+    (out / "notes.txt").write_text("\n".join(notes) + ("\n" if notes else ""))
+    print("\n" + table(rows))
+    if check is not None:
+        text = check.table()
+        (out / "validation.txt").write_text(text + "\n")
+        print("\nsimulator vs measured (closed batches):\n" + text)
+    print("\n" + "\n".join(summary))
+    return 0
+
+
+def validate(args, hw, rows: list[dict], out: Path):
+    """Fits the profile's step-level constants on the sweep's calibration runs (unless a
+    ``--profile`` was given), writes it, and checks the simulator on every other closed batch."""
+    from splitmoe.sim.calibrate import CALIBRATION_PROMPT, CALIBRATION_RUNS, CALIBRATION_TOKENS
+    from splitmoe.sim.calibrate import calibrate as calibrate_profile
+    from splitmoe.sim.model import ModelShape
+    from splitmoe.sim.validate import check as run_check
+    from splitmoe.sim.validate import predictable
+
+    shape = ModelShape.from_config(args.model)
+    calib: set = set()
+    if not args.profile:
+        same = args.prompt_len == CALIBRATION_PROMPT and args.max_tokens == CALIBRATION_TOKENS
+        tbt = {
+            (r["attention_ranks"], r["expert_ranks"], r["num_requests"]): r["tbt_p50_ms"] / 1e3
+            for r in rows
+            if same
+            and predictable(r)
+            and r["micro_batches"] == 1
+            and r["balancer"] == "static"
+            and r["transport"] in ("none", "flat")
+            and (r["attention_ranks"], r["expert_ranks"], r["num_requests"]) in CALIBRATION_RUNS
+        }
+        missing = set(CALIBRATION_RUNS) - set(tbt)
+        if missing:
+            print(f"calibration runs missing from the sweep, measuring them: {sorted(missing)}")
+        hw = (
+            calibrate_profile(args.model, max(r["ranks"] for r in rows), None, log=print)
+            if (missing)
+            else _fit(shape, hw, tbt, args.model)
+        )
+        calib = set(tbt)
+        hw.to_file(out / "cpu_profile.json")
+    return run_check(shape, hw, rows, calib), hw
+
+
+def _fit(shape, hw, tbt, model):
+    from splitmoe.sim.calibrate import fit_runs
+
+    fitted = fit_runs(shape, hw, tbt)
+    oh = fitted.overheads
+    print(
+        f"fitted: step {oh.step_s * 1e3:.3f} ms, effective cores {fitted.cores:.2f}, collective "
+        + ", ".join(f"W={w + 1} {c * 1e3:.3f} ms" for w, c in enumerate(oh.collective_s) if w)
+    )
+    return replace(fitted, name="cpu", source={
+        "measured_by": "scripts/scaling_study.py --validate", "checkpoint": str(model),
+        "runs_tbt_s": {f"{a}A+{e}E b{b}": t for (a, e, b), t in sorted(tbt.items())},
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": os.getloadavg()[0],
+    })  # fmt: skip
+
+
+def id_key(r: dict) -> tuple:
+    return tuple(r.get(k) for k in FIELDS[:12])
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        f"{'topology':<30}{'batch/rate':>11}{'tok/s':>9}{'tok/s/rank':>11}{'TTFT p50':>10}"
+        f"{'TBT p50':>9}{'TBT p99':>9}{'comm':>7}{'imbal':>7}"
+    )
+    lines = [head]
+    for r in rows:
+        topo = (
+            f"{r['attention_ranks']}A+{r['expert_ranks']}E {r['transport']} "
+            f"m={r['micro_batches']} {r['balancer']} x{r['replicas']}"
+        )
+        load = f"b{r['num_requests']}" if r["rate"] == math.inf else f"{r['rate']:g}/s"
+        if r["status"] != "ok":
+            lines.append(f"{topo:<30}{load:>11}  {r['status']}")
+            continue
+        lines.append(
+            f"{topo:<30}{load:>11}{r['output_tok_s']:>9.1f}{r['output_tok_s_per_rank']:>11.1f}"
+            f"{r['ttft_p50_ms']:>8.1f}ms{r['tbt_p50_ms']:>7.2f}ms{r['tbt_p99_ms']:>7.2f}ms"
+            f"{r['comm_share']:>7.0%}{r['imbalance']:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

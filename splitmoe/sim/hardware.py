@@ -1,0 +1,173 @@
+"""Hardware profiles: what one rank's device can do, what a step costs the host, and the links.
+
+A profile is a small JSON file (``splitmoe/sim/profiles/{h100,h200,cpu}.json``, or one written by
+``scripts/calibrate_cpu.py``). Three groups of numbers:
+
+* **roofline**: ``peak_flops`` (dense GEMM FLOP/s in the serving dtype) and ``mem_bytes_per_s``
+  (HBM, or DRAM per core on a CPU), each with the fraction a real kernel reaches;
+* **host overheads** (`Overheads`): seconds that do not scale with FLOPs or bytes — kernel
+  launches and Python per layer, per sequence and per activated expert, the step's fixed cost,
+  and the fixed latency of one collective call (gloo on a CPU, NCCL's launch on a GPU). On a GPU
+  serving with CUDA graphs they are small; on this CPU they dominate;
+* **links**: a `splitmoe.comm.cost_model.CostModel` (per-message alpha and bandwidth beta within
+  and across nodes) — the same model the adaptive transport decides with, not a second one.
+
+``cores`` models contention where ranks share a host's cores (this machine: more ranks than
+cores); ``None`` means every rank owns its device (a GPU per rank).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from splitmoe.comm.cost_model import CostModel
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Host-side seconds, independent of FLOPs and bytes.
+
+    step_s: per step (scheduling, sampling, the per-step control all-gather, streaming out);
+    seq_step_s: per sequence in a step (building inputs, sampling, bookkeeping);
+    attn_layer_s: per layer on an attention rank (norms, projections, RoPE, router: op launches);
+    seq_layer_s: per sequence and layer of attention (paged-KV gathers; zero for a batched kernel);
+    prefill_seq_layer_s: extra per prefill chunk and layer (chunks are computed one by one);
+    moe_layer_s: per MoE layer where experts run (sort, scatter, launches);
+    expert_s: per activated expert and layer (one GEMM pair per expert on the reference path;
+        ~0 for one grouped-GEMM kernel);
+    collective_s: one collective call between ``w`` ranks costs
+        ``collective_s[min(w, len) - 1] + collective_slope_s * max(0, w - len)`` (index 0: w = 1);
+    wake_s: extra latency when the receiving side of an exchange was blocked waiting (a process
+        woken by the OS; on a GPU, a kernel that polls — 0);
+    """
+
+    step_s: float = 0.0
+    seq_step_s: float = 0.0
+    attn_layer_s: float = 0.0
+    seq_layer_s: float = 0.0
+    prefill_seq_layer_s: float = 0.0
+    moe_layer_s: float = 0.0
+    expert_s: float = 0.0
+    collective_s: tuple[float, ...] = (0.0,)
+    collective_slope_s: float = 0.0
+    wake_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "collective_s", tuple(float(x) for x in self.collective_s))
+        for f in fields(self):
+            v = getattr(self, f.name)
+            vals = v if isinstance(v, tuple) else (v,)
+            if not vals or any(not x >= 0 for x in vals):
+                raise ValueError(f"overhead {f.name}={v!r} must be >= 0 seconds")
+
+    def collective(self, world: int) -> float:
+        """Fixed seconds of one collective call over ``world`` ranks (0 for a single rank)."""
+        if world <= 1:
+            return 0.0
+        table = self.collective_s
+        if world <= len(table):
+            return table[world - 1]
+        return table[-1] + self.collective_slope_s * (world - len(table))
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One rank's device, its host overheads, and the links between ranks (see the module doc).
+
+    peak_flops: dense GEMM FLOP/s at ``weight_bytes`` per parameter (bf16 on GPUs, fp32 on CPU);
+    fp8_flops: FP8 GEMM FLOP/s (0: no FP8; weights in FP8 then run at ``peak_flops``);
+    mem_bytes_per_s: device memory bandwidth; memory_bytes: device memory capacity;
+    flops_efficiency / mem_efficiency: fraction of peak that real kernels reach;
+    gpus_per_node: ranks that share the fast (``intra``) link;
+    cores: ranks that can compute at once on one host (None: a device per rank, no contention).
+    """
+
+    name: str
+    peak_flops: float
+    mem_bytes_per_s: float
+    memory_bytes: float
+    gpus_per_node: int
+    flops_efficiency: float = 0.6
+    mem_efficiency: float = 0.8
+    fp8_flops: float = 0.0
+    weight_bytes: int = 2
+    cores: float | None = None
+    overheads: Overheads = field(default_factory=Overheads)
+    links: CostModel = field(default_factory=CostModel)
+    description: str = ""
+    source: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "mem_bytes_per_s", "memory_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{self.name}: {name}={getattr(self, name)!r} must be > 0")
+        for name in ("flops_efficiency", "mem_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{self.name}: {name} must be in (0, 1]")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"{self.name}: gpus_per_node must be an integer >= 1")
+        if self.cores is not None and not self.cores > 0:
+            raise ValueError(f"{self.name}: cores={self.cores!r} must be None or > 0")
+
+    def gemm_s(self, flops: float, nbytes: float, fp8: bool = False) -> float:
+        """Roofline seconds of a kernel doing ``flops`` and moving ``nbytes``."""
+        peak = self.fp8_flops if fp8 and self.fp8_flops else self.peak_flops
+        return max(
+            flops / (peak * self.flops_efficiency),
+            nbytes / (self.mem_bytes_per_s * self.mem_efficiency),
+        )
+
+    def contention(self, busy_ranks: int) -> float:
+        """Slow-down of each of ``busy_ranks`` ranks computing at once on one host."""
+        if self.cores is None:
+            return 1.0
+        return max(1.0, busy_ranks / self.cores)
+
+    # ---- files --------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["overheads"] = asdict(self.overheads)
+        d["overheads"]["collective_s"] = list(self.overheads.collective_s)
+        d["links"] = self.links.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HardwareProfile:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)} in hardware profile {d.get('name')}")
+        d = dict(d)
+        oh = dict(d.get("overheads", {}))
+        bad = set(oh) - {f.name for f in fields(Overheads)}
+        if bad:
+            raise ValueError(f"unknown overheads {sorted(bad)} in hardware profile {d.get('name')}")
+        if "collective_s" in oh:
+            oh["collective_s"] = tuple(oh["collective_s"])
+        d["overheads"] = Overheads(**oh)
+        d["links"] = CostModel.from_dict(d["links"]) if "links" in d else CostModel()
+        return cls(**d)
+
+    def to_file(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A profile by name (``"h100"``, ``"h200"``, ``"cpu"``) or from a JSON file's path."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = PROFILE_DIR / f"{str(name_or_path).lower()}.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no hardware profile {str(name_or_path)!r}: use one of {available_profiles()} or "
+            "the path of a JSON profile (scripts/calibrate_cpu.py writes one)"
+        )
+    return HardwareProfile.from_dict(json.loads(path.read_text()))

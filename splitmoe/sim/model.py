@@ -1,0 +1,209 @@
+"""Model shapes for the simulator, from a ``config.json`` of any supported family or DeepSeek-V2/V3.
+
+Only shapes matter here: parameters, FLOPs and bytes per token of each part of a layer, and the
+KV cache per token. The runtime's own family adapters parse the supported families (Qwen3-MoE,
+Qwen2-MoE, Mixtral, OLMoE); DeepSeek-V2/V3 (MLA attention, shared experts, leading dense layers),
+which the runtime does not run yet, are parsed here. Shipped configs: ``splitmoe/sim/configs/``
+(``qwen3-235b-a22b.json``, ``deepseek-v3.json``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Per-layer shapes. ``attention`` is ``"gqa"`` (``num_kv_heads`` heads of ``head_dim``) or
+    ``"mla"`` (DeepSeek: a compressed KV of ``kv_lora_rank + qk_rope_dim`` per token, decoded
+    with the absorbed-weights form, all heads reading the one latent)."""
+
+    name: str
+    hidden: int
+    num_layers: int
+    num_moe_layers: int
+    vocab: int
+    num_experts: int
+    top_k: int
+    moe_intermediate: int
+    shared_intermediate: int = 0  # shared expert(s) of a MoE layer, on the attention rank
+    dense_intermediate: int = 0  # MLP of the non-MoE layers
+    attention: str = "gqa"
+    num_heads: int = 1
+    num_kv_heads: int = 1
+    head_dim: int = 1
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    fp8_weights: bool = False  # checkpoint quantised to FP8 (DeepSeek-V3)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("gqa", "mla"):
+            raise ValueError(f"attention={self.attention!r} must be 'gqa' or 'mla'")
+        if not 0 < self.num_moe_layers <= self.num_layers:
+            raise ValueError(f"{self.name}: needs 1..num_layers MoE layers")
+
+    # ---- parameters per layer -----------------------------------------------------------------
+    @property
+    def attn_params(self) -> int:
+        """Projections of one attention layer, plus the router of a MoE layer (small)."""
+        H = self.hidden
+        if self.attention == "gqa":
+            d = self.head_dim
+            return H * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * H
+        qk = self.qk_nope_dim + self.qk_rope_dim
+        q = (
+            H * self.num_heads * qk
+            if not self.q_lora_rank
+            else (H * self.q_lora_rank + self.q_lora_rank * self.num_heads * qk)
+        )
+        kv = H * (self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank * self.num_heads * (
+            self.qk_nope_dim + self.v_head_dim
+        )
+        return q + kv + self.num_heads * self.v_head_dim * H
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden * self.moe_intermediate
+
+    @property
+    def shared_params(self) -> int:
+        return 3 * self.hidden * self.shared_intermediate
+
+    @property
+    def dense_params(self) -> int:
+        return 3 * self.hidden * self.dense_intermediate
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def attention_rank_params(self) -> int:
+        """Everything an attention rank holds: all layers' attention, shared experts, routers,
+        dense MLPs, embeddings and LM head."""
+        return (
+            self.num_layers * self.attn_params
+            + self.num_moe_layers * (self.shared_params + self.hidden * self.num_experts)
+            + self.num_dense_layers * self.dense_params
+            + 2 * self.vocab * self.hidden
+        )
+
+    @property
+    def total_params(self) -> int:
+        return self.attention_rank_params + self.num_moe_layers * self.num_experts * (
+            self.expert_params
+        )
+
+    @property
+    def active_params(self) -> int:
+        return self.attention_rank_params + self.num_moe_layers * self.top_k * self.expert_params
+
+    # ---- per token ----------------------------------------------------------------------------
+    def kv_bytes_per_token(self, elem: int = 2) -> int:
+        """KV cache bytes per token and layer."""
+        if self.attention == "mla":
+            return (self.kv_lora_rank + self.qk_rope_dim) * elem
+        return 2 * self.num_kv_heads * self.head_dim * elem
+
+    def attn_core_flops(self, context: float) -> float:
+        """FLOPs of one query token attending over ``context`` cached tokens (scores + values)."""
+        if self.attention == "mla":  # absorbed: q and o live in the latent (kv_lora + rope) space
+            return 2 * self.num_heads * context * (2 * self.kv_lora_rank + self.qk_rope_dim)
+        return 4 * self.num_heads * self.head_dim * context
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.num_layers} layers ({self.num_moe_layers} MoE), hidden "
+            f"{self.hidden}, {self.num_experts} experts top-{self.top_k} x {self.moe_intermediate}"
+            f", {self.attention.upper()} attention, {self.total_params / 1e9:.1f} B params "
+            f"({self.active_params / 1e9:.1f} B active)"
+        )
+
+    # ---- loading ------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, path: str | Path) -> ModelShape:
+        """``path``: a ``config.json``, a checkpoint directory holding one, or the name of a shipped
+        config (``"qwen3-235b-a22b"``, ``"deepseek-v3"``)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            shipped = CONFIG_DIR / f"{path}.json"
+            if not shipped.is_file():
+                names = sorted(q.stem for q in CONFIG_DIR.glob("*.json"))
+                raise FileNotFoundError(
+                    f"no model config {str(path)!r}: pass a config.json, a checkpoint "
+                    f"directory, or one of {names}"
+                )
+            p = shipped
+        raw = json.loads(p.read_text())
+        name = p.stem if p.name != "config.json" else p.parent.name
+        if raw.get("model_type") in ("deepseek_v2", "deepseek_v3"):
+            return cls._from_deepseek(raw, name)
+        return cls._from_family(raw, name, p)
+
+    @classmethod
+    def _from_family(cls, raw: dict, name: str, cfg_file: Path) -> ModelShape:
+        from splitmoe.models.families import family_for
+
+        # RoPE scaling and sliding windows change no shape: drop what the runtime refuses today.
+        shapes_only = {
+            k: v
+            for k, v in raw.items()
+            if k not in ("rope_scaling", "rope_parameters", "use_sliding_window", "sliding_window")
+        }
+        f = family_for(raw.get("model_type"), cfg_file).parse_config(shapes_only, cfg_file)
+        return cls(
+            name=name,
+            hidden=f["hidden_size"],
+            num_layers=f["num_layers"],
+            num_moe_layers=len(f["moe_layers"]),
+            vocab=f["vocab_size"],
+            num_experts=f["num_experts"],
+            top_k=f["top_k"],
+            moe_intermediate=f["moe_intermediate_size"],
+            shared_intermediate=f.get("shared_expert_intermediate_size", 0),
+            dense_intermediate=f.get("dense_intermediate_size", 0),
+            attention="gqa",
+            num_heads=f["num_heads"],
+            num_kv_heads=f["num_kv_heads"],
+            head_dim=f["head_dim"],
+        )
+
+    @classmethod
+    def _from_deepseek(cls, raw: dict, name: str) -> ModelShape:
+        layers = int(raw["num_hidden_layers"])
+        first_dense = int(raw.get("first_k_dense_replace", 0))
+        freq = int(raw.get("moe_layer_freq", 1))
+        moe = sum(1 for i in range(first_dense, layers) if i % freq == 0)
+        inter = int(raw["moe_intermediate_size"])
+        quant = (raw.get("quantization_config") or {}).get("quant_method")
+        return cls(
+            name=name,
+            hidden=int(raw["hidden_size"]),
+            num_layers=layers,
+            num_moe_layers=moe,
+            vocab=int(raw["vocab_size"]),
+            num_experts=int(raw["n_routed_experts"]),
+            top_k=int(raw["num_experts_per_tok"]),
+            moe_intermediate=inter,
+            shared_intermediate=inter * int(raw.get("n_shared_experts") or 0),
+            dense_intermediate=int(raw.get("intermediate_size") or 0),
+            attention="mla",
+            num_heads=int(raw["num_attention_heads"]),
+            num_kv_heads=1,
+            head_dim=int(raw["kv_lora_rank"]),
+            q_lora_rank=int(raw.get("q_lora_rank") or 0),
+            kv_lora_rank=int(raw["kv_lora_rank"]),
+            qk_nope_dim=int(raw["qk_nope_head_dim"]),
+            qk_rope_dim=int(raw["qk_rope_head_dim"]),
+            v_head_dim=int(raw["v_head_dim"]),
+            fp8_weights=quant == "fp8",
+        )

@@ -1,0 +1,465 @@
+"""Predicts step times, TPOT and throughput per GPU of an AF-disaggregated deployment.
+
+One decode step of an attention rank holding ``B`` sequences of mean context ``C`` (``T`` new
+tokens; ``T = B`` in decode) is, with ``m`` micro-batches (primes: one micro-batch of ``T / m``)::
+
+    attention  Ta' = o_attn + o_seq * B/m + roofline(2 T/m P_attn + T/m F_core(C),
+                                                     P_attn w + B/m C kv)          [+ shared expert]
+    experts    Te' = o_moe + o_exp * n_act + roofline(2 p_max P_exp, n_act P_exp w)  busiest rank
+    comm       Tc' = n_coll * o_coll(W) + 2 o_wake + CostModel(dispatch) + CostModel(combine)
+    MoE layer  disaggregated: max(m Ta', m Te', m Tc', Ta' + Te' + Tc')   (ping-pong: the last
+                                 term is one micro-batch's round trip; m = 1 gives Ta + Te + Tc)
+               colocated:     max(m (Ta' + Te'), m Tc') + min(Ta' + Te', Tc')   (Tc = 0 when each
+                                 rank holds every expert)
+    step       o_step + o_seqstep * B + o_coll(W) + LM head + sum over layers
+    TPOT = step;  tokens/s per GPU = A B / (step (A + E))
+
+``p_max`` / ``n_act`` (pairs and distinct experts on the busiest expert rank) come from
+`splitmoe.sim.imbalance.expert_load` with the deployment's balancer and redundant experts; the
+link terms from the transport's own `CostModel` (``flat``, ``two_phase``, or ``auto``: the
+cheaper, per layer) on the count matrix those loads imply. Host overheads ``o_*`` and the
+roofline come from the `HardwareProfile`; ranks sharing too few cores slow down by
+``busy ranks / cores`` (attention and expert phases apart when ``m = 1``, together otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+import torch
+
+from splitmoe.sim.hardware import HardwareProfile
+from splitmoe.sim.imbalance import BALANCERS, expert_load
+from splitmoe.sim.model import ModelShape
+
+SIM_TRANSPORTS = ("flat", "two_phase", "auto")
+# collectives per MoE layer on the data group: count exchange + one all-to-all each way (flat);
+# two-phase adds the node-local aggregation all-to-all each way.
+COLLECTIVES_PER_LAYER = {"flat": 3, "two_phase": 5}
+ACT_BYTES = 2  # activations travel in bf16 on GPUs (the CPU profile's weight_bytes overrides)
+KV_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One serving instance, and how many identical instances (``replicas``) run side by side.
+
+    attention_ranks / expert_ranks: ``A`` and ``E`` (``E = 0``: colocated); expert_parallel:
+    colocated only, the ranks each layer's experts are sharded over (1: every rank holds every
+    expert, as the runtime's ``expert_ranks=0`` does; ``A``: DeepSeek-style EP over all ranks).
+    """
+
+    attention_ranks: int
+    expert_ranks: int = 0
+    micro_batches: int = 1
+    transport: str = "flat"
+    balancer: str = "static"
+    redundant_experts: int = 0
+    replicas: int = 1
+    expert_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if self.attention_ranks < 1 or self.expert_ranks < 0 or self.replicas < 1:
+            raise ValueError("need attention_ranks >= 1, expert_ranks >= 0, replicas >= 1")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches={self.micro_batches} must be >= 1")
+        if self.transport not in SIM_TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} must be one of {SIM_TRANSPORTS}")
+        if self.balancer not in BALANCERS:
+            raise ValueError(f"balancer={self.balancer!r} must be one of {BALANCERS}")
+        if self.expert_ranks and self.expert_parallel != 1:
+            raise ValueError("expert_parallel applies to colocated deployments (expert_ranks=0)")
+        if not 1 <= self.expert_parallel <= self.attention_ranks:
+            raise ValueError("expert_parallel must be between 1 and attention_ranks")
+
+    @property
+    def colocated(self) -> bool:
+        return self.expert_ranks == 0
+
+    @property
+    def ranks(self) -> int:
+        return self.attention_ranks + self.expert_ranks
+
+    @property
+    def gpus(self) -> int:
+        return self.ranks * self.replicas
+
+    def label(self) -> str:
+        if self.colocated:
+            ep = f" EP{self.expert_parallel}" if self.expert_parallel > 1 else ""
+            return f"colocated x{self.attention_ranks}{ep} m={self.micro_batches}"
+        bal = "" if self.balancer == "static" else f" {self.balancer}+{self.redundant_experts}"
+        return (
+            f"{self.attention_ranks}A:{self.expert_ranks}E m={self.micro_batches} "
+            f"{self.transport}{bal}"
+        )
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Seconds of one step of one instance, per MoE layer and in total."""
+
+    t_attn: float  # attention part of one MoE layer, whole step (all micro-batches)
+    t_expert: float  # busiest expert rank's work in one MoE layer, whole step
+    t_comm: float  # communication of one MoE layer (dispatch + combine, all micro-batches)
+    t_moe_layer: float  # one MoE layer with overlap
+    t_dense_layer: float
+    t_step: float
+    tokens: int  # new tokens per attention rank in this step
+    imbalance: float
+
+    @property
+    def overlap_saved(self) -> float:
+        """Fraction of a MoE layer's serial time (attention + experts + comm) hidden by overlap."""
+        serial = self.t_attn + self.t_expert + self.t_comm
+        return 1 - self.t_moe_layer / serial if serial else 0.0
+
+    @property
+    def comm_share(self) -> float:
+        serial = self.t_attn + self.t_expert + self.t_comm
+        return self.t_comm / serial if serial else 0.0
+
+
+@dataclass(frozen=True)
+class DecodePrediction:
+    deployment: Deployment
+    batch: int  # sequences per attention rank
+    context: float
+    step: StepPrediction
+    tpot: float
+    tokens_per_s: float  # all replicas
+    tokens_per_s_per_gpu: float
+    attention_mem_gb: float
+    expert_mem_gb: float
+    fits: bool
+
+    def row(self) -> dict:
+        d = asdict(self.deployment)
+        d.update(
+            label=self.deployment.label(),
+            gpus=self.deployment.gpus,
+            batch=self.batch,
+            context=self.context,
+            tpot_ms=self.tpot * 1e3,
+            tokens_per_s=self.tokens_per_s,
+            tokens_per_s_per_gpu=self.tokens_per_s_per_gpu,
+            t_attn_ms=self.step.t_attn * 1e3,
+            t_expert_ms=self.step.t_expert * 1e3,
+            t_comm_ms=self.step.t_comm * 1e3,
+            comm_share=self.step.comm_share,
+            overlap_saved=self.step.overlap_saved,
+            imbalance=self.step.imbalance,
+            attention_mem_gb=self.attention_mem_gb,
+            expert_mem_gb=self.expert_mem_gb,
+            fits=self.fits,
+        )
+        return d
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    """A closed batch: ``num_requests`` prompts of ``prompt_len`` submitted at once, each
+    generating ``output_len`` tokens (what the scaling study's batch runs do)."""
+
+    duration_s: float
+    output_tok_s: float
+    ttft: float
+    tbt: float
+    prefill: StepPrediction
+    decode: StepPrediction
+
+
+@dataclass(frozen=True)
+class Simulator:
+    model: ModelShape
+    hw: HardwareProfile
+    skew: float = 0.0  # routing skew (see `splitmoe.sim.imbalance`)
+    recorded_load: tuple[float, ...] | None = None
+
+    # ---- per-part roofline --------------------------------------------------------------------
+    @property
+    def fp8(self) -> bool:
+        """FP8 checkpoint (DeepSeek-V3: every linear layer) on hardware with FP8 GEMMs."""
+        return self.model.fp8_weights and bool(self.hw.fp8_flops)
+
+    @property
+    def wbytes(self) -> int:
+        return 1 if self.fp8 else self.hw.weight_bytes
+
+    @property
+    def expert_wbytes(self) -> int:
+        return self.wbytes
+
+    @property
+    def act_bytes(self) -> int:
+        return self.hw.weight_bytes if self.hw.cores is not None else ACT_BYTES
+
+    def _attn(self, tokens: float, decode_seqs: float, prefill_seqs: float, context: float):
+        """Attention (+ router, + shared expert on MoE layers) of one layer, one rank."""
+        m, oh = self.model, self.hw.overheads
+        seqs = decode_seqs + prefill_seqs
+        flops = 2 * tokens * m.attn_params + tokens * m.attn_core_flops(context)
+        nbytes = m.attn_params * self.wbytes + seqs * context * m.kv_bytes_per_token(KV_BYTES)
+        t = oh.attn_layer_s + oh.seq_layer_s * seqs + oh.prefill_seq_layer_s * prefill_seqs
+        fp8 = self.fp8
+        attn = t + self.hw.gemm_s(flops, nbytes, fp8) if tokens else t
+        shared = (
+            self.hw.gemm_s(2 * tokens * m.shared_params, m.shared_params * self.wbytes, fp8)
+            if m.shared_params and tokens
+            else 0.0
+        )
+        dense = (
+            self.hw.gemm_s(2 * tokens * m.dense_params, m.dense_params * self.wbytes, fp8)
+            if m.dense_params and tokens
+            else 0.0
+        )
+        return attn + shared, attn + dense
+
+    def _experts(self, pairs: float, active: float) -> float:
+        m, oh = self.model, self.hw.overheads
+        if pairs <= 0:
+            return oh.moe_layer_s
+        flops = 2 * pairs * m.expert_params
+        nbytes = active * m.expert_params * self.expert_wbytes
+        fp8 = self.fp8
+        return oh.moe_layer_s + oh.expert_s * active + self.hw.gemm_s(flops, nbytes, fp8)
+
+    def _comm(self, dep: Deployment, tokens_per_rank: float, load) -> float:
+        """Dispatch + combine of one micro-batch of one MoE layer."""
+        oh = self.hw.overheads
+        if dep.colocated and dep.expert_parallel == 1:
+            return 0.0
+        if dep.colocated:
+            senders, receivers, world = dep.expert_parallel, dep.expert_parallel, dep.ranks
+        else:
+            senders, receivers, world = dep.attention_ranks, dep.expert_ranks, dep.ranks
+        row_bytes = self.model.hidden * self.act_bytes
+        schemes = ("flat", "two_phase") if dep.transport == "auto" else (dep.transport,)
+        links = _link_times(
+            self.hw,
+            senders,
+            receivers,
+            dep.colocated,
+            round(tokens_per_rank * load.rows_per_token / receivers),
+            round(load.rows_max / senders),  # busiest receiver, from each sender
+            row_bytes + 8 * self.model.top_k,
+            row_bytes,
+        )
+        best = math.inf
+        for s in schemes:
+            fixed = COLLECTIVES_PER_LAYER[s] * oh.collective(world) + 2 * oh.wake_s
+            best = min(best, fixed + links[s])
+        return best
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(
+        self,
+        dep: Deployment,
+        decode_seqs: float,
+        context: float,
+        prefill_tokens: float = 0.0,
+        prefill_seqs: float = 0.0,
+    ) -> StepPrediction:
+        """One step of the busiest attention rank: ``decode_seqs`` decode tokens over ``context``
+        cached tokens each, plus ``prefill_tokens`` prompt tokens in ``prefill_seqs`` chunks."""
+        m, hw, oh = self.model, self.hw, self.hw.overheads
+        # a sequence is never split across micro-batches: fewer sequences, fewer micro-batches
+        mb = max(1, min(dep.micro_batches, math.ceil(decode_seqs + prefill_seqs)))
+        tokens = decode_seqs + prefill_tokens
+        seqs = decode_seqs + prefill_seqs
+        t_mb = tokens / mb
+        ctx = (
+            context
+            if not prefill_tokens
+            else (
+                (
+                    decode_seqs * context
+                    + prefill_tokens * (context + prefill_tokens / max(prefill_seqs, 1)) / 2
+                )
+                / max(tokens, 1)
+            )
+        )
+        attn_moe, attn_dense = self._attn(t_mb, decode_seqs / mb, prefill_seqs / mb, ctx)
+        # expert load of one micro-batch: routed tokens of all attention ranks (or EP group)
+        if dep.colocated:
+            group = dep.expert_parallel
+        else:
+            group = dep.expert_ranks
+        routed = round(t_mb * (dep.attention_ranks if not dep.colocated else dep.expert_parallel))
+        load = expert_load(
+            max(routed, 0),
+            m.num_experts,
+            m.top_k,
+            group,
+            dep.balancer,
+            dep.redundant_experts,
+            self.skew,
+            self.recorded_load,
+        )
+        te = self._experts(load.pairs_max, load.active_max)
+        tc = self._comm(dep, t_mb, load) if routed else 0.0
+        if dep.colocated:
+            busy = dep.attention_ranks
+            ta, te = attn_moe * hw.contention(busy), te * hw.contention(busy)
+            comp = ta + te
+            layer = max(mb * comp, mb * tc) + min(comp, tc)
+        else:
+            if mb == 1:
+                ta = attn_moe * hw.contention(dep.attention_ranks)
+                te = te * hw.contention(dep.expert_ranks)
+            else:
+                ta, te = (x * hw.contention(dep.ranks) for x in (attn_moe, te))
+            layer = max(mb * ta, mb * te, mb * tc, ta + te + tc)
+        dense = mb * attn_dense * hw.contention(dep.attention_ranks)
+        head = hw.gemm_s(2 * seqs * m.hidden * m.vocab, m.hidden * m.vocab * self.wbytes)
+        t_step = (
+            oh.step_s
+            + oh.seq_step_s * seqs
+            + oh.collective(dep.ranks)
+            + head * hw.contention(dep.attention_ranks)
+            + m.num_moe_layers * layer
+            + m.num_dense_layers * dense
+        )
+        return StepPrediction(
+            t_attn=mb * ta,
+            t_expert=mb * te,
+            t_comm=mb * tc,
+            t_moe_layer=layer,
+            t_dense_layer=dense,
+            t_step=t_step,
+            tokens=round(tokens),
+            imbalance=load.imbalance,
+        )
+
+    # ---- what users ask -----------------------------------------------------------------------
+    def memory_gb(self, dep: Deployment, batch: int, max_context: float) -> tuple[float, float]:
+        """Bytes an attention rank and an expert rank hold (GB): weights + full-context KV."""
+        m = self.model
+        kv = batch * max_context * m.kv_bytes_per_token(KV_BYTES) * m.num_layers
+        experts_total = m.num_moe_layers * m.expert_params * self.expert_wbytes
+        slots = m.num_experts + dep.redundant_experts
+        if dep.colocated:
+            attn = m.attention_rank_params * self.wbytes + kv
+            attn += experts_total * slots / dep.expert_parallel
+            return attn / 1e9, 0.0
+        per_rank = math.ceil(slots / dep.expert_ranks)
+        return (m.attention_rank_params * self.wbytes + kv) / 1e9, experts_total * per_rank / 1e9
+
+    def decode(
+        self, dep: Deployment, batch: int, context: float, max_context: float | None = None
+    ) -> DecodePrediction:
+        """Steady decode with ``batch`` sequences per attention rank at mean ``context``."""
+        st = self.step(dep, batch, context)
+        tok = dep.attention_ranks * batch / st.t_step * dep.replicas
+        attn_gb, exp_gb = self.memory_gb(dep, batch, max_context or context)
+        cap = self.hw.memory_bytes / 1e9 * 0.9
+        return DecodePrediction(
+            deployment=dep,
+            batch=batch,
+            context=context,
+            step=st,
+            tpot=st.t_step,
+            tokens_per_s=tok,
+            tokens_per_s_per_gpu=tok / dep.gpus,
+            attention_mem_gb=attn_gb,
+            expert_mem_gb=exp_gb,
+            fits=attn_gb <= cap and exp_gb <= cap,
+        )
+
+    def run(
+        self,
+        dep: Deployment,
+        num_requests: int,
+        prompt_len: int,
+        output_len: int,
+        max_num_batched_tokens: int = 2048,
+    ) -> RunPrediction:
+        """A closed batch (see `RunPrediction`) on one instance: requests spread evenly over the
+        attention ranks, which step in lockstep, so the busiest rank sets the pace."""
+        per_rank = math.ceil(num_requests / dep.attention_ranks)
+        prompt_tokens = per_rank * prompt_len
+        prefill_steps = max(1, math.ceil(prompt_tokens / max_num_batched_tokens))
+        chunk = prompt_tokens / prefill_steps
+        prefill = self.step(dep, 0, 0.0, chunk, min(per_rank, math.ceil(per_rank / prefill_steps)))
+        ttft = prefill_steps * prefill.t_step
+        decode = self.step(dep, per_rank, prompt_len + output_len / 2)
+        duration = ttft + (output_len - 1) * decode.t_step
+        return RunPrediction(
+            duration_s=duration,
+            output_tok_s=num_requests * output_len / duration,
+            ttft=ttft,
+            tbt=decode.t_step,
+            prefill=prefill,
+            decode=decode,
+        )
+
+
+def _link_times(
+    hw: HardwareProfile,
+    senders: int,
+    receivers: int,
+    colocated: bool,
+    rows: int,
+    rows_busiest: int,
+    dispatch_bytes: int,
+    combine_bytes: int,
+) -> dict[str, float]:
+    """Seconds on the links of one layer's dispatch + combine under each scheme, from the
+    transport's cost model. ``rows`` per (sender, receiver); the first receiver is the busiest
+    with ``rows_busiest`` from every sender."""
+    return dict(
+        _link_times_cached(
+            hw.links,
+            hw.gpus_per_node,
+            senders,
+            receivers,
+            colocated,
+            rows,
+            max(rows_busiest, rows),
+            dispatch_bytes,
+            combine_bytes,
+        )
+    )
+
+
+@lru_cache(maxsize=8192)
+def _link_times_cached(
+    links, per_node, senders, receivers, colocated, rows, rows_busiest, dispatch_b, combine_b
+):
+    from splitmoe.comm.topology import Topology
+    from splitmoe.comm.two_phase import NodeLayout, scheme_times
+    from splitmoe.config import ParallelConfig
+
+    if colocated:
+        # EP among the same ranks: an all-to-all of ``senders`` ranks with themselves; each rank
+        # keeps its own share. Modelled as A attention -> A expert ranks on separate nodes of the
+        # same size, with the same-node share of the traffic.
+        rows_busiest = round(rows_busiest * (1 - 1 / senders))
+        t = _flat_only(links, per_node, senders, rows_busiest, dispatch_b, combine_b)
+        return (("flat", t), ("two_phase", t))
+    experts = max(receivers, 1)
+    topo = Topology.build(0, ParallelConfig(senders, receivers, ranks_per_node=per_node), experts)
+    layout = NodeLayout.build(topo)
+    counts = torch.full((senders, receivers), rows, dtype=torch.int64)
+    counts[:, 0] = rows_busiest
+    times = scheme_times(layout, counts, dispatch_b, combine_b, links)
+    return tuple(sorted(times.items()))
+
+
+def _flat_only(links, per_node, ranks, rows_busiest, dispatch_b, combine_b):
+    """Busiest receiver of an EP all-to-all among ``ranks`` ranks (colocated deployments)."""
+    msgs = ranks - 1
+    intra_msgs = min(per_node, ranks) - 1
+    inter_msgs = msgs - intra_msgs
+    total = rows_busiest * msgs
+    intra_rows = total * intra_msgs / max(msgs, 1)
+    inter_rows = total - intra_rows
+    out = 0.0
+    for b in (dispatch_b, combine_b):
+        out += max(
+            links.intra.time(intra_msgs, intra_rows * b),
+            links.inter.time(inter_msgs, inter_rows * b),
+        )
+    return out

@@ -1,0 +1,90 @@
+"""The scaling study's sweep planning, CSV and plots: one real run, the rest stubbed."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from small_default import write_small_model
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "scaling_study.py"
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("scaling_study", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["scaling_study"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_axes_the_runtime_lacks_are_skipped_with_a_note(study):
+    args = study.parse_args(
+        ["--attention-ranks", "1,2", "--expert-ranks", "0,1", "--micro-batches", "1,2",
+         "--transport", "flat,warp_drive", "--balancer", "static,global", "--max-processes", "3"]
+    )  # fmt: skip
+    notes: list[str] = []
+    topos = study.plan_topologies(args, notes)
+    params, _ = study.supported_options()
+    text = "\n".join(notes)
+    assert "warp_drive" in text
+    if "micro_batches" not in params:
+        assert "micro_batches=[2]" in text
+        assert {t.micro_batches for t in topos} == {1}
+    # colocated runs once (no transport, no balancer); at most 3 processes
+    assert sum(1 for t in topos if t.expert_ranks == 0) == 2 * len({t.micro_batches for t in topos})
+    assert all(t.ranks <= 3 for t in topos)
+
+
+def _row(a, e, n, tok_s, tbt):
+    return dict(
+        status="ok", attention_ranks=a, expert_ranks=e, ranks=a + e, replicas=1, transport="flat",
+        micro_batches=1, balancer="static", redundant_experts=0, num_requests=n, rate=math.inf,
+        prompt_len=16, max_tokens=32, max_num_batched_tokens=2048, repeats=1, duration_s=1.0,
+        output_tok_s=tok_s, output_tok_s_per_rank=tok_s / (a + e), ttft_p50_ms=5.0,
+        ttft_p90_ms=6.0, ttft_p99_ms=7.0, tbt_p50_ms=tbt, tbt_p90_ms=tbt, tbt_p99_ms=tbt,
+        tpot_mean_ms=tbt, comm_share=0.5 if e else 0.0, imbalance=1.0, seqs_per_step_mean=n,
+    )  # fmt: skip
+
+
+def test_csv_and_plots_from_stubbed_rows(study, tmp_path):
+    rows = [_row(a, e, n, 100.0 * n / (1 + e), 2.0 * (1 + e)) for a in (1, 2) for e in (0, 1)
+            for n in (1, 16)]  # fmt: skip
+    study.write_csv(rows, tmp_path / "s.csv")
+    got = list(csv.DictReader((tmp_path / "s.csv").open()))
+    assert len(got) == 8 and got[0]["rate"] == "inf" and got[0]["tbt_p50_ms"] == "2"
+    notes: list[str] = []
+    paths = study.write_plots(rows, tmp_path / "plots", notes)
+    if any("matplotlib" in n for n in notes):
+        assert paths == []
+    else:
+        names = {p.name for p in paths}
+        assert {"scaling_attention_ranks.png", "scaling_expert_ranks.png"} <= names
+        assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_plots_skipped_without_matplotlib(study, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    notes: list[str] = []
+    assert study.write_plots([_row(1, 0, 1, 10.0, 1.0)], tmp_path, notes) == []
+    assert "plots skipped" in notes[0]
+
+
+def test_one_real_run_end_to_end(study, tmp_path):
+    model = write_small_model(tmp_path / "model")
+    out = tmp_path / "out"
+    rc = study.main(
+        ["--model", str(model), "--out", str(out), "--attention-ranks", "1", "--expert-ranks",
+         "0", "--batch", "2", "--micro-batches", "1", "--balancer", "static", "--transport",
+         "flat", "--max-tokens", "4", "--prompt-len", "4", "--repeats", "1", "--passes", "1",
+         "--no-validate"]
+    )  # fmt: skip
+    assert rc == 0
+    rows = list(csv.DictReader((out / "scaling.csv").open()))
+    assert len(rows) == 1 and rows[0]["status"] == "ok"
+    assert float(rows[0]["output_tok_s"]) > 0 and float(rows[0]["tbt_p50_ms"]) > 0
