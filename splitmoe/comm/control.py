@@ -33,6 +33,8 @@ class StepSync:
         self._out = torch.zeros(world_size, 2, dtype=torch.int64)
 
     def exchange(self, tokens: int, done: bool) -> StepDecision:
+        if self.world_size == 1:  # nothing to agree on
+            return StepDecision(tokens=(tokens,), finished=not tokens and done)
         mine = torch.tensor([tokens, int(done)], dtype=torch.int64)
         dist.all_gather_single(self._out.view(-1), mine, group=self.group)
         rows = self._out.tolist()

@@ -122,6 +122,55 @@ def fused_moe_grouped_mm(
     return out.view(N, k, H).sum(1)
 
 
+def fused_moe_padded_bmm(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """The same math as two batched GEMMs over ``[E, cap, H]``, each expert's tokens padded to
+    the busiest expert's count ``cap``: two calls instead of 2 x experts, at the price of the
+    padding rows' FLOPs."""
+    N, H = x.shape
+    E, I, k = w13.shape[0], w2.shape[2], expert_ids.shape[1]
+    flat = expert_ids.reshape(-1)  # [P]
+    key = torch.where(flat >= 0, flat, E).long()
+    counts = torch.bincount(key, minlength=E + 1)  # [E+1]; bucket E: slots served elsewhere
+    cap = int(counts[:E].max())
+    order = torch.argsort(key, stable=True)  # [P]
+    skey = key[order]
+    keep = skey < E
+    order, skey = order[keep], skey[keep]
+    starts = torch.cumsum(counts, 0) - counts
+    slot = skey * cap + torch.arange(order.numel(), device=x.device) - starts[skey]  # [P']
+    xb = x.new_zeros(E * cap, H)
+    xb[slot] = x[order // k]
+    h = torch.bmm(xb.view(E, cap, H), w13.transpose(1, 2))  # [E, cap, 2I]
+    a = F.silu(h[..., :I]) * h[..., I:]
+    y = torch.bmm(a, w2.transpose(1, 2)).view(E * cap, H)[slot]  # [P', H]
+    y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
+    out = torch.zeros_like(x)
+    out.index_add_(0, order // k, y)
+    return out
+
+
+def fused_moe_cpu(x, w13, w2, expert_ids, weights) -> torch.Tensor:
+    """The faster torch path on CPU: padded batched GEMMs while padding costs at most 2x the
+    real rows (decode batches), else ``torch._grouped_mm`` if the strides allow, else the loop.
+    At 32 tokens x top-4 x 16 experts (H 128, I 64, 1 thread): 226 us padded, 316 us grouped,
+    480 us loop."""
+    valid = expert_ids[expert_ids >= 0]
+    if valid.numel() == 0:
+        return torch.zeros_like(x)
+    cap = int(torch.bincount(valid.long(), minlength=w13.shape[0]).max())
+    if cap * w13.shape[0] <= 2 * valid.numel():
+        return fused_moe_padded_bmm(x, w13, w2, expert_ids, weights)
+    if _grouped_mm_fits(x, w2):
+        return fused_moe_grouped_mm(x, w13, w2, expert_ids, weights)
+    return fused_moe_ref(x, w13, w2, expert_ids, weights)
+
+
 def _grouped_mm_fits(x: torch.Tensor, w2: torch.Tensor) -> bool:
     """``torch._grouped_mm`` on CPU needs row strides that are multiples of 16 bytes."""
     if not hasattr(torch, "_grouped_mm") or x.device.type != "cpu" or x.shape[0] == 0:
@@ -240,10 +289,8 @@ def fused_moe(
     """
     if backend == "torch":
         _check_shapes(x, w13, w2, expert_ids, weights)
-        if _grouped_mm_fits(x, w2):
-            # ~2x faster than the per-expert loop at decode batch sizes on CPU (two grouped GEMMs
-            # instead of 2 x experts small ones); same math, per-token sum in slot order.
-            return fused_moe_grouped_mm(x, w13, w2, expert_ids, weights)
+        if x.device.type == "cpu" and x.shape[0]:
+            return fused_moe_cpu(x, w13, w2, expert_ids, weights)
         return fused_moe_ref(x, w13, w2, expert_ids, weights)
     if backend != "triton":
         raise ValueError(f"moe backend {backend!r} is not available; use 'torch' or 'triton'")
