@@ -130,6 +130,12 @@ class ParallelConfig:
     micro_batches: int | None = None
     # Collective and start-up timeout: a rank that stops answering ends the job after this long.
     timeout_s: float = 30.0
+    # Expert load balancing (see splitmoe.scheduler.balancer): extra expert slots per MoE layer
+    # holding replicas of hot experts, the per-step replica choice, and how often (steps) the
+    # placement is recomputed from observed load (None: only on `LLM.rebalance()`).
+    redundant_experts: int = 0
+    balancer: str = "static"
+    rebalance_interval: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_ranks, int) or self.attention_ranks < 1:
@@ -156,6 +162,41 @@ class ParallelConfig:
             not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
         ):
             raise ValueError(f"ranks_per_node={self.ranks_per_node!r} must be None or an int >= 1")
+        if (
+            isinstance(self.redundant_experts, bool)
+            or not isinstance(self.redundant_experts, int)
+            or self.redundant_experts < 0
+        ):
+            raise ValueError(
+                f"redundant_experts={self.redundant_experts!r} must be an integer >= 0 "
+                "(extra expert slots per MoE layer for replicas of hot experts)"
+            )
+        from splitmoe.scheduler.balancer import POLICIES
+
+        if self.balancer not in POLICIES:
+            raise ValueError(
+                f"balancer={self.balancer!r} must be one of {', '.join(map(repr, POLICIES))}"
+            )
+        if self.balancer != "static" and self.expert_ranks == 0:
+            raise ValueError(
+                f"balancer={self.balancer!r} chooses between replicas on expert ranks; with "
+                "expert_ranks=0 (colocated) use balancer='static' or add expert ranks"
+            )
+        if self.rebalance_interval is not None:
+            if (
+                isinstance(self.rebalance_interval, bool)
+                or not isinstance(self.rebalance_interval, int)
+                or self.rebalance_interval < 1
+            ):
+                raise ValueError(
+                    f"rebalance_interval={self.rebalance_interval!r} must be None (only on "
+                    "LLM.rebalance()) or an integer >= 1 (steps)"
+                )
+            if self.expert_ranks == 0:
+                raise ValueError(
+                    "rebalance_interval moves experts between expert ranks; with expert_ranks=0 "
+                    "(colocated) leave it None"
+                )
 
     @property
     def world_size(self) -> int:
@@ -179,6 +220,12 @@ class ParallelConfig:
     def timeout(self) -> timedelta:
         return timedelta(seconds=self.timeout_s)
 
+    @property
+    def num_redundant(self) -> int:
+        """Replica slots per MoE layer actually used: colocated runs ignore ``redundant_experts``
+        (every expert is local)."""
+        return self.redundant_experts if self.expert_ranks else 0
+
     def check_model(self, model: ModelConfig) -> None:
         if self.expert_ranks > model.num_experts:
             raise ValueError(
@@ -186,6 +233,10 @@ class ParallelConfig:
                 f"experts: every expert rank needs at least one expert; use expert_ranks <= "
                 f"{model.num_experts}"
             )
+        if self.expert_ranks:
+            from splitmoe.scheduler.placement import check_fits
+
+            check_fits(model.num_experts, self.expert_ranks, self.redundant_experts)
 
 
 @dataclass(frozen=True)

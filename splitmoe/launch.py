@@ -245,6 +245,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="micro-batches per step (default: chosen per step)",
     )
+    ap.add_argument(
+        "--redundant-experts",
+        type=int,
+        default=0,
+        help="extra expert slots per MoE layer for replicas of hot experts (default 0)",
+    )
+    ap.add_argument(
+        "--balancer",
+        default="static",
+        choices=["static", "local", "global"],
+        help="per-step replica choice (default static)",
+    )
+    ap.add_argument(
+        "--rebalance-interval",
+        type=int,
+        default=None,
+        help="recompute the expert placement from observed load every N steps (default: never)",
+    )
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--dtype", default="auto")
@@ -278,6 +296,9 @@ def prepare(args, env: LaunchEnv):
             ranks_per_node=args.ranks_per_node,
             micro_batches=args.micro_batches,
             timeout_s=args.timeout,
+            redundant_experts=args.redundant_experts,
+            balancer=args.balancer,
+            rebalance_interval=args.rebalance_interval,
         ),
         cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb),
         scheduler=SchedulerConfig(

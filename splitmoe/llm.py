@@ -75,6 +75,8 @@ class _QueueChannel:
                     inbox.stats_wanted = True
                 elif msg[0] == "trace":
                     inbox.trace_wanted = True
+                elif msg[0] == "rebalance":
+                    inbox.rebalance_wanted = True
                 else:
                     self._closed = True
                 msg = self.in_q.get_nowait()
@@ -147,6 +149,14 @@ class LLM:
             or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``).
         seed: seeds the random streams of sampled requests that carry no seed of their own, so
             a `generate` call is reproducible.
+        redundant_experts: extra expert slots per MoE layer on the expert ranks, holding
+            replicas of hot experts (ignored when colocated).
+        balancer: per-step replica choice, ``"static"`` (a fixed replica per attention rank and
+            expert), ``"local"`` (each attention rank spreads its own tokens) or ``"global"``
+            (attention ranks share per-expert counts and minimise the busiest expert rank's
+            cost); see `splitmoe.scheduler.balancer`.
+        rebalance_interval: recompute the placement from observed load every this many steps
+            (None: only on `rebalance`).
     """
 
     def __init__(
@@ -171,6 +181,9 @@ class LLM:
         seed: int = 0,
         attention_backend: str = "auto",
         moe_backend: str = "auto",
+        redundant_experts: int = 0,
+        balancer: str = "static",
+        rebalance_interval: int | None = None,
     ):
         self._procs: list[mp.Process] = []
         self.config = EngineConfig(
@@ -182,6 +195,9 @@ class LLM:
                 ranks_per_node=ranks_per_node,
                 micro_batches=micro_batches,
                 timeout_s=timeout_s,
+                redundant_experts=redundant_experts,
+                balancer=balancer,
+                rebalance_interval=rebalance_interval,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -455,6 +471,44 @@ class LLM:
             ):
                 self._fail("ranks did not answer a stats request in time")
         return [self._stats[r] for r in range(len(self._procs))]
+
+    def rebalance(self, timeout: float | None = None) -> dict:
+        """Recomputes the expert placement from the load observed since the last rebalance and
+        applies it on every rank between two steps (requests keep running; no output token
+        changes). Returns the new placement: ``{"placement_version", "slot_expert": {layer:
+        [expert of each slot]}, ...}``. Colocated jobs have nothing to move (returns ``{}``)."""
+        if not self._procs:
+            raise RuntimeError("this LLM is closed; create a new one")
+        self._stats = {}
+        self._in_qs[0].put(("rebalance",))  # one rank asks; the control plane tells all
+        deadline = time.monotonic() + (
+            self.config.parallel.timeout_s if timeout is None else timeout
+        )
+        while 0 not in self._stats:
+            if not self.poll(timeout=max(0.0, deadline - time.monotonic())) and (
+                time.monotonic() >= deadline
+            ):
+                self._fail("ranks did not finish a rebalance in time")
+        return self._stats.pop(0).get("stats") or {}
+
+    def expert_load(self, timeout: float | None = None) -> dict:
+        """Load statistics: pairs (token, expert) routed to each expert of each MoE layer,
+        summed over the attention ranks: ``{"layers": [...], "total": [[...] per layer],
+        "window": [...] (since the last rebalance), "slot_expert": {layer: [...]},
+        "placement_version": int}``. Empty when colocated."""
+        snaps = [s.get("balancer") for s in self.stats(timeout)]
+        snaps = [s for s in snaps if s]
+        if not snaps:
+            return {}
+        loads = [s["load"] for s in snaps if "load" in s]
+        out = {
+            "layers": loads[0]["layers"],
+            "placement_version": snaps[0]["placement_version"],
+            "slot_expert": snaps[0]["slot_expert"],
+        }
+        for key in ("total", "window"):
+            out[key] = [[sum(v) for v in zip(*rows)] for rows in zip(*(ld[key] for ld in loads))]
+        return out
 
     def reset_metrics(self) -> None:
         """Starts a new measurement period for `metrics`."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from splitmoe.attention_nodes.worker import AttentionWorker, RequestUpdate
 from splitmoe.comm.control import StepSync
@@ -24,6 +25,8 @@ from splitmoe.comm.transport import TRANSPORTS
 from splitmoe.config import EngineConfig
 from splitmoe.expert_nodes.worker import ExpertWorker
 from splitmoe.metrics import StepRecord
+from splitmoe.scheduler.balancer import Balancer, ExpertCost
+from splitmoe.scheduler.placement import Placement
 from splitmoe.scheduler.request import RequestSpec
 
 logger = logging.getLogger("splitmoe")
@@ -38,6 +41,7 @@ class Inbox:
     requests: list[RequestSpec] = field(default_factory=list)
     stats_wanted: bool = False
     trace_wanted: bool = False
+    rebalance_wanted: bool = False  # answered with `send_stats` once every rank has rebalanced
 
 
 class Channel(Protocol):
@@ -60,7 +64,7 @@ class Channel(Protocol):
         """Answer to a stats request."""
 
 
-def rank_stats(topo: Topology, worker, transport) -> dict:
+def rank_stats(topo: Topology, worker, transport, balance: ExpertBalance | None = None) -> dict:
     """A JSON-able snapshot of one rank: role, memory, worker state, transport counters."""
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -74,7 +78,93 @@ def rank_stats(topo: Topology, worker, transport) -> dict:
     out.update(worker.stats())
     snapshot = getattr(transport, "stats_snapshot", None)
     out["comm"] = snapshot() if snapshot else None
+    if balance is not None:
+        out["balancer"] = balance.stats()
     return out
+
+
+class ExpertBalance:
+    """This rank's share of expert load balancing: the `Placement` every rank holds (identical
+    everywhere), the attention side's `Balancer` (None on expert ranks) and rebalancing.
+
+    Rebalance protocol (between steps, decided through `StepSync` so every rank runs it after the
+    same step): all ranks all-reduce the attention ranks' per-(layer, expert) pair counts of the
+    window over the CPU group, all compute the same next placement from them, attention ranks
+    switch their balancer's replica tables, expert ranks load the weights of the slots whose
+    expert changed (from the checkpoint) before the next step. No request is touched: a step
+    never straddles two placements.
+    """
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        topo: Topology,
+        groups: Groups,
+        device: torch.device,
+    ):
+        par, m = cfg.parallel, cfg.model
+        self.cfg = cfg
+        self.topo = topo
+        self.groups = groups
+        self.placement = Placement.initial(
+            m.num_experts, par.expert_ranks, par.num_redundant, m.moe_layers
+        )
+        # The global policy's count all-gather runs on a group of the attention ranks only
+        # (every rank creates it, as torch.distributed requires).
+        group = None
+        if par.balancer == "global" and par.attention_ranks > 1:
+            group = dist.new_group(list(range(par.attention_ranks)), timeout=par.timeout)
+        self.balancer = None
+        if topo.is_attention:
+            self.balancer = Balancer(
+                par.balancer,
+                self.placement,
+                topo.rank,
+                par.attention_ranks,
+                ExpertCost(),
+                device,
+                group,
+                groups.comm_device if groups.comm_device.type == "cuda" else None,
+            )
+        self.steps = 0
+
+    def due(self) -> bool:
+        """Counts a step; True when ``rebalance_interval`` says a rebalance follows it."""
+        self.steps += 1
+        n = self.cfg.parallel.rebalance_interval
+        return bool(n) and self.steps % n == 0
+
+    def rebalance(self, worker) -> Placement:
+        """Collective over every rank (see the class doc)."""
+        L, E = len(self.placement.layers), self.placement.num_experts
+        load = (
+            self.balancer.load.window.clone()
+            if self.balancer is not None
+            else torch.zeros(L, E, dtype=torch.int64)
+        )
+        dist.all_reduce(load, group=self.groups.cpu)
+        new = self.placement.plan(load)
+        if self.balancer is not None:
+            self.balancer.set_placement(new)
+            self.balancer.load.window.zero_()
+        else:
+            worker.set_placement(new)
+        self.placement = new
+        logger.info("%s: expert placement v%d", self.topo.describe(), new.version)
+        return new
+
+    def stats(self) -> dict:
+        out = {
+            "policy": self.cfg.parallel.balancer,
+            "placement_version": self.placement.version,
+            "slot_expert": {
+                str(layer): self.placement.slot_expert[i].tolist()
+                for i, layer in enumerate(self.placement.layers)
+            },
+        }
+        if self.balancer is not None:
+            out["load"] = self.balancer.load.snapshot()
+        return out
 
 
 def set_threads(cfg: EngineConfig, local_world_size: int) -> None:
@@ -112,7 +202,7 @@ def run_rank(
     groups = init_groups(
         rank, topo.world_size, init_method, device, topo.local_world_size, cfg.parallel.timeout
     )
-    transport = None
+    transport = balance = None
     if not topo.colocated:
         transport = TRANSPORTS[cfg.parallel.transport](
             topo,
@@ -124,27 +214,38 @@ def run_rank(
             device,
             timeout=cfg.parallel.timeout,
         )
+        balance = ExpertBalance(cfg, topo, groups, device)
     if topo.is_attention:
-        worker = AttentionWorker(cfg, transport, device, rank)
+        worker = AttentionWorker(
+            cfg, transport, device, rank, balance.balancer if balance else None
+        )
     else:
-        worker = ExpertWorker(topo, cfg, transport, device)
+        worker = ExpertWorker(topo, cfg, transport, device, balance.placement)
     sync = StepSync(groups.cpu, topo.world_size)
     sync.warm_up(groups.data, groups.comm_device)
     channel.ready(topo)
     logger.info("%s ready on %s", topo.describe(), device)
-    _loop(topo, worker, channel, sync, transport, cfg)
+    _loop(topo, worker, channel, sync, transport, cfg, balance)
     return RankContext(topo=topo, groups=groups)
 
 
 def _loop(
-    topo: Topology, worker, channel: Channel, sync: StepSync, transport, cfg: EngineConfig
+    topo: Topology,
+    worker,
+    channel: Channel,
+    sync: StepSync,
+    transport,
+    cfg: EngineConfig,
+    balance: ExpertBalance | None = None,
 ) -> None:
     busy = False
+    rebalance_asked = False  # this rank's channel asked; answered once done
     while True:
         idle = topo.is_attention and not (busy or worker.has_work)
         inbox = channel.poll(IDLE_POLL_S if idle else 0.0)
         if inbox.stats_wanted:
-            channel.send_stats(rank_stats(topo, worker, transport))
+            channel.send_stats(rank_stats(topo, worker, transport, balance))
+        rebalance_asked |= inbox.rebalance_wanted
         if inbox.trace_wanted:
             channel.send_stats(
                 {"rank": topo.rank, "role": topo.role, "timeline": worker.timeline.export()}
@@ -157,9 +258,18 @@ def _loop(
         else:
             tokens, done = 0, True
         with worker.timeline.span("sync", "wait"):
-            decision = sync.exchange(tokens, done)
+            decision = sync.exchange(tokens, done, rebalance_asked)
         if decision.finished:
             return
+        if decision.rebalance:
+            if balance is not None:
+                with worker.timeline.span("rebalance", "comm"):
+                    balance.rebalance(worker)
+            if rebalance_asked:
+                channel.send_stats(
+                    {"rebalanced": True, "stats": None if balance is None else balance.stats()}
+                )
+                rebalance_asked = False
         busy = decision.run
         if not busy:
             continue
@@ -171,3 +281,6 @@ def _loop(
                 channel.emit(updates, record)
         else:
             worker.step(m)
+        if balance is not None and balance.due():
+            with worker.timeline.span("rebalance", "comm"):
+                balance.rebalance(worker)

@@ -17,6 +17,7 @@ from splitmoe.kernels.paged_attention import AttentionMetadata
 from splitmoe.metrics import StepRecord
 from splitmoe.models.loader import load_attention_weights
 from splitmoe.outputs import RequestMetrics
+from splitmoe.scheduler.balancer import Balancer
 from splitmoe.scheduler.block_manager import BlockManager
 from splitmoe.scheduler.request import RequestSpec
 from splitmoe.scheduler.scheduler import ScheduledBatch, Scheduler
@@ -34,16 +35,20 @@ class RequestUpdate:
 
 
 class RemoteExperts:
-    """ExpertExecutor over a transport: `start` dispatches to the expert ranks, `finish`
-    combines their partial sums."""
+    """ExpertExecutor over a transport: `start` picks the replica of each (token, expert) with
+    the balancer and dispatches by slot to the expert ranks, `finish` combines their partial
+    sums."""
 
-    def __init__(self, transport: Transport, timeline: Timeline):
+    def __init__(self, transport: Transport, timeline: Timeline, balancer: Balancer):
         self.transport = transport
         self.timeline = timeline
+        self.balancer = balancer
 
     def start(self, layer, x, topk_ids, topk_weights):
+        with self.timeline.span(f"balance L{layer}", "compute"):
+            slots = self.balancer.choose(layer, topk_ids)  # [T, k]
         with self.timeline.span(f"dispatch L{layer}", "comm"):
-            return self.transport.dispatch(x, topk_ids, topk_weights, layer=layer)
+            return self.transport.dispatch(x, slots, topk_weights, layer=layer)
 
     def finish(self, handle):
         with self.timeline.span(f"combine L{handle.layer}", "wait"):
@@ -65,7 +70,12 @@ def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:
 
 class AttentionWorker:
     def __init__(
-        self, cfg: EngineConfig, transport: Transport | None, device: torch.device, rank: int = 0
+        self,
+        cfg: EngineConfig,
+        transport: Transport | None,
+        device: torch.device,
+        rank: int = 0,
+        balancer: Balancer | None = None,
     ):
         m = cfg.model
         self.rank = rank
@@ -78,7 +88,7 @@ class AttentionWorker:
         self.experts = (
             LocalExperts(m, list(range(m.num_experts)), dtype, device, cfg.backend("moe_backend"))
             if transport is None
-            else RemoteExperts(transport, self.timeline)
+            else RemoteExperts(transport, self.timeline, balancer)
         )
         block_size = cfg.cache.block_size
         num_blocks = cfg.cache.resolve_num_blocks(

@@ -14,10 +14,13 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class StepDecision:
-    """``tokens[r]``: tokens attention rank ``r`` computes this step (0 for expert ranks)."""
+    """``tokens[r]``: tokens attention rank ``r`` computes this step (0 for expert ranks);
+    ``rebalance``: some rank asked for an expert rebalance, which every rank then runs before
+    this iteration's step."""
 
     tokens: tuple[int, ...]
     finished: bool
+    rebalance: bool = False
 
     @property
     def run(self) -> bool:
@@ -25,21 +28,26 @@ class StepDecision:
 
 
 class StepSync:
-    """All-gathers ``(tokens this step, done)`` from every rank over the CPU group."""
+    """All-gathers ``(tokens this step, done, rebalance wanted)`` from every rank over the CPU
+    group."""
 
     def __init__(self, group: dist.ProcessGroup, world_size: int):
         self.group = group
         self.world_size = world_size
-        self._out = torch.zeros(world_size, 2, dtype=torch.int64)
+        self._out = torch.zeros(world_size, 3, dtype=torch.int64)
 
-    def exchange(self, tokens: int, done: bool) -> StepDecision:
+    def exchange(self, tokens: int, done: bool, rebalance: bool = False) -> StepDecision:
         if self.world_size == 1:  # nothing to agree on
-            return StepDecision(tokens=(tokens,), finished=not tokens and done)
-        mine = torch.tensor([tokens, int(done)], dtype=torch.int64)
+            return StepDecision(tokens=(tokens,), finished=not tokens and done, rebalance=rebalance)
+        mine = torch.tensor([tokens, int(done), int(rebalance)], dtype=torch.int64)
         dist.all_gather_single(self._out.view(-1), mine, group=self.group)
         rows = self._out.tolist()
         counts = tuple(r[0] for r in rows)
-        return StepDecision(tokens=counts, finished=not any(counts) and all(r[1] for r in rows))
+        return StepDecision(
+            tokens=counts,
+            finished=not any(counts) and all(r[1] for r in rows),
+            rebalance=any(r[2] for r in rows),
+        )
 
     def warm_up(self, data_group: dist.ProcessGroup, comm_device: torch.device) -> None:
         """Opens every peer connection once at start-up (gloo connects lazily), so the first

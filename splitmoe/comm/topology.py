@@ -20,7 +20,10 @@ def contiguous_placement(num_experts: int, expert_ranks: int) -> tuple[int, ...]
 class Topology:
     """Ranks ``0..A-1`` are attention ranks, ``A..A+E-1`` expert ranks (E = 0: colocated).
 
-    ``expert_owner[e]`` is the index (0..E-1) of the expert rank holding routed expert ``e``.
+    Each MoE layer has ``num_experts + redundant`` expert *slots*; ``slot_owner[s]`` is the
+    index (0..E-1) of the expert rank holding slot ``s`` (contiguous, near-equal ranges, fixed for
+    the job). Which expert a slot holds is the `splitmoe.scheduler.placement.Placement`; at
+    start-up slot ``s`` holds expert ``s % num_experts`` (no replicas: slot id = expert id).
     """
 
     rank: int
@@ -29,8 +32,9 @@ class Topology:
     num_expert: int
     local_rank: int
     local_world_size: int
-    expert_owner: tuple[int, ...]
+    slot_owner: tuple[int, ...]
     ranks_per_node: int = 0  # 0: the whole world is one node
+    num_experts: int = 0  # 0: one slot per expert (len(slot_owner))
 
     def __post_init__(self) -> None:
         if self.world_size != self.num_attention + self.num_expert:
@@ -42,6 +46,8 @@ class Topology:
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
         if self.ranks_per_node == 0:
             object.__setattr__(self, "ranks_per_node", self.world_size)
+        if self.num_experts == 0:
+            object.__setattr__(self, "num_experts", len(self.slot_owner))
 
     @classmethod
     def build(
@@ -53,10 +59,11 @@ class Topology:
         local_world_size: int | None = None,
     ) -> Topology:
         world = parallel.world_size
+        slots = num_experts + parallel.num_redundant
         owner = (
-            contiguous_placement(num_experts, parallel.expert_ranks)
+            contiguous_placement(slots, parallel.expert_ranks)
             if parallel.expert_ranks
-            else tuple([0] * num_experts)
+            else tuple([0] * slots)
         )
         return cls(
             rank=rank,
@@ -65,7 +72,8 @@ class Topology:
             num_expert=parallel.expert_ranks,
             local_rank=rank if local_rank is None else local_rank,
             local_world_size=world if local_world_size is None else local_world_size,
-            expert_owner=owner,
+            slot_owner=owner,
+            num_experts=num_experts,
             ranks_per_node=parallel.ranks_per_node
             or (world if local_world_size is None else local_world_size),
         )
@@ -97,9 +105,24 @@ class Topology:
             raise ValueError(f"rank {self.rank} is an attention rank")
         return self.rank - self.num_attention
 
+    @property
+    def expert_owner(self) -> tuple[int, ...]:
+        """Expert rank of each slot id; without replicas slot ids are expert ids, so this is the
+        owner of each expert."""
+        return self.slot_owner
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot_owner)
+
+    def slots_of(self, expert_index: int) -> list[int]:
+        """Slot ids held by expert rank ``expert_index`` (local slot ``i`` is the ``i``-th)."""
+        return [s for s, r in enumerate(self.slot_owner) if r == expert_index]
+
     def experts_of(self, expert_index: int) -> list[int]:
-        """Global ids of the routed experts held by expert rank ``expert_index``."""
-        return [e for e, r in enumerate(self.expert_owner) if r == expert_index]
+        """Routed experts of expert rank ``expert_index`` in the start-up placement, in local-slot
+        order."""
+        return [s % self.num_experts for s in self.slots_of(expert_index)]
 
     def node_of(self, rank: int) -> int:
         """Nodes are consecutive blocks of ``ranks_per_node`` ranks (the last may be smaller)."""

@@ -8,18 +8,25 @@ from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
 from splitmoe.expert_nodes.experts import LocalExperts
+from splitmoe.scheduler.placement import Placement
 from splitmoe.timeline import Timeline
 
 
 class ExpertWorker:
     def __init__(
-        self, topo: Topology, cfg: EngineConfig, transport: Transport, device: torch.device
+        self,
+        topo: Topology,
+        cfg: EngineConfig,
+        transport: Transport,
+        device: torch.device,
+        placement: Placement,
     ):
         self.topo = topo
         self.moe_layers = cfg.model.moe_layers
+        self.placement = placement
         self.experts = LocalExperts(
             cfg.model,
-            topo.experts_of(topo.expert_index),
+            placement.experts_on(topo.expert_index),
             cfg.torch_dtype,
             device,
             cfg.backend("moe_backend"),
@@ -29,7 +36,18 @@ class ExpertWorker:
         self.timeline = Timeline()
 
     def stats(self) -> dict:
-        return {"experts": self.experts.expert_ids, "tokens_served": self.tokens_served}
+        return {
+            "experts": self.experts.expert_ids,
+            "slots": {str(k): v for k, v in self.experts.layer_experts.items()},
+            "placement_version": self.placement.version,
+            "weights_reloaded": self.experts.weights_reloaded,
+            "tokens_served": self.tokens_served,
+        }
+
+    def set_placement(self, placement: Placement) -> None:
+        """Rebalance (between steps): loads the weights of the slots whose expert changes."""
+        self.experts.update(placement.experts_on(self.topo.expert_index))
+        self.placement = placement
 
     def step(self, micro_batches: int = 1) -> None:
         """One engine step: the MoE layers in order, each micro-batch in order, as every

@@ -195,23 +195,30 @@ def load_attention_weights(
 
 
 def load_expert_weights(
-    cfg: ModelConfig, experts: list[int], dtype: torch.dtype, device: str
+    cfg: ModelConfig,
+    experts: list[int] | dict[int, list[int]],
+    dtype: torch.dtype,
+    device: str,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Only the listed experts, for every MoE layer, stacked per layer as
-    ``w13 [n, 2*I, H]`` (gate rows then up rows) and ``w2 [n, H, I]``."""
+    """Only the listed experts, stacked per MoE layer as ``w13 [n, 2*I, H]`` (gate rows then up
+    rows) and ``w2 [n, H, I]``. ``experts``: one list for every MoE layer, or per layer (only the
+    layers given are loaded; an expert may appear more than once)."""
     fam = family_for(cfg.model_type)
     reader = CheckpointReader(cfg.path)
+    per_layer = (
+        experts if isinstance(experts, dict) else {layer: experts for layer in cfg.moe_layers}
+    )
     wanted = {}
-    for layer in cfg.moe_layers:
-        for e in experts:
+    for layer, listed in per_layer.items():
+        for e in set(listed):
             for k in ("gate", "up", "down"):
                 wanted[f"{layer}.{e}.{k}"] = (fam.expert_name(layer, e, k), expected_shape(cfg, k))
     flat = reader.load(wanted, dtype, device)
     out = {}
-    for layer in cfg.moe_layers:
+    for layer, listed in per_layer.items():
         w13 = torch.stack(
-            [torch.cat([flat[f"{layer}.{e}.gate"], flat[f"{layer}.{e}.up"]], 0) for e in experts]
+            [torch.cat([flat[f"{layer}.{e}.gate"], flat[f"{layer}.{e}.up"]], 0) for e in listed]
         )  # [n, 2I, H]
-        w2 = torch.stack([flat[f"{layer}.{e}.down"] for e in experts])  # [n, H, I]
+        w2 = torch.stack([flat[f"{layer}.{e}.down"] for e in listed])  # [n, H, I]
         out[layer] = (w13, w2)
     return out

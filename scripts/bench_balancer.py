@@ -1,0 +1,177 @@
+"""Per-step replica choice (static / local / global) on synthetic routing.
+
+For each scenario (experts, top-k, expert ranks, attention ranks, tokens per attention rank,
+routing: uniform, Zipf s, or a hot set that moves between the placement window and the measured
+step) it plans a placement with ``--redundant`` replicas per layer from a window of observed
+routing (the planner of `splitmoe.scheduler.placement`), then reports per policy:
+
+* cost max/mean: the busiest expert rank's ``activate x distinct experts + token x pairs``
+  over the mean (1.0 = perfectly flat); ``static*`` is the no-replica contiguous baseline;
+* tokens max/mean: (token, expert) pairs on the busiest rank over the mean;
+* decision time (us, median and p99) of one attention rank's choice for one layer (count +
+  replica choice; the ``global`` count all-gather is a separate small collective, not included).
+
+    python scripts/bench_balancer.py                      # the default grid, CPU (+ GPU if any)
+    python scripts/bench_balancer.py --experts 256 --ranks 32 --tokens 512 --skew 1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+import torch
+
+from splitmoe.scheduler.balancer import POLICIES, ExpertCost, ReplicaTable, assign, rank_loads
+from splitmoe.scheduler.placement import Placement
+from splitmoe.sim.imbalance import route
+
+
+def popularity(num_experts: int, skew: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** skew
+    return (w[torch.randperm(num_experts, generator=g)] / w.sum()).float()
+
+
+def calibrate_cost(hidden: int, inter: int, device: str, reps: int = 20) -> ExpertCost:
+    """a, b of one expert FFN on this device: time(n tokens) ~ a + b n, fitted at n = 1, 129."""
+    w13 = torch.randn(2 * inter, hidden, device=device)
+    w2 = torch.randn(hidden, inter, device=device)
+
+    def t(n):
+        x = torch.randn(n, hidden, device=device)
+        samples = []
+        for _ in range(reps):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            h = torch.nn.functional.linear(x, w13)
+            torch.nn.functional.linear(torch.nn.functional.silu(h[:, :inter]) * h[:, inter:], w2)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    t1, t129 = t(1), t(129)
+    b = max((t129 - t1) / 128, 1e-9)
+    return ExpertCost(activate=max(1, round((t1 - b) / b)), token=1)
+
+
+def scenario(args, E, R_ranks, T, routing, device, cost, seed=0):
+    A, k = args.attention_ranks, args.top_k
+    g = torch.Generator().manual_seed(seed)
+    if routing == "uniform":
+        before = after = torch.full((E,), 1.0 / E)
+    elif routing.startswith("zipf"):
+        before = after = popularity(E, float(routing[4:]), seed)
+    else:  # "shift": the hot set of the window differs from the measured step's
+        before, after = popularity(E, 1.0, seed), popularity(E, 1.0, seed + 1)
+    window = torch.cat([route(T, k, before, g) for _ in range(A * args.window)])
+    load = torch.bincount(window.flatten(), minlength=E)
+    placement = Placement.initial(E, R_ranks, args.redundant_for(E), (0,)).plan(load[None])
+    base = Placement.initial(E, R_ranks, 0, (0,))
+    ids = [route(T, k, after, g) for _ in range(A)]
+    counts = torch.stack([torch.bincount(i.flatten(), minlength=E) for i in ids])
+    rows = {}
+    for name, pl, policy in [("static*", base, "static")] + [(p, placement, p) for p in POLICIES]:
+        table = ReplicaTable.build(pl, 0)
+        slots = torch.cat([assign(policy, table, x, a, cost, counts) for a, x in enumerate(ids)])
+        c, pairs, _ = rank_loads(table, slots, pl.slot_rank, cost)
+        rows[name] = {
+            "cost": c.max().item() / c.float().mean().item(),
+            "tokens": pairs.max().item() / pairs.float().mean().item(),
+        }
+        if name != "static*":
+            rows[name].update(decision_time(policy, pl, ids[0], counts, cost, device, args.reps))
+    return rows
+
+
+def decision_time(policy, placement, x, counts, cost, device, reps):
+    table = ReplicaTable.build(placement, 0, device)
+    x, counts = x.to(device), counts.to(device)
+    E = placement.num_experts
+
+    def once():
+        torch.bincount(x.flatten(), minlength=E)  # the rank's own counts (also the statistics)
+        assign(policy, table, x, 0, cost, counts)
+
+    for _ in range(10):
+        once()
+    samples = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        once()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    samples.sort()
+    return {
+        f"{device}_us": samples[len(samples) // 2],
+        f"{device}_p99": samples[-len(samples) // 100 - 1],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--experts", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 512, 4096])
+    ap.add_argument(
+        "--routing", nargs="+", default=["uniform", "zipf0.5", "zipf1.0", "zipf1.5", "shift"]
+    )
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--attention-ranks", type=int, default=4)
+    ap.add_argument("--redundant", type=int, default=None, help="replicas per layer (E/8)")
+    ap.add_argument("--window", type=int, default=4, help="steps of load the placement sees")
+    ap.add_argument(
+        "--activate",
+        type=int,
+        default=None,
+        help="cost of one expert activation in tokens (default: calibrated on this "
+        "machine for a 4096 x 1536 expert)",
+    )
+    ap.add_argument("--reps", type=int, default=200)
+    args = ap.parse_args()
+    args.redundant_for = lambda E: E // 8 if args.redundant is None else args.redundant
+    torch.set_num_threads(1)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    cost = (
+        ExpertCost(activate=args.activate)
+        if args.activate
+        else calibrate_cost(4096, 1536, devices[-1])
+    )
+    print(
+        f"cost: activate={cost.activate} x token ({devices[-1]} calibration); "
+        f"{args.attention_ranks} attention ranks, top-{args.top_k}"
+    )
+    head = f"{'E':>4} {'ranks':>5} {'T':>5} {'routing':>8} {'policy':>8} {'cost':>6} {'tok':>6}"
+    head += "".join(f" {d + ' us':>9} {'p99':>7}" for d in devices)
+    print(head)
+    for E, R, T, routing in itertools.product(args.experts, args.ranks, args.tokens, args.routing):
+        if R > E:
+            continue
+        rows = scenario(args, E, R, T, routing, "cpu", cost)
+        if "cuda" in devices:
+            for p in POLICIES:
+                pl = Placement.initial(E, R, args.redundant_for(E), (0,))
+                x = route(T, args.top_k, torch.full((E,), 1.0 / E), torch.Generator())
+                counts = torch.bincount(x.flatten(), minlength=E)[None].repeat(
+                    args.attention_ranks, 1
+                )
+                rows[p].update(decision_time(p, pl, x, counts, cost, "cuda", args.reps))
+        for name, r in rows.items():
+            line = (
+                f"{E:>4} {R:>5} {T:>5} {routing:>8} {name:>8} {r['cost']:>6.3f} {r['tokens']:>6.3f}"
+            )
+            for d in devices:
+                if f"{d}_us" in r:
+                    line += f" {r[f'{d}_us']:>9.1f} {r[f'{d}_p99']:>7.1f}"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
