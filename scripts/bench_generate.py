@@ -14,12 +14,12 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from splitmoe import LLM, SamplingParams
 from splitmoe.config import ModelConfig
+from splitmoe.models.default_model import default_model_path
 
 
 def make_prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
@@ -125,13 +125,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.max_tokens < 2:
         ap.error("--max-tokens must be >= 2 to measure decoding")
-    if args.model is None:
-        from splitmoe.models.default_model import write_default_model
-
-        path = Path(".splitmoe/default-model")
-        if not (path / "config.json").is_file():
-            write_default_model(path)
-        args.model = str(path)
+    args.model = args.model or default_model_path()
     cfg = ModelConfig.from_hf(args.model)
     prompts = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed)
     topo = f"{args.attention_ranks}+{args.expert_ranks}"

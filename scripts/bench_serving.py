@@ -23,6 +23,7 @@ from pathlib import Path
 
 from splitmoe import LLM, SamplingParams
 from splitmoe.config import ModelConfig
+from splitmoe.models.default_model import default_model_path
 
 
 def parse_dist(spec: str):
@@ -85,13 +86,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the metrics here as JSON")
     args = ap.parse_args()
-    if args.model is None:
-        from splitmoe.models.default_model import write_default_model
-
-        path = Path(".splitmoe/default-model")
-        if not (path / "config.json").is_file():
-            write_default_model(path)
-        args.model = str(path)
+    args.model = args.model or default_model_path()
     cfg = ModelConfig.from_hf(args.model)
     items, arrivals = make_workload(args, cfg.vocab_size, cfg.max_position_embeddings)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from splitmoe.models.default_model import default_model_path
 from splitmoe.sim.calibrate import calibrate  # noqa: E402
 
 
@@ -30,13 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/cpu_profile.json")
     ap.add_argument("--max-world", type=int, default=4, help="largest calibration run (ranks)")
     args = ap.parse_args(argv)
-    if args.model is None:
-        from splitmoe.models.default_model import write_default_model
-
-        path = Path(".splitmoe/default-model")
-        if not (path / "config.json").is_file():
-            write_default_model(path)
-        args.model = str(path)
+    args.model = args.model or default_model_path()
     hw = calibrate(args.model, args.max_world)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,7 @@ from tqdm import tqdm  # noqa: E402
 from splitmoe import LLM, SamplingParams  # noqa: E402
 from splitmoe.config import ModelConfig  # noqa: E402
 from splitmoe.metrics import summarize  # noqa: E402
+from splitmoe.models.default_model import default_model_path
 
 # axis -> (LLM keyword, default value); the default runs even when the keyword does not exist.
 OPTIONAL_AXES = {
@@ -520,13 +521,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.model is None:
-        from splitmoe.models.default_model import write_default_model
-
-        path = Path(".splitmoe/default-model")
-        if not (path / "config.json").is_file():
-            write_default_model(path)
-        args.model = str(path)
+    args.model = args.model or default_model_path()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []

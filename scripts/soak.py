@@ -16,10 +16,10 @@ import argparse
 import random
 import sys
 import time
-from pathlib import Path
 
 from splitmoe import LLM, SamplingParams
 from splitmoe.config import ModelConfig
+from splitmoe.models.default_model import default_model_path
 
 
 def random_params(rng: random.Random, vocab: int, max_out: int) -> SamplingParams:
@@ -54,13 +54,7 @@ def main() -> None:
     ap.add_argument("--max-growth-mb", type=float, default=64.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if args.model is None:
-        from splitmoe.models.default_model import write_default_model
-
-        path = Path(".splitmoe/default-model")
-        if not (path / "config.json").is_file():
-            write_default_model(path)
-        args.model = str(path)
+    args.model = args.model or default_model_path()
     cfg = ModelConfig.from_hf(args.model)
     eos = set(cfg.eos_token_ids)
     rng = random.Random(args.seed)

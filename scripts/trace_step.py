@@ -19,6 +19,7 @@ import torch
 
 from splitmoe import LLM, SamplingParams
 from splitmoe.config import ModelConfig
+from splitmoe.models.default_model import default_model_path
 from splitmoe.timeline import breakdown, chrome_trace
 
 
@@ -35,13 +36,7 @@ def main() -> None:
     ap.add_argument("--threads-per-rank", type=int, default=1)
     ap.add_argument("--out", default="out/trace.json")
     args = ap.parse_args()
-    if args.model is None:
-        from splitmoe.models.default_model import write_default_model
-
-        path = Path(".splitmoe/default-model")
-        if not (path / "config.json").is_file():
-            write_default_model(path)
-        args.model = str(path)
+    args.model = args.model or default_model_path()
     cfg = ModelConfig.from_hf(args.model)
     prompts = torch.randint(
         1, cfg.vocab_size, (args.batch, 16), generator=torch.Generator().manual_seed(0)

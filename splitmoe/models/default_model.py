@@ -124,6 +124,18 @@ def write_default_model(out: str | Path, seed: int = 0, **overrides) -> Path:
     return out
 
 
+DEFAULT_PATH = Path(".splitmoe/default-model")
+
+
+def default_model_path(path: str | Path = DEFAULT_PATH) -> str:
+    """The default model's directory (under the current directory), written on first use: what
+    the scripts run when no ``--model`` is given."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        write_default_model(path)
+    return str(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory to write the checkpoint to")
