@@ -27,18 +27,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import multiprocessing as mp
-import pickle
-import queue
-import socket
 import statistics
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 from splitmoe.comm.cost_model import CostModel
+from splitmoe.comm.local_job import run_ranks
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import TRANSPORTS
 from splitmoe.comm.two_phase import NodeLayout, scheme_times
@@ -54,56 +50,6 @@ def variants(here_profile: str | None) -> tuple[str, ...]:
 
 # hidden size -> (routed experts, top-k) of a model of that width, for the predictions
 MODELS = {2048: (128, 8), 4096: (128, 8), 7168: (256, 8)}  # Qwen3-30B-A3B, -235B-A22B, DSv3
-
-
-# ---- process launching (also used by calibrate_comm.py) ---------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(fn, rank, world, init, args, out_q):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        result = fn(rank, world, *args)
-        dist.destroy_process_group()
-        out_q.put((rank, "ok", pickle.dumps(result)))
-    except BaseException:
-        out_q.put((rank, "error", traceback.format_exc()))
-
-
-def run_ranks(fn, world: int, *args, timeout: float = 1800.0) -> list:
-    """``fn(rank, world, *args)`` on ``world`` local gloo ranks; the results by rank."""
-    ctx = mp.get_context("spawn")
-    out_q = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, init, args, out_q)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    try:
-        while len(results) < world:
-            try:
-                rank, status, value = out_q.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"ranks {sorted(set(range(world)) - set(results))} hung"
-                ) from None
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = pickle.loads(value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
 
 
 # ---- shared helpers ---------------------------------------------------------------------------
@@ -212,7 +158,9 @@ def measure(args) -> list[dict]:
     for text in args.layouts:
         A, E, g = parse_layout(text)
         t0 = time.perf_counter()
-        out = run_ranks(_measure_job, A + E, A, g, args.hidden, args.tokens, job_args)
+        out = run_ranks(
+            _measure_job, A + E, A, g, args.hidden, args.tokens, job_args, timeout=1800.0
+        )
         print(f"measured {text} in {time.perf_counter() - t0:.0f} s")
         topo = Topology.build(0, ParallelConfig(A, E, ranks_per_node=g), args.num_experts)
         lay = NodeLayout.build(topo)

@@ -30,9 +30,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_comm import run_ranks  # noqa: E402
-
 from splitmoe.comm.cost_model import IB_400G, NVLINK4, CostModel, LinkProfile, Phase  # noqa: E402
+from splitmoe.comm.local_job import run_ranks  # noqa: E402
 
 
 def ping_pong(rank: int, a: int, b: int, sizes: list[int], reps: int, device) -> list[float]:
@@ -145,7 +144,7 @@ def main() -> None:
         node_size, world, backend = args.ranks_per_node, args.world, "gloo"
         if world <= node_size:
             ap.error("--world must exceed --ranks-per-node to emulate two nodes")
-        result = run_ranks(_local_job, world, node_size, sizes, args.reps)[0]
+        result = run_ranks(_local_job, world, node_size, sizes, args.reps, timeout=1800.0)[0]
 
     a2a = result.pop("all_to_all")
     measured = {cls: fit(sizes, times) for cls, times in result.items()}

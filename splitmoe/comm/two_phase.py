@@ -36,7 +36,6 @@ further messages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -196,32 +195,10 @@ class TwoPhaseTransport(Transport):
     """Aggregating transport (see the module doc). The intra-node groups it creates use the
     constructor's ``timeout``; its ``cost_model`` only serves `choose` in the adaptive subclass."""
 
-    def __init__(
-        self,
-        topo: Topology,
-        group: dist.ProcessGroup,
-        comm_device: torch.device,
-        hidden_size: int,
-        top_k: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        *,
-        cost_model: CostModel | None = None,
-        timeout: timedelta | None = None,
-    ):
-        super().__init__(
-            topo,
-            group,
-            comm_device,
-            hidden_size,
-            top_k,
-            dtype,
-            device,
-            cost_model=cost_model,
-            timeout=timeout,
-        )
+    def __init__(self, topo: Topology, *args, **kwargs):
+        super().__init__(topo, *args, **kwargs)  # same arguments as every transport
         self.layout = NodeLayout.build(topo)
-        self.combine_bytes = hidden_size * self.elem
+        self.combine_bytes = self.hidden_size * self.elem
         # Phase-1 groups: the attention ranks of each node holding two or more. Every rank creates
         # every group, in node order, as torch.distributed requires.
         self.node_ranks = self.layout.members[topo.node] if topo.is_attention else range(0)

@@ -62,11 +62,6 @@ class Request:
             return prompt[start:end]
         return (prompt + self.output_token_ids)[start:end]
 
-    @property
-    def max_total_tokens(self) -> int:
-        """Tokens the request can ever hold in the KV cache (its last token is never stored)."""
-        return min(self.prompt_len + self.params.max_tokens, self.max_model_len) - 1
-
     def append_token(self, token: int, now: float) -> None:
         self.output_token_ids.append(token)
         self.token_times.append(now)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from dist_helpers import run_ranks
 
+from splitmoe.comm.local_job import run_ranks
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import FlatTransport
 from splitmoe.config import ParallelConfig

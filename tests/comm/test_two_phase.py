@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from comm_ref import reference_layer
-from dist_helpers import run_ranks
 
 from splitmoe.comm.cost_model import CostModel, LinkProfile
+from splitmoe.comm.local_job import run_ranks
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import TRANSPORTS
 from splitmoe.comm.two_phase import NodeLayout, scheme_times, segment_index

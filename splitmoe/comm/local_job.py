@@ -1,4 +1,10 @@
-"""Run a function on several gloo ranks in fresh processes and collect what each returns."""
+"""Run a function on several local gloo ranks in fresh processes and collect what each returns.
+
+For tests and measurement scripts (``scripts/bench_comm.py``, ``scripts/calibrate_comm.py``):
+``run_ranks(fn, world, *args)`` calls ``fn(rank, world, *args)`` on every rank with a gloo
+process group already up, and returns the results by rank. A rank that raises fails the call
+with its traceback; ranks that hang fail it after ``timeout``.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ def _entry(fn, rank, world, init_method, args, out_q):
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
-    """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns the results by rank."""
+    """``fn(rank, world, *args)`` on ``world`` local gloo ranks; returns the results by rank."""
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     init = f"tcp://127.0.0.1:{_free_port()}"
@@ -46,9 +52,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
             try:
                 rank, status, value = out_q.get(timeout=timeout)
             except queue.Empty:
-                raise TimeoutError(
-                    f"ranks {sorted(set(range(world)) - set(results))} hung"
-                ) from None
+                missing = sorted(set(range(world)) - set(results))
+                raise TimeoutError(f"ranks {missing} hung") from None
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = pickle.loads(value)
