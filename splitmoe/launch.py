@@ -263,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="recompute the expert placement from observed load every N steps (default: never)",
     )
+    ap.add_argument(
+        "--no-shared-memory",
+        action="store_true",
+        help="exchange through torch.distributed even between ranks on one host",
+    )
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--dtype", default="auto")
@@ -299,6 +304,7 @@ def prepare(args, env: LaunchEnv):
             redundant_experts=args.redundant_experts,
             balancer=args.balancer,
             rebalance_interval=args.rebalance_interval,
+            shared_memory=not args.no_shared_memory,
         ),
         cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb),
         scheduler=SchedulerConfig(

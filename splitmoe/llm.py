@@ -157,6 +157,8 @@ class LLM:
             cost); see `splitmoe.scheduler.balancer`.
         rebalance_interval: recompute the placement from observed load every this many steps
             (None: only on `rebalance`).
+        shared_memory: ranks exchange tokens through shared memory (the ranks of `LLM` share
+            this host) instead of gloo over loopback TCP; False forces torch.distributed.
     """
 
     def __init__(
@@ -184,6 +186,7 @@ class LLM:
         redundant_experts: int = 0,
         balancer: str = "static",
         rebalance_interval: int | None = None,
+        shared_memory: bool = True,
     ):
         self._procs: list[mp.Process] = []
         self.config = EngineConfig(
@@ -198,6 +201,7 @@ class LLM:
                 redundant_experts=redundant_experts,
                 balancer=balancer,
                 rebalance_interval=rebalance_interval,
+                shared_memory=shared_memory,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from splitmoe.attention_nodes.worker import AttentionWorker, RequestUpdate
 from splitmoe.comm.control import StepSync
-from splitmoe.comm.distributed import Groups, init_groups, rank_device
+from splitmoe.comm.distributed import Groups, init_groups, new_collective, rank_device
+from splitmoe.comm.shm import CONTROL_CAPACITY
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import TRANSPORTS
 from splitmoe.config import EngineConfig
@@ -74,6 +75,7 @@ def rank_stats(topo: Topology, worker, transport, balance: ExpertBalance | None 
         "role": topo.role,
         "rss_mb": rss / 2**20,
         "peak_rss_mb": peak_kb / 1024,
+        "threads": torch.get_num_threads(),
     }
     out.update(worker.stats())
     snapshot = getattr(transport, "stats_snapshot", None)
@@ -199,8 +201,15 @@ def run_rank(
     device = rank_device(cfg.device_type, topo.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    par = cfg.parallel
     groups = init_groups(
-        rank, topo.world_size, init_method, device, topo.local_world_size, cfg.parallel.timeout
+        rank,
+        topo.world_size,
+        init_method,
+        device,
+        topo.local_world_size,
+        par.timeout,
+        shared_memory=par.shared_memory and topo.world_size > 1,
     )
     transport = balance = None
     if not topo.colocated:
@@ -212,7 +221,8 @@ def run_rank(
             cfg.model.top_k,
             cfg.torch_dtype,
             device,
-            timeout=cfg.parallel.timeout,
+            timeout=par.timeout,
+            hub=groups.hub,
         )
         balance = ExpertBalance(cfg, topo, groups, device)
     if topo.is_attention:
@@ -221,7 +231,9 @@ def run_rank(
         )
     else:
         worker = ExpertWorker(topo, cfg, transport, device, balance.placement)
-    sync = StepSync(groups.cpu, topo.world_size)
+    world = range(topo.world_size)
+    control = new_collective(world, groups.hub, par.timeout, CONTROL_CAPACITY, group=groups.cpu)
+    sync = StepSync(control, topo.world_size)
     sync.warm_up(groups.data, groups.comm_device)
     channel.ready(topo)
     logger.info("%s ready on %s", topo.describe(), device)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from splitmoe.comm.distributed import Collective
+
 
 @dataclass(frozen=True)
 class StepDecision:
@@ -28,10 +30,10 @@ class StepDecision:
 
 
 class StepSync:
-    """All-gathers ``(tokens this step, done, rebalance wanted)`` from every rank over the CPU
-    group."""
+    """All-gathers ``(tokens this step, done, rebalance wanted)`` from every rank over a CPU
+    collective of the whole world (shared memory on one host, else the gloo group)."""
 
-    def __init__(self, group: dist.ProcessGroup, world_size: int):
+    def __init__(self, group: Collective, world_size: int):
         self.group = group
         self.world_size = world_size
         self._out = torch.zeros(world_size, 3, dtype=torch.int64)
@@ -40,7 +42,7 @@ class StepSync:
         if self.world_size == 1:  # nothing to agree on
             return StepDecision(tokens=(tokens,), finished=not tokens and done, rebalance=rebalance)
         mine = torch.tensor([tokens, int(done), int(rebalance)], dtype=torch.int64)
-        dist.all_gather_single(self._out.view(-1), mine, group=self.group)
+        self.group.all_gather_single(self._out.view(-1), mine)
         rows = self._out.tolist()
         counts = tuple(r[0] for r in rows)
         return StepDecision(

@@ -1,13 +1,17 @@
 """Process-group setup: one data-plane group (NCCL on distinct GPUs, else gloo) and one gloo group
-for the small control messages that decide every step."""
+for the small control messages that decide every step; on a CPU data plane, the shared-memory hub
+that carries the collectives of ranks sharing a host (`splitmoe.comm.shm`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from splitmoe.comm.shm import DATA_CAPACITY, ShmHub, ShmLane
 
 
 @dataclass(frozen=True)
@@ -15,12 +19,59 @@ class Groups:
     """``data``: token traffic; ``cpu``: control plane (gloo, CPU tensors).
 
     ``comm_device`` is where data-plane tensors must live: the GPU under NCCL, the CPU under gloo
-    (several ranks sharing one GPU fall back to gloo, staging through host memory).
+    (several ranks sharing one GPU fall back to gloo, staging through host memory). ``hub``: the
+    shared-memory hub when the data plane is on the CPU and shared memory is allowed, else None.
     """
 
     data: dist.ProcessGroup
     cpu: dist.ProcessGroup
     comm_device: torch.device
+    hub: ShmHub | None = None
+
+
+class DistGroup:
+    """A ``torch.distributed`` group behind the collective calls the runtime makes, the same as
+    `ShmLane`'s, so callers need not know which one carries them."""
+
+    def __init__(self, group: dist.ProcessGroup, ranks: Sequence[int]):
+        self.group = group
+        self.ranks = list(ranks)
+
+    def all_to_all_single(
+        self, output, input, output_split_sizes=None, input_split_sizes=None, async_op=False
+    ):
+        return dist.all_to_all_single(
+            output,
+            input,
+            output_split_sizes,
+            input_split_sizes,
+            group=self.group,
+            async_op=async_op,
+        )
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        dist.all_gather_single(output, input, group=self.group)
+
+
+Collective = DistGroup | ShmLane
+
+
+def new_collective(
+    ranks: Sequence[int],
+    hub: ShmHub | None,
+    timeout: timedelta,
+    capacity: int = DATA_CAPACITY,
+    group: dist.ProcessGroup | None = None,
+) -> Collective | None:
+    """The collective of ``ranks`` for this rank (None if it is not a member): over shared memory
+    when ``hub`` says they share a host, else over a ``torch.distributed`` group (``group``, or a
+    new one). Every world rank calls it, in the same order, like ``dist.new_group``."""
+    if group is None:
+        group = dist.new_group(list(ranks), timeout=timeout)
+    lane = hub.lane(ranks, capacity) if hub is not None else None
+    if lane is not None:
+        return lane
+    return DistGroup(group, ranks) if dist.get_rank() in ranks else None
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
@@ -36,8 +87,10 @@ def init_groups(
     device: torch.device,
     local_world_size: int,
     timeout: timedelta,
+    shared_memory: bool = True,
 ) -> Groups:
-    """Joins the job. NCCL only when every rank of a node has a GPU of its own."""
+    """Joins the job. NCCL only when every rank of a node has a GPU of its own; a shared-memory
+    hub when the data plane is on the CPU and ``shared_memory`` allows it."""
     use_nccl = device.type == "cuda" and local_world_size <= torch.cuda.device_count()
     backend = "nccl" if use_nccl else "gloo"
     kwargs = {"device_id": device} if use_nccl else {}
@@ -51,7 +104,9 @@ def init_groups(
     )
     data = dist.group.WORLD
     cpu = dist.new_group(backend="gloo", timeout=timeout) if use_nccl else data
-    return Groups(data=data, cpu=cpu, comm_device=device if use_nccl else torch.device("cpu"))
+    comm_device = device if use_nccl else torch.device("cpu")
+    hub = ShmHub(rank, world_size, cpu, timeout) if shared_memory and not use_nccl else None
+    return Groups(data=data, cpu=cpu, comm_device=comm_device, hub=hub)
 
 
 def shutdown_groups() -> None:

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from splitmoe.comm.cost_model import DEFAULT_COST_MODEL, LINK_CLASSES, CostModel
+from splitmoe.comm.distributed import Collective, new_collective
+from splitmoe.comm.shm import ShmHub
 from splitmoe.comm.topology import Topology
 
 DIRECTIONS = ("dispatch", "combine")  # attention -> experts / experts -> attention
@@ -199,10 +201,13 @@ class Transport(ABC):
         *,
         cost_model: CostModel | None = None,
         timeout: timedelta | None = None,
+        hub: ShmHub | None = None,
     ):
         """Every transport takes the same arguments. ``cost_model``: link profile for transports
         that choose a scheme per layer (default: NVLink 4 + 400 Gb/s InfiniBand); ``timeout``: for
-        process groups a transport creates (default: torch's)."""
+        process groups a transport creates (default: torch's); ``hub``: carries the collectives
+        of ranks that share a host over shared memory (`splitmoe.comm.shm`), instead of
+        ``torch.distributed``."""
         self.topo = topo
         self.group = group
         self.comm_device = comm_device
@@ -228,15 +233,25 @@ class Transport(ABC):
         self.stats = CommStats()
         self.cost_model = cost_model or DEFAULT_COST_MODEL
         self.timeout = timeout
+        self.hub = hub
         # One group per direction ("lane"): with micro-batches, dispatches of later micro-batches
         # and combines of earlier ones interleave differently on attention and expert ranks, and
         # collectives on one group must be issued in the same order everywhere. Each lane on its
         # own is in the same (layer, micro-batch) order on every rank.
-        self.lanes = {
-            "dispatch": group,
-            "combine": dist.new_group(list(range(topo.world_size)), timeout=timeout),
+        world = range(topo.world_size)
+        self.lanes: dict[str, Collective] = {
+            "dispatch": self.new_lane(world, group=group),
+            "combine": self.new_lane(world),
         }
         self._in_flight: list = []  # (work, buffer) of asynchronous sends not yet completed
+
+    def new_lane(
+        self, ranks: range | list[int], group: dist.ProcessGroup | None = None
+    ) -> Collective | None:
+        """The collective of ``ranks`` (None on non-members); every world rank calls it, in the
+        same order."""
+        timeout = self.timeout or dist.default_pg_timeout
+        return new_collective(ranks, self.hub, timeout, group=group)
 
     @abstractmethod
     def dispatch(
@@ -331,7 +346,7 @@ class Transport(ABC):
         layer: int,
         direction: str,
         stage: str = "exchange",
-        group: dist.ProcessGroup | None = None,
+        group: Collective | None = None,
         peers: list[int] | range | None = None,
         async_op: bool = False,
     ) -> torch.Tensor | None:
@@ -343,15 +358,9 @@ class Transport(ABC):
         recv = torch.empty(
             (sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self.comm_device
         )
+        lane = self.lanes[direction] if group is None else group
         with self.stats.timed(layer, stage):
-            work = dist.all_to_all_single(
-                recv,
-                send,
-                recv_counts,
-                send_counts,
-                group=self.lanes[direction] if group is None else group,
-                async_op=async_op,
-            )
+            work = lane.all_to_all_single(recv, send, recv_counts, send_counts, async_op=async_op)
         self.stats.add(
             layer,
             direction,
@@ -395,7 +404,7 @@ class FlatTransport(Transport):
         send = torch.tensor(send_counts, dtype=torch.int64, device=self.comm_device)
         recv = torch.empty_like(send)
         with self.stats.timed(layer, "counts"):
-            dist.all_to_all_single(recv, send, group=self.lanes["dispatch"])
+            self.lanes["dispatch"].all_to_all_single(recv, send)
             return recv.tolist()
 
     def dispatch(self, x, topk_ids, topk_weights, layer=UNKNOWN_LAYER):

@@ -38,9 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from splitmoe.comm.cost_model import CostModel, Phase
+from splitmoe.comm.distributed import Collective
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import (
     SCHEMES,
@@ -203,13 +203,13 @@ class TwoPhaseTransport(Transport):
         # every group, in node order, as torch.distributed requires.
         self.node_ranks = self.layout.members[topo.node] if topo.is_attention else range(0)
         # One per lane, like the data groups (see `Transport.lanes`).
-        self.intra_groups: dict[str, dist.ProcessGroup | None] = {}
+        self.intra_groups: dict[str, Collective | None] = {}
         for lane in ("dispatch", "combine"):
             self.intra_groups[lane] = None
             for ranks in self.layout.members:
                 if len(ranks) >= 2:
-                    g = dist.new_group(list(ranks), timeout=self.timeout)
-                    if topo.rank in ranks:
+                    g = self.new_lane(list(ranks))
+                    if g is not None:
                         self.intra_groups[lane] = g
 
     # ---- the per-layer plan -------------------------------------------------------------------
@@ -226,7 +226,7 @@ class TwoPhaseTransport(Transport):
         send = torch.tensor(mine, dtype=torch.int64, device=self.comm_device)  # [E]
         out = torch.empty(W * E, dtype=torch.int64, device=self.comm_device)
         with self.stats.timed(layer, "counts"):
-            dist.all_gather_single(out, send, group=self.lanes["dispatch"])
+            self.lanes["dispatch"].all_gather_single(out, send)
             counts = out.view(W, E)[: self.topo.num_attention].cpu()
         return counts
 
