@@ -46,16 +46,14 @@ class _MoeInFlight:
     shared: torch.Tensor | None  # shared-expert output, computed while the experts work
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 like the HF reference."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 like the HF reference (one fused op for
+    float32 inputs, where it is bit-identical to the spelled-out form)."""
+    if x.dtype == torch.float32 and (weight is None or weight.shape == x.shape[-1:]):
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    xf = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return xf if weight is None else weight * xf
 
 
 @dataclass
@@ -71,6 +69,7 @@ class LayerWeights:
     mlp_gate_up: torch.Tensor | None  # [2I, H]: dense MLP, or the shared expert on MoE layers
     mlp_down: torch.Tensor | None  # [H, I]
     shared_expert_gate: torch.Tensor | None  # [1, H]
+    qk_head_norm: torch.Tensor | None = None  # [nh + nkv, d]: per-head q then k norm weights
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> LayerWeights:
@@ -95,6 +94,14 @@ class LayerWeights:
             shared_expert_gate=t.get("shared_expert_gate"),
         )
 
+    def with_head_norm(self, num_heads: int, num_kv_heads: int) -> LayerWeights:
+        """Stacks the per-head q and k norm weights so both are normed in one call."""
+        d = self.q_norm.shape[-1]
+        self.qk_head_norm = torch.cat(
+            [self.q_norm.expand(num_heads, d), self.k_norm.expand(num_kv_heads, d)]
+        )
+        return self
+
 
 def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     h = F.linear(x, gate_up)  # [T, 2I]
@@ -116,6 +123,9 @@ class AttentionModel:
         self.final_norm = global_weights["final_norm"]
         self.lm_head = global_weights["lm_head"]  # [V, H]
         self.layers = [LayerWeights.from_tensors(t) for t in layer_weights]
+        if cfg.qk_norm == "head":
+            for layer in self.layers:
+                layer.with_head_norm(cfg.num_heads, cfg.num_kv_heads)
         self.attention_backend = attention_backend
         d = cfg.head_dim
         self.inv_freq = 1.0 / (
@@ -128,9 +138,20 @@ class AttentionModel:
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [T, 1, d]`` for `apply_rope`; ``sin``'s first half is negated, so that
+        rotating by half a head (a roll) gives HF's ``rotate_half(x) * sin`` exactly."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, d/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        sin[:, :half].neg_()
+        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x [T, heads, d]`` rotated (HF's ``x * cos + rotate_half(x) * sin``)."""
+        cos, sin = cos_sin
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
     def route(self, layer: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax over experts (float32) -> top-k -> optional renormalisation."""
@@ -151,24 +172,26 @@ class AttentionModel:
     ) -> torch.Tensor:
         cfg = self.cfg
         T = x.shape[0]
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = F.linear(x, layer.w_qkv, layer.b_qkv)  # [T, (nh + 2 nkv) d]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if cfg.qk_norm == "full":
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        if cfg.clip_qkv is not None:
-            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "full" or cfg.clip_qkv is not None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if cfg.qk_norm == "full":
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            if cfg.clip_qkv is not None:
+                q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+            qkv = torch.cat([q, k, v], dim=-1)
+        qkv = qkv.view(T, nh + 2 * nkv, d)
+        qk = qkv[:, : nh + nkv]  # q and k heads, normed and rotated together
         if cfg.qk_norm == "head":
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        cos, sin = cos_sin
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            qk = rms_norm(qk, None, cfg.rms_norm_eps) * layer.qk_head_norm
+        qk = self.apply_rope(qk, cos_sin)
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
         k_cache, v_cache = kv
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.attention_backend != "torch":
+            q = q.contiguous()
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.attention_backend)
         return F.linear(o.reshape(T, self.q_size), layer.o_proj)
 

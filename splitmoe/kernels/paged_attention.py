@@ -13,7 +13,7 @@ kernel (`prefill_attention`), both of which read K/V through the block table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +38,50 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     query_lens: list[int]
     seq_lens_list: list[int]
+    # Derived index tensors, built by the first layer that needs them and reused by the others.
+    derived: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How the reference reads the cache for the one-token rows of a step (the same in every
+    layer): ``rows [Bd]`` their query rows (None when they are all of ``q``, in order),
+    ``slots [Bd * L]`` the flat cache slot of every key position, ``L`` keys per row (padded to
+    whole blocks), ``mask [Bd, 1, 1, L]`` 0 for a key of the sequence, -inf past its end."""
+
+    rows: torch.Tensor | None
+    slots: torch.Tensor
+    length: int
+    mask: torch.Tensor
+
+
+def decode_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> DecodePlan | None:
+    """The `DecodePlan` of ``meta`` (None without one-token rows), built once per step."""
+    key = ("decode", block_size, dtype)
+    if key in meta.derived:
+        return meta.derived[key]
+    decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
+    plan = None
+    if decode:
+        dev = meta.seq_lens.device
+        everything = len(decode) == len(meta.query_lens)  # a pure decode step
+        idx = None if everything else torch.tensor(decode, device=dev)
+        rows = None if everything else meta.query_start_loc[idx]
+        nblk = -(-max(meta.seq_lens_list[i] for i in decode) // block_size)
+        tables = meta.block_tables[:, :nblk] if everything else meta.block_tables[idx, :nblk]
+        offsets = torch.arange(block_size, device=dev)
+        slots = (tables.long()[:, :, None] * block_size + offsets).view(-1)  # [Bd * L]
+        L = nblk * block_size
+        lens = meta.seq_lens if everything else meta.seq_lens[idx]
+        past = torch.arange(L, device=dev)[None, :] >= lens[:, None]  # [Bd, L]
+        mask = torch.zeros(past.shape, dtype=dtype, device=dev).masked_fill_(past, float("-inf"))
+        plan = DecodePlan(rows=rows, slots=slots, length=L, mask=mask[:, None, None, :])
+    meta.derived[key] = plan
+    return plan
 
 
 def store_kv(
@@ -72,26 +112,28 @@ def paged_attention_ref(
     T, nh, d = q.shape
     nb, bs, nkv, _ = k_cache.shape
     g = nh // nkv
-    out = torch.empty_like(q)
     if T == 0:
-        return out
+        return torch.empty_like(q)
     qlens = meta.query_lens
+    plan = decode_plan(meta, bs, q.dtype)
+    if plan is not None:
+        Bd, L = plan.mask.shape[0], plan.length
+        # One gather of whole blocks per step and tensor (index_select on the flat pool: ~5x
+        # faster than advanced indexing with the block table on CPU).
+        k = k_cache.view(-1, nkv, d).index_select(0, plan.slots).view(Bd, L, nkv, d)
+        v = v_cache.view(-1, nkv, d).index_select(0, plan.slots).view(Bd, L, nkv, d)
+        qd = (q if plan.rows is None else q[plan.rows]).view(Bd, nkv, g, d)  # a GQA group
+        # shares its KV head. SDPA's math path on CPU (softmax in float32 for float32 inputs)
+        # with an additive mask: ~1.6x faster than with a boolean one at decode batch 32.
+        o = F.scaled_dot_product_attention(
+            qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask, scale=scale
+        )
+        if plan.rows is None:
+            return o.reshape(T, nh, d)
+    out = torch.empty_like(q)
+    if plan is not None:
+        out[plan.rows] = o.reshape(-1, nh, d)
     starts = meta.query_start_loc.tolist()
-    decode = [i for i, n in enumerate(qlens) if n == 1]
-    if decode:
-        idx = torch.tensor(decode, device=q.device)
-        rows = meta.query_start_loc[idx]  # [Bd]
-        max_blocks = -(-max(meta.seq_lens_list[i] for i in decode) // bs)
-        tables = meta.block_tables[idx, :max_blocks].long()  # [Bd, nbk]
-        k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [Bd, nkv, L, d]
-        v = v_cache[tables].flatten(1, 2).transpose(1, 2)
-        qd = q[rows].view(-1, nkv, g, d)  # [Bd, nkv, g, d]: a GQA group shares its KV head
-        pos = torch.arange(k.shape[2], device=q.device)
-        valid = pos[None, :] < meta.seq_lens[idx][:, None]  # [Bd, L]
-        # SDPA's math path on CPU (softmax in float32 for float32 inputs): ~1.4x faster than
-        # einsum + masked softmax at decode batch 32 (one fewer copy of the gathered K/V).
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=valid[:, None, None, :], scale=scale)
-        out[rows] = o.reshape(-1, nh, d)
     for i, n in enumerate(qlens):
         if n == 1 or n == 0:
             continue
