@@ -62,6 +62,11 @@ def bench_splitmoe(args, prompts, micro_batches=None):
     )
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median decode throughput (the upper median of an even count)."""
+    return sorted(runs, key=lambda r: r["decode_tok_s"])[len(runs) // 2]
+
+
 def bench_hf(args, prompts):
     from transformers import AutoModelForCausalLM
 
@@ -120,6 +125,12 @@ def main() -> None:
         default="auto",
         help="comma-separated counts to compare in one run, e.g. 1,2 (auto: chosen per step)",
     )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per configuration, interleaved; each is reported by its median run",
+    )
     ap.add_argument("--metrics", action="store_true", help="print each run's serving metrics")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -132,10 +143,23 @@ def main() -> None:
     counts = (
         [None] if args.micro_batches == "auto" else [int(m) for m in args.micro_batches.split(",")]
     )
+    if args.repeat < 1 or len(set(counts)) != len(counts):
+        ap.error("--repeat must be >= 1 and --micro-batches must not repeat a count")
+    # Each configuration runs --repeat times, interleaved (m=1, m=2, m=1, m=2, ...), and is
+    # reported by its median run: on a shared machine the load drifts, and interleaving exposes
+    # every configuration to the same drift.
+    runs: dict = {m: [] for m in counts}
+    for _ in range(args.repeat):
+        for m in counts:
+            runs[m].append(bench_splitmoe(args, prompts, m))
     rows = [
-        (f"splitmoe {topo}" + ("" if m is None else f" m={m}"), bench_splitmoe(args, prompts, m))
+        (f"splitmoe {topo}" + ("" if m is None else f" m={m}"), median_run(runs[m]))
         for m in counts
     ]
+    if args.repeat > 1:
+        for m in counts:
+            each = ", ".join(f"{r['decode_tok_s']:.0f}" for r in runs[m])
+            print(f"decode tok/s of each run, m={m or 'auto'}: {each}")
     if not args.skip_hf:
         rows.insert(0, ("HF transformers", bench_hf(args, prompts)))
     print(
