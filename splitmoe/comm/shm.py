@@ -11,7 +11,9 @@ one single-producer single-consumer byte ring per source member. A ring has a mo
 position (advanced only by the source) and read position (advanced only by the owner) on separate
 cache lines, then ``capacity`` data bytes. Every non-empty message is framed by its byte length,
 which the receiver checks against what it expects, so diverging collective calls fail loudly
-instead of mixing up data.
+instead of mixing up data. (Zero-size shares carry no frame, so that an asynchronous send needs
+nothing from its receivers: a rank that sends bytes where its peer expects none is caught at the
+peer's next non-empty receive, not at this call.)
 
 Sends never wait for the receiver unless its ring is full, so `all_to_all_single` with
 ``async_op=True`` (sends only) returns once the bytes are copied. A rank that must wait (ring
@@ -69,6 +71,19 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (an exited one that its parent has not reaped yet, a
+    zombie, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return True  # cannot tell: let the timeout decide
+    return state not in ("Z", "X", "x")
+
+
 class _Completed:
     """The work handle of a shared-memory send: done once `all_to_all_single` returns."""
 
@@ -118,6 +133,8 @@ class ShmHub:
         """The shared-memory collective of ``ranks`` (world ranks, in group order) for members;
         None for non-members or when the ranks do not share a host. Call it on every world rank
         in the same order (lane ids are counted everywhere), like ``dist.new_group``."""
+        if capacity < 64 or capacity % 64:
+            raise ValueError(f"shared-memory lane capacity {capacity} must be a multiple of 64")
         lane_id = self._next_lane
         self._next_lane += 1
         ranks = list(ranks)
@@ -160,14 +177,27 @@ class ShmLane:
         try:
             os.ftruncate(fd, nbytes)
             own = mmap.mmap(fd, nbytes)
+            os.rename(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
         finally:
             os.close(fd)
-        os.rename(tmp, path)
         self._maps = [own]
         self.inbox = [_Ring(own, i * stride, capacity) for i in range(self.size)]
         self.outbox: list[_Ring | None] = [None] * self.size
-        deadline = time.monotonic() + hub.timeout_s
-        for j, r in enumerate(ranks):
+        try:
+            self._attach(prefix, nbytes, stride)
+        finally:
+            # Every member holds a mapping (or the lane failed): the name goes either way; the
+            # memory lives until the last mapping goes.
+            os.unlink(path)
+        self.staged = [bytearray() for _ in range(self.size)]
+
+    def _attach(self, prefix: str, nbytes: int, stride: int) -> None:
+        """Maps every peer's inbox, then waits until every peer has mapped this one."""
+        deadline = time.monotonic() + self.hub.timeout_s
+        for j, r in enumerate(self.ranks):
             if j == self.me:
                 continue
             peer = os.path.join(SHM_DIR, f"{prefix}{r}")
@@ -183,29 +213,23 @@ class ShmLane:
             finally:
                 os.close(fd)
             self._maps.append(buf)
-            ring = _Ring(buf, self.me * stride, capacity)
+            ring = _Ring(buf, self.me * stride, self.capacity)
             ring.pos[12] = 1  # tell the owner this source has mapped its inbox
             self.outbox[j] = ring
         for j, ring in enumerate(self.inbox):
             while j != self.me and not ring.pos[12]:
-                self._check_wait(ranks[j], deadline, "map this rank's inbox")
+                self._check_wait(self.ranks[j], deadline, "map this rank's inbox")
                 time.sleep(0.001)
-        os.unlink(path)  # every member holds a mapping; the memory lives until the last unmaps
-        self.staged = [bytearray() for _ in range(self.size)]
 
     # ---- waiting ------------------------------------------------------------------------------
     def _check_wait(self, rank: int, deadline: float, what: str) -> None:
         now = time.monotonic()
         pid = self.hub.pids[rank]
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _alive(pid):
             raise RuntimeError(
                 f"rank {self.hub.rank}: rank {rank} (pid {pid}) exited while this rank waited "
                 f"for it to {what} on shared-memory {self.name}"
-            ) from None
-        except PermissionError:
-            pass  # alive, owned by another user
+            )
         if now > deadline:
             raise TimeoutError(
                 f"rank {self.hub.rank}: rank {rank} did not {what} on shared-memory {self.name} "
@@ -275,6 +299,7 @@ class ShmLane:
                 ring.data[: n - first].copy_(src[done + first : done + n])
             ring.pos[0] = w + n  # publishes the bytes (x86: stores are not reordered)
             done += n
+            waiter = None  # the peer made room: the timeout counts from now
 
     def _read(self, j: int, out: torch.Tensor) -> None:
         """Fills ``out`` (uint8, 1-D, contiguous) with the next bytes from member j."""
@@ -287,6 +312,7 @@ class ShmLane:
                 out[done : done + n].copy_(torch.frombuffer(staged, dtype=torch.uint8, count=n))
                 del staged[:n]
                 done += n
+                waiter = None
                 continue
             r = int(ring.pos[8])
             avail = int(ring.pos[0]) - r
@@ -302,6 +328,7 @@ class ShmLane:
                 out[done + first : done + n].copy_(ring.data[: n - first])
             ring.pos[8] = r + n
             done += n
+            waiter = None  # the peer sent something: the timeout counts from now
 
     def _send(self, j: int, payload: torch.Tensor) -> None:
         self._write(j, torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8))
