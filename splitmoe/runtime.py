@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import statistics
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -129,6 +130,32 @@ class ExpertBalance:
                 groups.comm_device if groups.comm_device.type == "cuda" else None,
             )
         self.steps = 0
+        self.cost: ExpertCost | None = None  # set by `calibrate` (global policy)
+        self.measured_cost_s: dict | None = None
+
+    def calibrate(self, worker) -> ExpertCost:
+        """Collective over every rank, once at start-up (global policy only: the others ignore
+        costs): expert ranks measure their cost per activated expert and per pair
+        (`LocalExperts.measure_cost`); every rank takes the medians, so all attention ranks use
+        the same integer `ExpertCost` (activate = per-expert / per-pair seconds)."""
+        mine = worker.experts.measure_cost() if not self.topo.is_attention else None
+        everyone: list = [None] * self.topo.world_size
+        dist.all_gather_object(everyone, mine, group=self.groups.cpu)
+        measured = [m for m in everyone if m is not None]
+        per_expert = statistics.median(m[0] for m in measured)
+        per_pair = statistics.median(m[1] for m in measured)
+        # Bounded: a noisy measurement must not make either term vanish.
+        ratio = per_expert / per_pair if per_pair > 0 else 1024
+        cost = ExpertCost(activate=int(min(1024, max(1, round(ratio)))))
+        self.measured_cost_s = {"per_expert": per_expert, "per_pair": per_pair}
+        if self.balancer is not None:
+            self.balancer.cost = cost
+        self.cost = cost
+        logger.info(
+            "%s: expert cost %.1f us per expert, %.2f us per pair -> activate=%d",
+            self.topo.describe(), 1e6 * per_expert, 1e6 * per_pair, cost.activate,
+        )  # fmt: skip
+        return cost
 
     def due(self) -> bool:
         """Counts a step; True when ``rebalance_interval`` says a rebalance follows it."""
@@ -158,6 +185,8 @@ class ExpertBalance:
     def stats(self) -> dict:
         out = {
             "policy": self.cfg.parallel.balancer,
+            "cost": None if self.cost is None else vars(self.cost),
+            "measured_cost_s": self.measured_cost_s,
             "placement_version": self.placement.version,
             "slot_expert": {
                 str(layer): self.placement.slot_expert[i].tolist()
@@ -231,6 +260,8 @@ def run_rank(
         )
     else:
         worker = ExpertWorker(topo, cfg, transport, device, balance.placement)
+    if balance is not None and par.balancer == "global":
+        balance.calibrate(worker)
     world = range(topo.world_size)
     control = new_collective(world, groups.hub, par.timeout, CONTROL_CAPACITY, group=groups.cpu)
     sync = StepSync(control, topo.world_size)

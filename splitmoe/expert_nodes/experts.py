@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from splitmoe.config import ModelConfig
@@ -73,6 +75,42 @@ class LocalExperts:
         """``x [N, H]``, ``local_ids / weights [N, k]`` (-1: not here) -> sums ``[N, H]``."""
         w13, w2 = self.weights[layer]
         return fused_moe(x, w13, w2, local_ids, weights, self.backend)
+
+    def measure_cost(self, pairs: int = 64, repeats: int = 15) -> tuple[float, float]:
+        """Seconds this rank's expert compute costs per distinct expert it runs and per (token,
+        expert) pair, measured on its own first MoE layer: ``pairs`` pairs on one expert, and one
+        pair on each of ``min(pairs, experts)`` experts (fastest of ``repeats``: other work on
+        the machine only ever adds time). This is the calibration behind the balancer's
+        `ExpertCost`."""
+        layer = next(iter(self.layer_experts))
+        w13, _ = self.weights[layer]
+        n_exp = min(pairs, w13.shape[0])
+        H = w13.shape[2]
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(pairs, H, generator=gen).to(self.device, self.dtype)
+        w = torch.full((pairs, 1), 1.0, device=self.device)
+        one = torch.zeros(pairs, 1, dtype=torch.int32, device=self.device)
+        spread = (torch.arange(pairs, device=self.device) % n_exp).to(torch.int32)[:, None]
+
+        def timed(ids: torch.Tensor, rows: int) -> float:
+            self.compute(layer, x[:rows], ids[:rows], w[:rows])  # warm-up
+            times = []
+            for _ in range(repeats):
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                t = time.perf_counter()
+                self.compute(layer, x[:rows], ids[:rows], w[:rows])
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        t_one = timed(one, 1)  # 1 expert, 1 pair
+        t_many_pairs = timed(one, pairs)  # 1 expert, `pairs` pairs
+        t_many_experts = timed(spread, n_exp)  # `n_exp` experts, 1 pair each
+        per_pair = max(0.0, (t_many_pairs - t_one) / max(1, pairs - 1))
+        per_expert = max(0.0, (t_many_experts - t_one) / max(1, n_exp - 1) - per_pair)
+        return per_expert, per_pair
 
     # Colocated mode: an ExpertExecutor whose local ids are the global ids; nothing to overlap,
     # so `start` computes and `finish` hands the result back.
