@@ -63,6 +63,12 @@ def test_rebalance_mid_run_changes_no_token(tiny_ckpt, hf_ref):
         stats = llm.stats()
     assert placed["placement_version"] >= 1
     assert any(s.get("weights_reloaded") for s in stats if s["role"] == "expert")
+    # The global policy's cost comes from the expert ranks' start-up measurement, and every
+    # attention rank uses the same one.
+    costs = [s["balancer"]["cost"] for s in stats if s["role"] == "attention"]
+    measured = stats[0]["balancer"]["measured_cost_s"]
+    assert costs[0] == costs[1] and costs[0]["activate"] >= 1
+    assert measured["per_pair"] > 0 and measured["per_expert"] >= 0
     outs = first + [got[r] for r in rids]
     for p, o in zip(PROMPTS, outs):
         assert o.token_ids == hf_ref(ckpt, p, 8)
