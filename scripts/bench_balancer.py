@@ -5,14 +5,18 @@ routing: uniform, Zipf s, or a hot set that moves between the placement window a
 step) it plans a placement with ``--redundant`` replicas per layer from a window of observed
 routing (the planner of `splitmoe.scheduler.placement`), then reports per policy:
 
-* cost max/mean: the busiest expert rank's ``activate x distinct experts + token x pairs``
+* cost max/mean: the busiest expert rank's ``activate x distinct experts + pairs``
   over the mean (1.0 = perfectly flat); ``static*`` is the no-replica contiguous baseline;
 * tokens max/mean: (token, expert) pairs on the busiest rank over the mean;
-* decision time (us, median and p99) of one attention rank's choice for one layer (count +
-  replica choice; the ``global`` count all-gather is a separate small collective, not included).
+* decision time (us, median and p99 over ``--reps``, wall clock, one thread): one call of
+  `Balancer.choose` for one layer on attention rank 0, as the attention worker makes it (under
+  ``torch.inference_mode``): counting its pairs per expert, the load statistics, the replica
+  choice. Only the ``global`` policy's count all-gather collective itself is left out: a local
+  copy of the same ``[A, E]`` counts stands in for it (the tensor work around it is timed).
 
+    python scripts/bench_balancer.py --quick              # the issue's shape only (seconds)
     python scripts/bench_balancer.py                      # the default grid, CPU (+ GPU if any)
-    python scripts/bench_balancer.py --experts 256 --ranks 32 --tokens 512 --skew 1.0
+    python scripts/bench_balancer.py --experts 256 --ranks 32 --tokens 512 --routing zipf1.0
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ import time
 
 import torch
 
-from splitmoe.scheduler.balancer import POLICIES, ExpertCost, ReplicaTable, assign, rank_loads
+from splitmoe.scheduler.balancer import (
+    POLICIES,
+    Balancer,
+    ExpertCost,
+    ReplicaTable,
+    assign,
+    rank_loads,
+)
 from splitmoe.scheduler.placement import Placement
 from splitmoe.sim.imbalance import route
 
@@ -56,7 +67,7 @@ def calibrate_cost(hidden: int, inter: int, device: str, reps: int = 20) -> Expe
 
     t1, t129 = t(1), t(129)
     b = max((t129 - t1) / 128, 1e-9)
-    return ExpertCost(activate=max(1, round((t1 - b) / b)), token=1)
+    return ExpertCost(activate=max(1, round((t1 - b) / b)))
 
 
 def scenario(args, E, R_ranks, T, routing, device, cost, seed=0):
@@ -77,7 +88,9 @@ def scenario(args, E, R_ranks, T, routing, device, cost, seed=0):
     rows = {}
     for name, pl, policy in [("static*", base, "static")] + [(p, placement, p) for p in POLICIES]:
         table = ReplicaTable.build(pl, 0)
-        slots = torch.cat([assign(policy, table, x, a, cost, counts) for a, x in enumerate(ids)])
+        slots = torch.cat(
+            [assign(policy, table, x, a, cost, counts[a], counts) for a, x in enumerate(ids)]
+        )
         c, pairs, _ = rank_loads(table, slots, pl.slot_rank, cost)
         rows[name] = {
             "cost": c.max().item() / c.float().mean().item(),
@@ -88,26 +101,39 @@ def scenario(args, E, R_ranks, T, routing, device, cost, seed=0):
     return rows
 
 
+class LocalGather(Balancer):
+    """A `Balancer` whose count all-gather copies the given ``[A, E]`` counts in place of the
+    collective (everything else `gather_counts` does is kept)."""
+
+    def __init__(self, *args, gathered: torch.Tensor, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gathered = gathered.reshape(-1).to(self.comm_device)
+
+    def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        send = counts.to(self.comm_device)
+        out = torch.empty(
+            self.num_attention * send.numel(), dtype=send.dtype, device=self.comm_device
+        )
+        out.copy_(self.gathered)  # stands in for dist.all_gather_single(out, send)
+        return out.view(self.num_attention, -1).to(self.device)
+
+
 def decision_time(policy, placement, x, counts, cost, device, reps):
-    table = ReplicaTable.build(placement, 0, device)
-    x, counts = x.to(device), counts.to(device)
-    E = placement.num_experts
-
-    def once():
-        torch.bincount(x.flatten(), minlength=E)  # the rank's own counts (also the statistics)
-        assign(policy, table, x, 0, cost, counts)
-
-    for _ in range(10):
-        once()
+    """Median and p99 (us) of `Balancer.choose` on attention rank 0 (see the module doc)."""
+    A = counts.shape[0]
+    balancer = LocalGather(policy, placement, 0, A, cost, torch.device(device), gathered=counts)
+    x = x.to(device)
     samples = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        once()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e6)
+    with torch.inference_mode():
+        for i in range(reps + 20):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            balancer.choose(0, x)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= 20:  # warm-up
+                samples.append((time.perf_counter() - t0) * 1e6)
     samples.sort()
     return {
         f"{device}_us": samples[len(samples) // 2],
@@ -134,8 +160,15 @@ def main() -> None:
         help="cost of one expert activation in tokens (default: calibrated on this "
         "machine for a 4096 x 1536 expert)",
     )
-    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=1000)
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the issue's shape only: 256 experts, 32 expert ranks, 512 tokens, Zipf 1.0",
+    )
     args = ap.parse_args()
+    if args.quick:
+        args.experts, args.ranks, args.tokens, args.routing = [256], [32], [512], ["zipf1.0"]
     args.redundant_for = lambda E: E // 8 if args.redundant is None else args.redundant
     torch.set_num_threads(1)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -144,8 +177,9 @@ def main() -> None:
         if args.activate
         else calibrate_cost(4096, 1536, devices[-1])
     )
+    source = "given" if args.activate else f"{devices[-1]} calibration"
     print(
-        f"cost: activate={cost.activate} x token ({devices[-1]} calibration); "
+        f"cost: activate={cost.activate} x token ({source}); "
         f"{args.attention_ranks} attention ranks, top-{args.top_k}"
     )
     head = f"{'E':>4} {'ranks':>5} {'T':>5} {'routing':>8} {'policy':>8} {'cost':>6} {'tok':>6}"

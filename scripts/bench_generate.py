@@ -153,8 +153,7 @@ def main() -> None:
         for m in counts:
             runs[m].append(bench_splitmoe(args, prompts, m))
     rows = [
-        (f"splitmoe {topo}" + ("" if m is None else f" m={m}"), median_run(runs[m]))
-        for m in counts
+        (f"splitmoe {topo}" + ("" if m is None else f" m={m}"), median_run(runs[m])) for m in counts
     ]
     if args.repeat > 1:
         for m in counts:

@@ -12,40 +12,47 @@ experts; integer arithmetic only, so every attention rank reaches bit-identical 
 * ``global``: the attention ranks all-gather per-expert pair counts ``[A, E]`` (one small
   collective per layer and micro-batch) and all run `global_quota`: per expert, how many of its
   pairs each replica takes, minimising the busiest expert rank's cost
-  ``activate x distinct experts it runs + token x pairs it computes`` (`ExpertCost`). Attention
-  rank ``a``'s pairs of ``e`` are the consecutive range ``prefix[a, e] ..`` of the global order,
-  cut by the quotas, so together the ranks fill every replica exactly to its quota.
+  ``activate x distinct experts it runs + pairs it computes`` (`ExpertCost`). Attention rank
+  ``a``'s pairs of ``e`` are the consecutive range ``prefix[a, e] ..`` of the global order, cut
+  by the quotas, so together the ranks fill every replica exactly to its quota.
 
 `global_quota` is a water-filling, vectorised over experts: each expert spreads its pairs over its
 replicas' ranks so that they end level (counting the activation cost of every replica it uses),
-against the cost the other experts put on those ranks (estimated as even splits; ``passes > 1``
-refines the estimate with the previous pass's result).
+against the cost the other experts put on those ranks (estimated as even splits).
+
+Speed: the decision runs before every dispatch (issue 6: <= 100 us on one CPU core for 512
+tokens x top-8 x 256 experts x 32 expert ranks; see docs/balancer.md and
+`scripts/bench_balancer.py`). On CPU an eager torch call costs ~1-2 us however small its tensors,
+so the per-step code is a short fixed sequence of calls (~30 for ``global``): everything that
+depends only on the placement is in `ReplicaTable`; only the experts with more than one replica
+(``E2 <= R``) are water-filled and cut; `deal` hands out the pairs with one sort (numpy's radix
+sort on CPU). No host synchronisation, so the same code runs on a GPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from splitmoe.scheduler.placement import Placement
 
 POLICIES = ("static", "local", "global")
-_BIG = 1 << 50
+_BIG = 1 << 50  # cost of a padding replica: never worth using
 
 
 @dataclass(frozen=True)
 class ExpertCost:
-    """Cost of an expert rank for one layer, in integer units: ``activate`` per distinct expert
-    it runs (reading its weights) + ``token`` per (token, expert) pair it computes.
+    """Cost of an expert rank for one layer, in units of one (token, expert) pair's compute:
+    ``activate`` per distinct expert it runs (reading its weights) + 1 per pair it computes.
 
-    `from_hardware` derives the ratio from a roofline: an expert's weights read at memory
+    `from_hardware` derives ``activate`` from a roofline: an expert's weights read at memory
     bandwidth versus one token's FLOPs (H100, Qwen3-235B expert: ~35 us vs ~0.05 us).
     """
 
     activate: int = 64
-    token: int = 1
 
     @classmethod
     def from_hardware(
@@ -53,92 +60,153 @@ class ExpertCost:
     ) -> ExpertCost:
         read_s = 3 * hidden * inter * weight_bytes / mem_bytes_per_s
         token_s = 6 * hidden * inter / flops
-        return cls(activate=max(1, round(read_s / token_s)), token=1)
+        return cls(activate=max(1, round(read_s / token_s)))
 
 
 @dataclass(frozen=True)
 class ReplicaTable:
-    """One layer's replicas: ``replica_slots [E, M]`` int64 (slot of replica ``j`` of expert
-    ``e``; padded with the first replica), ``num_replicas [E]``, ``replica_rank [E, M]`` (expert
-    rank of each replica) and ``num_ranks``."""
+    """One layer's replicas, with everything the per-step choice needs that does not depend on
+    the step's routing (`Balancer.set_placement` builds one per layer; int64 on the device).
+
+    * ``replica_slots [E, M]``: slot of replica ``j`` of expert ``e`` (padded with the first
+      replica); ``num_replicas [E]``; ``replica_rank [E, M]``: expert rank of each replica;
+      ``num_ranks``.
+    * ``multi [E2, 1]``: the experts with more than one replica, the only ones with a choice
+      (``E2 <= R``: 14 of 256 experts for the bench's Zipf 1.0 placement with R = 32);
+      ``multi_at [E2, M]``: their rows' flat indices into ``[E, M]``; ``multi_replicas [E2, 1]``;
+      ``multi_pad [E2, M]``: 0 on a replica, `_BIG` on padding.
+    * ``others_at [K]``, ``others_expert [K]``: for every replica of a multi expert (flat index
+      into ``[E2, M]``), each other slot on its expert rank and the expert that slot holds:
+      `global_quota` sums the other experts' cost on a replica's rank with one ``put``.
+    * ``col [1, M]``: replica index ``j``; ``count [1, M]``: ``j + 1``; ``first [M]``: 1 at
+      ``j = 0``.
+    """
 
     replica_slots: torch.Tensor
     num_replicas: torch.Tensor
     replica_rank: torch.Tensor
     num_ranks: int
+    multi: torch.Tensor
+    multi_at: torch.Tensor
+    multi_replicas: torch.Tensor
+    multi_pad: torch.Tensor
+    others_at: torch.Tensor
+    others_expert: torch.Tensor
+    col: torch.Tensor
+    count: torch.Tensor
+    first: torch.Tensor
 
     @classmethod
-    def build(cls, placement: Placement, layer: int, device: torch.device | str = "cpu"):
-        row = placement.row(layer)  # [S]
-        E = placement.num_experts
+    def build(
+        cls, placement: Placement, layer: int, device: torch.device | str = "cpu"
+    ) -> ReplicaTable:
+        row = placement.row(layer)  # [S] expert of each slot
+        E, S = placement.num_experts, row.numel()
         order = torch.argsort(row, stable=True)  # slots grouped by expert, ascending slot id
         num = torch.bincount(row, minlength=E)  # [E]
         M = int(num.max())
         start = torch.cumsum(num, 0) - num
         j = torch.arange(M)
-        idx = start[:, None] + torch.minimum(j[None, :], num[:, None] - 1)  # [E, M]
-        slots = order[idx]
-        return cls(
-            replica_slots=slots.to(device),
-            num_replicas=num.to(device),
-            replica_rank=placement.slot_rank[slots].to(device),
-            num_ranks=placement.num_ranks,
-        )
+        slots = order[start[:, None] + torch.minimum(j[None, :], num[:, None] - 1)]  # [E, M]
+        rank = placement.slot_rank[slots]  # [E, M]
+        multi = torch.nonzero(num > 1)  # [E2, 1]
+        real = j[None, :] < num[multi]  # [E2, M]
+        # (replica of a multi expert, another slot on its rank) pairs: rank of the replica's
+        # slot == rank of the other slot, other != itself; padding replicas have none
+        own = slots[multi[:, 0]].flatten()  # [E2 * M]
+        same = placement.slot_rank[None, :] == placement.slot_rank[own][:, None]  # [E2 * M, S]
+        same &= torch.arange(S)[None, :] != own[:, None]
+        same &= real.flatten()[:, None]
+        at, other = same.nonzero(as_tuple=True)
+        tensors = {
+            "replica_slots": slots,
+            "num_replicas": num,
+            "replica_rank": rank,
+            "multi": multi,
+            "multi_at": multi * M + j[None, :],
+            "multi_replicas": num[multi],
+            "multi_pad": torch.where(real, 0, _BIG),
+            "others_at": at,
+            "others_expert": row[other],
+            "col": j[None, :],
+            "count": j[None, :] + 1,
+            "first": (j == 0).long(),
+        }
+        return cls(num_ranks=placement.num_ranks, **{k: v.to(device) for k, v in tensors.items()})
 
 
-def global_quota(
-    table: ReplicaTable, totals: torch.Tensor, cost: ExpertCost, passes: int = 1
-) -> torch.Tensor:
-    """``totals [E]`` int64 pairs per expert (all attention ranks) -> ``quota [E, M]`` int64
-    pairs per replica (zero on padding), summing to ``totals`` (see the module doc)."""
-    a, b = cost.activate, cost.token
-    E, M = table.replica_slots.shape
-    dev = totals.device
-    j = torch.arange(M, device=dev)
-    real = j[None, :] < table.num_replicas[:, None]  # [E, M]
-    rank = table.replica_rank.flatten()
-    # first estimate: even split
-    share = torch.where(real, totals[:, None] // table.num_replicas[:, None], 0)
-    m_count = torch.arange(1, M + 1, device=dev)[None, :]
-    for _ in range(passes):
-        own = torch.where(share > 0, a + b * share, 0)  # [E, M] cost each replica adds
-        rank_cost = torch.zeros(table.num_ranks, dtype=torch.int64, device=dev)
-        rank_cost.index_add_(0, rank, own.flatten())
-        c = rank_cost[table.replica_rank] - own  # [E, M] the rank's cost from everyone else
-        c = torch.where(real, c + a, _BIG)
-        c_sorted, order = torch.sort(c, dim=1, stable=True)
-        level = (torch.cumsum(c_sorted, 1) + b * totals[:, None]) // m_count  # [E, M]
-        ok = (level >= c_sorted) & (m_count <= torch.clamp(totals, min=1)[:, None]) & real
-        m = torch.argmin(torch.where(ok, level, _BIG), dim=1) + 1  # [E] replicas used
-        lvl = level.gather(1, (m - 1)[:, None])  # [E, 1]
-        used = m_count <= m[:, None]
-        x = torch.where(used, torch.clamp(lvl - c_sorted, min=0) // b, 0)  # [E, M] sorted order
-        rem = totals - x.sum(1)  # >= 0: floors only lose pairs
-        x = x + torch.where(used, rem[:, None] // m[:, None] + (j[None, :] < (rem % m)[:, None]), 0)
-        share = torch.empty_like(x).scatter_(1, order, x)
-    return share
+def global_quota(table: ReplicaTable, totals: torch.Tensor, cost: ExpertCost) -> torch.Tensor:
+    """``totals [E]`` int64 pairs per expert (all attention ranks) -> ``quota [E2, M]`` int64
+    pairs per replica of each multi-replica expert ``table.multi`` (zero on padding), rows
+    summing to ``totals[table.multi]`` (single-replica experts take all their pairs)."""
+    ends, order = _water_fill(table, totals, cost)
+    ends = ends.clamp_(max=totals.take(table.multi))
+    quota = torch.diff(ends, dim=1, prepend=torch.zeros_like(ends[:, :1]))
+    return quota.scatter(1, order, quota)
 
 
-@dataclass
+def _water_fill(
+    table: ReplicaTable, totals: torch.Tensor, cost: ExpertCost
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`global_quota` as ``(ends [E2, M], order [E2, M])``: multi expert ``e``'s replica
+    ``order[e, i]`` takes the pairs ``ends[e, i - 1] .. ends[e, i]`` of its global order
+    (``ends[e, -1] = 0``; after its last used replica ``ends >= totals[e]``: clamp).
+
+    Per expert, its replicas sorted by ``c`` (their rank's cost from the other experts, which
+    under even splits add ``activate + share`` per replica they use): using the cheapest ``m``
+    levels them at ``L(m) = (c_0 + .. + c_(m-1) + pairs) // m``. ``L`` falls while the next
+    replica is below it and rises after, so its first minimum gives ``m``; replica ``i < m``
+    takes ``L - c_i`` pairs, +1 if ``i < rem = (c_0 + .. + c_(m-1) + pairs) % m``: the pairs
+    left after replica ``i`` are ``c_0 + .. + c_i + pairs - (i + 1) L - min(i + 1, rem)``.
+    (The expert's own activation is the same on each of its replicas and only shifts ``L``:
+    left out.)"""
+    share = totals // table.num_replicas  # [E] even split
+    own = torch.add(share, share.clamp(max=1), alpha=cost.activate)  # [E] cost per replica
+    c = table.multi_pad.put(table.others_at, own.take(table.others_expert), accumulate=True)
+    c, order = torch.sort(c, dim=1, stable=True)  # [E2, M] cheapest replica first
+    n = totals.take(table.multi)  # [E2, 1]
+    t = c.cumsum(1).add_(n)  # [E2, M] c_0 + .. + c_j + pairs
+    level = t // table.count  # L(j + 1)
+    lvl, used = level.min(1, keepdim=True)  # [E2, 1] L and m - 1
+    rem = (t % table.count).gather(1, used)
+    # [E2, M] pairs left after replica j: 0 at the last used one, running minimum <= 0 after
+    left = torch.addcmul(t, table.count, lvl, value=-1).sub_(torch.minimum(table.count, rem))
+    return n - left.cummin(1).values, order
+
+
 class LoadStats:
     """Pairs routed to each expert of each MoE layer, as seen by this attention rank:
-    ``window [L, E]`` since the last rebalance and ``total [L, E]`` since start (int64)."""
+    ``window [L, E]`` since the last rebalance and ``total [L, E]`` since start (int64, CPU).
 
-    layers: tuple[int, ...]
-    num_experts: int
-    window: torch.Tensor = field(init=False)
-    total: torch.Tensor = field(init=False)
+    `add` accumulates on the balancer's device (no host copy per step); reading ``window`` or
+    ``total`` folds those counts in (and ``window.zero_()`` restarts the window)."""
 
-    def __post_init__(self) -> None:
-        self.window = torch.zeros(len(self.layers), self.num_experts, dtype=torch.int64)
-        self.total = torch.zeros_like(self.window)
-        self._row = {layer: i for i, layer in enumerate(self.layers)}
+    def __init__(self, layers: tuple[int, ...], num_experts: int, device: torch.device | str):
+        self.layers = tuple(layers)
+        self.num_experts = num_experts
+        self._pending = torch.zeros(len(layers), num_experts, dtype=torch.int64, device=device)
+        self._rows = {layer: self._pending[i] for i, layer in enumerate(self.layers)}
+        self._window = torch.zeros(len(layers), num_experts, dtype=torch.int64)
+        self._total = torch.zeros_like(self._window)
 
     def add(self, layer: int, counts: torch.Tensor) -> None:
-        c = counts.cpu()
-        i = self._row[layer]
-        self.window[i] += c
-        self.total[i] += c
+        self._rows[layer].add_(counts)
+
+    def _fold(self) -> None:
+        pending = self._pending.cpu()
+        self._window += pending
+        self._total += pending
+        self._pending.zero_()
+
+    @property
+    def window(self) -> torch.Tensor:
+        self._fold()
+        return self._window
+
+    @property
+    def total(self) -> torch.Tensor:
+        self._fold()
+        return self._total
 
     def snapshot(self) -> dict:
         return {
@@ -175,7 +243,7 @@ class Balancer:
         self.device = device
         self.group = group
         self.comm_device = comm_device or torch.device("cpu")
-        self.load = LoadStats(placement.layers, placement.num_experts)
+        self.load = LoadStats(placement.layers, placement.num_experts, device)
         self.set_placement(placement)
 
     def set_placement(self, placement: Placement) -> None:
@@ -198,13 +266,21 @@ class Balancer:
 
     def choose(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """``topk_ids [T, k]`` -> ``slots [T, k]`` int64 (collective for ``global``)."""
-        ids = topk_ids.reshape(-1).long()  # [P]
-        E = self.placement.num_experts
-        counts = torch.bincount(ids, minlength=E)  # [E]
+        counts = expert_counts(topk_ids, self.placement.num_experts)  # [E]
         self.load.add(layer, counts)
-        table = self.tables[layer]
         all_counts = self.gather_counts(counts) if self.policy == "global" else None
-        return assign(self.policy, table, topk_ids, self.attention_rank, self.cost, all_counts)
+        table = self.tables[layer]
+        return assign(
+            self.policy, table, topk_ids, self.attention_rank, self.cost, counts, all_counts
+        )
+
+
+def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``topk_ids [T, k]`` -> pairs per expert ``[E]`` int64 (``index_add_``: unlike
+    ``bincount``, no host synchronisation on a GPU)."""
+    ids = topk_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))
 
 
 def assign(
@@ -213,41 +289,67 @@ def assign(
     topk_ids: torch.Tensor,
     attention_rank: int,
     cost: ExpertCost,
+    counts: torch.Tensor,
     all_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The slot of every pair of ``topk_ids [T, k]`` on attention rank ``attention_rank`` under
-    ``policy``; ``all_counts [A, E]`` (``global`` only): pairs per expert of every attention
-    rank. Returns ``[T, k]`` int64.
+    """The slot of every pair of ``topk_ids [T, k]`` (a token's experts distinct) on attention
+    rank ``attention_rank`` under ``policy``; ``counts [E]``: this rank's pairs per expert
+    (`expert_counts`); ``all_counts [A, E]`` (``global`` only): every attention rank's, in rank
+    order. Returns ``[T, k]`` int64.
 
     ``static`` gathers one replica per expert. The others decide how many of this rank's pairs
-    of each expert each replica takes (``take [E, M]``), then deal them in expert-sorted order
-    with one ``repeat_interleave``: which of an expert's pairs go where does not matter, only
-    how many."""
-    ids = topk_ids.reshape(-1).long()  # [P]
-    nrep = table.num_replicas  # [E]
+    of each expert each replica takes (``take [E, M]``: single-replica experts all on replica 0,
+    only the multi experts' rows computed) and `deal` hands them out: which of an expert's pairs
+    go where does not matter, only how many."""
+    a = attention_rank
     if policy == "static":
-        j = attention_rank % nrep[ids]
-        return table.replica_slots[ids, j].view(topk_ids.shape)
-    M = table.replica_slots.shape[1]
-    jj = torch.arange(M, device=ids.device)[None, :]  # [1, M]
+        mine = table.replica_slots.gather(1, (a % table.num_replicas)[:, None])  # [E, 1]
+        return mine.take(topk_ids.long())
+    mine = counts.take(table.multi)  # [E2, 1] this rank's pairs of the multi experts
     if policy == "local":
-        mine = torch.bincount(ids, minlength=nrep.numel())[:, None]  # [E, 1]
-        turn = (jj - attention_rank) % nrep[:, None]  # dealing order, starting at replica a
-        take = (mine // nrep[:, None] + (turn < mine % nrep[:, None])) * (jj < nrep[:, None])
+        # pair o (0-based, in expert-sorted order) goes to replica (a + o) mod n: replica j
+        # takes the o < mine with o = j - a (mod n), (mine + (a - 1 - j) mod n) // n of them
+        n = table.multi_replicas
+        take_m = (((a - 1) - table.col) % n).add_(mine).div_(n, rounding_mode="floor")
+        take_m.masked_fill_(table.multi_pad > 0, 0)  # [E2, M]
     else:
-        mine = all_counts[attention_rank][:, None]  # [E, 1]
-        quota = global_quota(table, all_counts.sum(0), cost)  # [E, M]
-        prefix = all_counts[:attention_rank].sum(0)[:, None]  # [E, 1] pairs of lower ranks
-        bound = torch.clamp(torch.cumsum(quota, 1) - prefix, min=0)  # [E, M]
-        bound = torch.minimum(bound, mine)
-        take = torch.diff(bound, dim=1, prepend=torch.zeros_like(mine))
-    sorted_ids, order = torch.sort(ids)
-    slots = torch.repeat_interleave(
-        table.replica_slots.flatten(), take.flatten(), output_size=ids.numel()
-    )
-    out = torch.empty_like(ids)
-    out[order] = slots
-    return out.view(topk_ids.shape)
+        upto = all_counts.cumsum(0)  # [A, E] pairs of ranks <= a
+        ends, order = _water_fill(table, upto[-1], cost)  # [E2, M], sorted replicas
+        hi = upto[a].take(table.multi)  # [E2, 1] this rank's range [lo, hi) of the global order
+        lo = hi - mine
+        take_m = torch.diff(ends.clamp_(lo, hi), dim=1, prepend=lo)
+        take_m = take_m.scatter(1, order, take_m)
+    take = torch.outer(counts, table.first).put_(table.multi_at, take_m)  # [E, M]
+    return deal(topk_ids, table.replica_slots, take)
+
+
+def deal(topk_ids: torch.Tensor, replica_slots: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
+    """``topk_ids [T, k]`` int64, ``replica_slots [E, M]``, ``take [E, M]`` (pairs of expert
+    ``e`` for replica ``j``; row ``e`` sums to the pairs of ``e`` in ``topk_ids``) ->
+    ``slots [T, k]`` int64: the pairs of ``e``, in row-major order, go ``take[e, 0]`` to
+    ``replica_slots[e, 0]``, the next ``take[e, 1]`` to ``replica_slots[e, 1]``, ...
+
+    One stable sort of the pairs by expert, one ``repeat_interleave``, one scatter. On CPU in
+    numpy (zero-copy views): its stable argsort of 16-bit keys is a radix sort, ~3x faster than
+    ``torch.sort`` at 4096 pairs (~8 vs ~21 us), and the three calls cost ~15 us instead of
+    ~35; `deal_reference` (the same in torch) runs on other devices."""
+    if topk_ids.device.type != "cpu" or replica_slots.shape[0] > 1 << 16:
+        return deal_reference(topk_ids, replica_slots, take)
+    ids = topk_ids.numpy().reshape(-1)
+    order = np.argsort(ids.astype(np.uint16), kind="stable")
+    out = np.empty(ids.shape, dtype=np.int64)
+    out[order] = np.repeat(replica_slots.numpy().reshape(-1), take.numpy().reshape(-1))
+    return torch.from_numpy(out.reshape(topk_ids.shape))
+
+
+def deal_reference(
+    topk_ids: torch.Tensor, replica_slots: torch.Tensor, take: torch.Tensor
+) -> torch.Tensor:
+    """`deal` in torch (any device)."""
+    ids = topk_ids.reshape(-1)
+    _, order = torch.sort(ids, stable=True)  # [P] pairs grouped by expert
+    slots = torch.repeat_interleave(replica_slots.view(-1), take.view(-1), output_size=ids.numel())
+    return slots.scatter(0, order, slots).view(topk_ids.shape)
 
 
 def rank_loads(
@@ -261,4 +363,4 @@ def rank_loads(
     per_slot = torch.bincount(flat, minlength=S)  # [S]
     pairs = torch.zeros(R, dtype=torch.int64).index_add_(0, slot_rank, per_slot)
     active = torch.zeros(R, dtype=torch.int64).index_add_(0, slot_rank, (per_slot > 0).long())
-    return cost.activate * active + cost.token * pairs, pairs, active
+    return cost.activate * active + pairs, pairs, active
