@@ -225,6 +225,8 @@ class ShmLane:
             # memory lives until the last mapping goes.
             os.unlink(path)
         self.staged = [bytearray() for _ in range(self.size)]
+        self._head = np.empty(1, dtype=np.int64)  # a frame's length
+        self._head_bytes = self._head.view(np.uint8)
 
     def _attach(self, prefix: str, nbytes: int, stride: int) -> None:
         """Maps every peer's inbox, then waits until every peer has mapped this one."""
@@ -320,10 +322,11 @@ class ShmLane:
             ring.pos[13] = 0
             _futex_wake(ring.rpos_addr)
 
-    def _write(self, j: int, src: torch.Tensor) -> None:
-        """Appends the bytes of ``src`` (uint8, 1-D, contiguous) to the ring towards member j."""
+    def _write(self, j: int, src: np.ndarray) -> None:
+        """Appends the bytes of ``src`` (uint8, 1-D) to the ring towards member j (numpy views:
+        a slice assignment costs a fraction of a torch ``copy_`` on small messages)."""
         ring = self.outbox[j]
-        cap, total, done = ring.capacity, src.numel(), 0
+        cap, total, done = ring.capacity, src.size, 0
         waiter = None
         while done < total:
             w = int(ring.pos[0])
@@ -332,6 +335,7 @@ class ShmLane:
             if free == 0:
                 waiter = waiter or self._Waiter(self, self.ranks[j], "read its data")
                 if waiter.polls + 1 >= SPIN:
+                    _futex_wake(ring.wpos_addr)  # what was written so far can be read
                     ring.pos[13] = 1  # wake me when you read (checked again before sleeping)
                     if int(ring.pos[8]) != r:
                         continue
@@ -340,23 +344,22 @@ class ShmLane:
             n = min(free, total - done)
             off = w % cap
             first = min(n, cap - off)
-            ring.data[off : off + first].copy_(src[done : done + first])
+            ring.np_data[off : off + first] = src[done : done + first]
             if n > first:
-                ring.data[: n - first].copy_(src[done + first : done + n])
+                ring.np_data[: n - first] = src[done + first : done + n]
             ring.pos[0] = w + n  # publishes the bytes (x86: stores are not reordered)
-            _futex_wake(ring.wpos_addr)
             done += n
             waiter = None  # the peer made room: the timeout counts from now
 
-    def _read(self, j: int, out: torch.Tensor) -> None:
-        """Fills ``out`` (uint8, 1-D, contiguous) with the next bytes from member j."""
+    def _read(self, j: int, out: np.ndarray) -> None:
+        """Fills ``out`` (uint8, 1-D) with the next bytes from member j."""
         ring, staged = self.inbox[j], self.staged[j]
-        cap, total, done = ring.capacity, out.numel(), 0
+        cap, total, done = ring.capacity, out.size, 0
         waiter = None
         while done < total:
             if staged:
                 n = min(len(staged), total - done)
-                out[done : done + n].copy_(torch.frombuffer(staged, dtype=torch.uint8, count=n))
+                out[done : done + n] = np.frombuffer(staged, dtype=np.uint8, count=n)
                 del staged[:n]
                 done += n
                 waiter = None
@@ -370,24 +373,27 @@ class ShmLane:
             n = min(avail, total - done)
             off = r % cap
             first = min(n, cap - off)
-            out[done : done + first].copy_(ring.data[off : off + first])
+            out[done : done + first] = ring.np_data[off : off + first]
             if n > first:
-                out[done + first : done + n].copy_(ring.data[: n - first])
+                out[done + first : done + n] = ring.np_data[: n - first]
             self._consumed(ring, r + n)
             done += n
             waiter = None  # the peer sent something: the timeout counts from now
 
-    def _send(self, j: int, payload: torch.Tensor) -> None:
-        self._write(j, torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8))
+    def _send(self, j: int, payload: np.ndarray) -> None:
+        """One framed message; wakes member j once it is all in the ring."""
+        self._head[0] = payload.size
+        self._write(j, self._head_bytes)
         self._write(j, payload)
+        _futex_wake(self.outbox[j].wpos_addr)
 
-    def _recv(self, j: int, out: torch.Tensor) -> None:
-        head = torch.empty(1, dtype=torch.int64)
-        self._read(j, head.view(torch.uint8))
-        if int(head) != out.numel():
+    def _recv(self, j: int, out: np.ndarray) -> None:
+        head = self._head
+        self._read(j, self._head_bytes)
+        if int(head[0]) != out.size:
             raise RuntimeError(
-                f"rank {self.hub.rank}: rank {self.ranks[j]} sent {int(head)} bytes on "
-                f"shared-memory {self.name} where {out.numel()} were expected: the ranks' "
+                f"rank {self.hub.rank}: rank {self.ranks[j]} sent {int(head[0])} bytes on "
+                f"shared-memory {self.name} where {out.size} were expected: the ranks' "
                 "collective calls diverged"
             )
         self._read(j, out)
@@ -420,29 +426,29 @@ class ShmLane:
         if rsize != size:
             raise ValueError(f"shared-memory all_to_all_single: {size} bytes to self, {rsize} back")
         if size:
-            dst_bytes[rstart : rstart + size].copy_(src_bytes[start : start + size])
+            dst_bytes[rstart : rstart + size] = src_bytes[start : start + size]
         for j in range(n):
             rstart, rsize = recv[j]
             if j != self.me and rsize:
                 self._recv(j, dst_bytes[rstart : rstart + rsize])
         if not output.is_contiguous():  # _flat_bytes handed out a copy
-            output.copy_(dst_bytes.view(output.dtype).view(output.shape))
+            output.copy_(torch.from_numpy(dst_bytes).view(output.dtype).view(output.shape))
         return _Completed() if async_op else None
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``torch.distributed.all_gather_single`` (``all_gather_into_tensor``) on this group."""
         size = input.numel() * input.element_size()
         src = _flat_bytes(input)
-        dst = output.view(-1).view(torch.uint8)
-        if dst.numel() != size * self.size:
+        dst = output.view(-1).view(torch.uint8).numpy()
+        if dst.size != size * self.size:
             raise ValueError(
-                f"shared-memory all_gather_single: output holds {dst.numel()} bytes, "
+                f"shared-memory all_gather_single: output holds {dst.size} bytes, "
                 f"{self.size} x {size} needed"
             )
         for j in range(self.size):
             if j != self.me:
                 self._send(j, src)
-        dst[self.me * size : (self.me + 1) * size].copy_(src)
+        dst[self.me * size : (self.me + 1) * size] = src
         for j in range(self.size):
             if j != self.me:
                 self._recv(j, dst[j * size : (j + 1) * size])
@@ -457,9 +463,10 @@ class ShmLane:
         self._maps = []
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+def _flat_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of ``t`` as a numpy view (of a contiguous copy if ``t`` is not contiguous)."""
     t = t if t.is_contiguous() else t.contiguous()
-    return t.view(-1).view(torch.uint8)
+    return t.view(-1).view(torch.uint8).numpy()
 
 
 def _rows(t: torch.Tensor, splits: list[int] | None, n: int) -> list[tuple[int, int]]:
