@@ -21,7 +21,7 @@ import torch.distributed as dist
 from splitmoe.attention_nodes.worker import AttentionWorker, RequestUpdate
 from splitmoe.comm.control import StepSync
 from splitmoe.comm.distributed import Groups, init_groups, new_collective, rank_device
-from splitmoe.comm.shm import CONTROL_CAPACITY
+from splitmoe.comm.shm import CONTROL_CAPACITY, COUNTS_CAPACITY
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import TRANSPORTS
 from splitmoe.config import EngineConfig
@@ -113,10 +113,11 @@ class ExpertBalance:
             m.num_experts, par.expert_ranks, par.num_redundant, m.moe_layers
         )
         # The global policy's count all-gather runs on a group of the attention ranks only
-        # (every rank creates it, as torch.distributed requires).
+        # (every rank creates it, as torch.distributed requires; shared memory on one host).
         group = None
         if par.balancer == "global" and par.attention_ranks > 1:
-            group = dist.new_group(list(range(par.attention_ranks)), timeout=par.timeout)
+            attention = range(par.attention_ranks)
+            group = new_collective(attention, groups.hub, par.timeout, COUNTS_CAPACITY)
         self.balancer = None
         if topo.is_attention:
             self.balancer = Balancer(

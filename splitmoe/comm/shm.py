@@ -50,6 +50,7 @@ SHM_DIR = "/dev/shm"
 HEADER = 128  # write position at +0, read position at +64, "attached" flag at +96
 DATA_CAPACITY = 4 << 20  # bytes per ring on data lanes: several decode-step messages
 CONTROL_CAPACITY = 4 << 10  # bytes per ring on control lanes (a few int64 per step)
+COUNTS_CAPACITY = 256 << 10  # per-expert counts of every (layer, micro-batch) of a step
 SPIN = 64  # polls (~20 us) before a waiting rank goes to sleep on a futex
 SLEEP_S = (0.001, 0.01)  # futex sleeps: the first 10 ms of a wait, then
 LIVENESS_S = 0.5  # how often a long wait checks that the peer's process still exists

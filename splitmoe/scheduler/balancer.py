@@ -32,12 +32,15 @@ sort on CPU). No host synchronisation, so the same code runs on a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from splitmoe.scheduler.placement import Placement
+
+if TYPE_CHECKING:
+    from splitmoe.comm.distributed import Collective
 
 POLICIES = ("static", "local", "global")
 _BIG = 1 << 50  # cost of a padding replica: never worth using
@@ -231,7 +234,7 @@ class Balancer:
         num_attention: int,
         cost: ExpertCost,
         device: torch.device,
-        group: dist.ProcessGroup | None = None,
+        group: Collective | None = None,
         comm_device: torch.device | None = None,
     ):
         if policy not in POLICIES:
@@ -261,7 +264,7 @@ class Balancer:
         out = torch.empty(
             self.num_attention * send.numel(), dtype=send.dtype, device=self.comm_device
         )
-        dist.all_gather_single(out, send, group=self.group)
+        self.group.all_gather_single(out, send)
         return out.view(self.num_attention, -1).to(self.device)
 
     def choose(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
