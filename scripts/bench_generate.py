@@ -40,6 +40,7 @@ def bench_splitmoe(args, prompts, micro_batches=None):
         device=args.device,
         threads_per_rank=args.threads_per_rank,
         max_num_seqs=max(64, args.batch),
+        shared_memory=not args.no_shared_memory,
     ) as llm:
         startup = time.perf_counter() - t0
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -120,6 +121,11 @@ def main() -> None:
     ap.add_argument("--hf-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--transport", default="flat")
+    ap.add_argument(
+        "--no-shared-memory",
+        action="store_true",
+        help="exchange through torch.distributed (gloo) even between ranks on this host",
+    )
     ap.add_argument(
         "--micro-batches",
         default="auto",
