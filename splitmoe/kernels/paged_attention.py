@@ -97,6 +97,100 @@ def store_kv(
     v_cache.view(-1, nkv, d).index_copy_(0, slots, v)
 
 
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The rows of a step's multi-token sequences (prompt chunks) as one padded batch, built once
+    per step: ``rows [Bp * Q]`` the packed query row of each (sequence, position) (padding
+    repeats a real row), ``valid [Bp * Q]`` which of them are real, ``slots [Bp * L]`` the flat
+    cache slot of every key position, ``mask [Bp, 1, Q, L]`` 0 where a query may attend a key
+    (causal within its sequence), -inf elsewhere."""
+
+    rows: torch.Tensor
+    valid: torch.Tensor
+    slots: torch.Tensor
+    queries: int
+    length: int
+    mask: torch.Tensor
+
+
+# Padding the chunks into one batch costs memory ~ Bp x heads x Q x L scores: above this many
+# elements, or when padding multiplies the work by more than PREFILL_MAX_PADDING, the reference
+# loops over sequences instead.
+PREFILL_BATCH_ELEMENTS = 1 << 22
+PREFILL_MAX_PADDING = 2.0
+
+
+def prefill_plan(
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, heads: int = 1
+) -> PrefillPlan | None:
+    """The `PrefillPlan` of ``meta`` (None: no multi-token rows, or too much padding)."""
+    key = ("prefill", block_size, dtype)
+    if key in meta.derived:
+        return meta.derived[key]
+    seqs = [i for i, n in enumerate(meta.query_lens) if n > 1]
+    plan = None
+    if seqs:
+        qlens = [meta.query_lens[i] for i in seqs]
+        ctxs = [meta.seq_lens_list[i] for i in seqs]
+        Q = max(qlens)
+        nblk = -(-max(ctxs) // block_size)
+        L = nblk * block_size
+        work = sum(n * c for n, c in zip(qlens, ctxs))
+        padded = len(seqs) * Q * L
+        if padded <= PREFILL_MAX_PADDING * work and padded * heads <= PREFILL_BATCH_ELEMENTS:
+            dev = meta.seq_lens.device
+            idx = torch.tensor(seqs, device=dev)
+            starts = meta.query_start_loc[idx]  # [Bp]
+            n = torch.tensor(qlens, device=dev)[:, None]  # [Bp, 1]
+            c = torch.tensor(ctxs, device=dev)[:, None]
+            t = torch.arange(Q, device=dev)[None, :]  # [1, Q]
+            valid = t < n  # [Bp, Q]
+            rows = starts[:, None] + torch.where(valid, t, 0)
+            tables = meta.block_tables[idx, :nblk].long()
+            offsets = torch.arange(block_size, device=dev)
+            slots = (tables[:, :, None] * block_size + offsets).view(-1)  # [Bp * L]
+            qpos = c - n + t  # [Bp, Q] position of each query in its sequence
+            kpos = torch.arange(L, device=dev)[None, None, :]
+            # padding query rows may see key 0, so that their (discarded) softmax stays finite
+            allowed = (kpos <= qpos[:, :, None]) | ((kpos == 0) & ~valid[:, :, None])
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=dev)
+            mask.masked_fill_(~allowed, float("-inf"))
+            plan = PrefillPlan(
+                rows=rows.view(-1),
+                valid=valid.view(-1),
+                slots=slots,
+                queries=Q,
+                length=L,
+                mask=mask[:, None],
+            )
+    meta.derived[key] = plan
+    return plan
+
+
+def _batched_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Attention of every prompt chunk of a step in one SDPA call (see `PrefillPlan`)."""
+    T, nh, d = q.shape
+    nkv = k_cache.shape[2]
+    g = nh // nkv
+    Bp, Q, L = plan.mask.shape[0], plan.queries, plan.length
+    k = k_cache.view(-1, nkv, d).index_select(0, plan.slots).view(Bp, L, nkv, d).transpose(1, 2)
+    v = v_cache.view(-1, nkv, d).index_select(0, plan.slots).view(Bp, L, nkv, d).transpose(1, 2)
+    # queries as [Bp, nkv, g * Q, d]: a GQA group's heads share their KV head
+    qp = q.index_select(0, plan.rows).view(Bp, Q, nkv, g, d).permute(0, 2, 3, 1, 4)
+    qp = qp.reshape(Bp, nkv, g * Q, d)
+    mask = plan.mask.repeat(1, 1, g, 1)  # [Bp, 1, g * Q, L]
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+    o = o.view(Bp, nkv, g, Q, d).permute(0, 3, 1, 2, 4).reshape(Bp * Q, nh, d)
+    out[plan.rows[plan.valid]] = o[plan.valid]
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -133,6 +227,10 @@ def paged_attention_ref(
     out = torch.empty_like(q)
     if plan is not None:
         out[plan.rows] = o.reshape(-1, nh, d)
+    chunks = prefill_plan(meta, bs, q.dtype, nh)
+    if chunks is not None:
+        _batched_prefill(q, k_cache, v_cache, chunks, scale, out)
+        return out
     starts = meta.query_start_loc.tolist()
     for i, n in enumerate(qlens):
         if n == 1 or n == 0:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import splitmoe.kernels.paged_attention as pa
 from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention, store_kv
 
 
@@ -25,8 +26,11 @@ def _dense(q, k, v, scale):
 
 @pytest.mark.parametrize("nh,nkv,d", [(4, 4, 16), (4, 2, 16), (8, 1, 32)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_mixed_batch_matches_dense(nh, nkv, d, block_size):
-    """One step mixing decode tokens, a fresh prompt, and a chunk extending a cached prefix."""
+@pytest.mark.parametrize("batched", [False, True])
+def test_mixed_batch_matches_dense(nh, nkv, d, block_size, batched, monkeypatch):
+    """One step mixing decode tokens, a fresh prompt, and a chunk extending a cached prefix;
+    the prompt chunks attended one sequence at a time, or padded into one batch."""
+    monkeypatch.setattr(pa, "PREFILL_MAX_PADDING", 1e9 if batched else 0.0)
     g = torch.Generator().manual_seed(0)
     # (cached tokens, new tokens) per sequence
     seqs = [(0, 1), (9, 1), (0, 13), (5, 7), (33, 1), (16, 16)]
@@ -66,6 +70,7 @@ def test_mixed_batch_matches_dense(nh, nkv, d, block_size):
     )
     scale = d**-0.5
     out = paged_attention(q, k_cache, v_cache, meta, scale)
+    assert (meta.derived[("prefill", block_size, q.dtype)] is not None) == batched
     ref = torch.cat([_dense(qi, k, v, scale) for qi, k, v in zip(qs, full_k, full_v)])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
