@@ -8,6 +8,7 @@ no rank has work and every attention rank's channel is closed, all ranks leave t
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import resource
@@ -209,6 +210,21 @@ def set_threads(cfg: EngineConfig, local_world_size: int) -> None:
         torch.set_num_threads(n)
 
 
+def keep_freed_memory() -> bool:
+    """Asks glibc to serve blocks up to 32 MB from its heap and to keep freed memory rather than
+    return it to the OS. By default every block over 128 KB is a fresh mmap, so each step's large
+    temporaries (prefill activations, gathered KV) fault their pages in again, which is slow in a
+    VM: a 32 x 32-token prefill step took 50-80 ms, 34-39 ms with this (CPU, default model).
+    The price is that a rank keeps its peak heap. False where it does not apply (not glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+
 @dataclass(frozen=True)
 class RankContext:
     """What a finished rank hands back; its process groups are still up (the caller may gather
@@ -228,6 +244,8 @@ def run_rank(
 ) -> RankContext:
     topo = Topology.build(rank, cfg.parallel, cfg.model.num_experts, local_rank, local_world_size)
     set_threads(cfg, topo.local_world_size)
+    if cfg.device_type == "cpu":
+        keep_freed_memory()
     device = rank_device(cfg.device_type, topo.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
