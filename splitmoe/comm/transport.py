@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -226,6 +227,8 @@ class Transport(ABC):
             torch.arange(owner.numel(), device=device)
             - (first - torch.bincount(owner, minlength=topo.num_expert))[owner]
         )  # [S] slot -> local slot id on its rank
+        self._slot_rank_np = self.slot_rank.cpu().numpy()
+        self._slot_local_np = self.slot_local.cpu().numpy()
         # link class from this rank to every world rank
         self.links = [
             "intra" if topo.node_of(r) == topo.node else "inter" for r in range(topo.world_size)
@@ -325,6 +328,14 @@ class Transport(ABC):
         ``[P, k]`` int32 (-1 off-rank), weights ``[P, k]`` float32 and the row count per world
         rank.
         """
+        if slots.device.type == "cpu":
+            return self._route_numpy(slots, topk_weights)
+        return self._route_torch(slots, topk_weights)
+
+    def _route_torch(
+        self, slots: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """`route` in torch ops (any device, no loop)."""
         T, E = slots.shape[0], self.topo.num_expert
         dest = self.slot_rank[slots]  # [T, k]
         hit = torch.zeros(E, T, dtype=torch.bool, device=slots.device)
@@ -336,6 +347,26 @@ class Transport(ABC):
         per_expert_rank = torch.bincount(dest_rank, minlength=E).tolist()
         counts = [0] * self.topo.num_attention + per_expert_rank
         return token_index, ids, w, counts
+
+    def _route_numpy(
+        self, slots: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """`route` on CPU tensors, the same steps in numpy: on arrays this small each numpy call
+        costs ~1 µs against ~5 µs for torch's, and routing runs once per layer and micro-batch
+        (~75 -> ~20 µs at 64 tokens x top-4)."""
+        s = slots.numpy()
+        T, E = s.shape[0], self.topo.num_expert
+        dest = self._slot_rank_np[s]  # [T, k]
+        hit = np.zeros((E, T), dtype=bool)
+        hit[dest, np.arange(T)[:, None]] = True  # [E, T]
+        dest_rank, token_index = np.nonzero(hit)  # [P], sorted by (dest, token)
+        on_rank = dest[token_index] == dest_rank[:, None]  # [P, k]
+        ids = np.where(on_rank, self._slot_local_np[s[token_index]], -1).astype(np.int32)
+        tokens = torch.from_numpy(token_index)
+        w = topk_weights.to(torch.float32).index_select(0, tokens)
+        counts = [0] * self.topo.num_attention + np.bincount(dest_rank, minlength=E).tolist()
+        # (via 1-D: numpy may give an empty [0, k] array strides torch cannot view as bytes)
+        return tokens, torch.from_numpy(ids.ravel()).view(-1, s.shape[1]), w, counts
 
     # ---- data plane ---------------------------------------------------------------------------
     def all_to_all(
@@ -359,8 +390,9 @@ class Transport(ABC):
             (sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self.comm_device
         )
         lane = self.lanes[direction] if group is None else group
-        with self.stats.timed(layer, stage):
-            work = lane.all_to_all_single(recv, send, recv_counts, send_counts, async_op=async_op)
+        t0 = time.perf_counter()  # (not `stats.timed`: a generator per call on the hot path)
+        work = lane.all_to_all_single(recv, send, recv_counts, send_counts, async_op=async_op)
+        self.stats.record(layer)["seconds"][stage] += time.perf_counter() - t0
         self.stats.add(
             layer,
             direction,

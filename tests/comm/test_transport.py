@@ -49,6 +49,11 @@ def _job(rank, world, num_attention):
         if topo.is_attention:
             n, experts = PLAN[rank][layer]
             x, ids, w = _tokens(rank * 10 + layer, n, experts)
+            # the CPU (numpy) routing and the torch one (other devices) agree exactly
+            fast, generic = t._route_numpy(ids, w), t._route_torch(ids, w)
+            for a, b in zip(fast[:3], generic[:3]):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+            assert fast[3] == generic[3]
             handle = t.dispatch(x, ids, w)
             y = t.combine(handle)
             ref = fused_moe_ref(x, w13, w2, ids, w)
