@@ -33,6 +33,7 @@ written before the position that publishes them); `host_shm_supported` refuses o
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import platform
@@ -435,6 +436,38 @@ class ShmLane:
         if not output.is_contiguous():  # _flat_bytes handed out a copy
             output.copy_(torch.from_numpy(dst_bytes).view(output.dtype).view(output.shape))
         return _Completed() if async_op else None
+
+    def send_rows(self, input: torch.Tensor, split_sizes: list[int], to: list[int]) -> None:
+        """Sends member ``j`` in ``to`` its ``split_sizes[j]`` rows of ``input`` as one frame,
+        an empty one included: `recv_rows` learns the sizes from the frames, so no count
+        exchange precedes the data and the sender never waits for its receivers."""
+        src = _flat_bytes(input)
+        for (start, size), j in zip(_rows(input, split_sizes, self.size), range(self.size)):
+            if j in to:
+                self._send(j, src[start : start + size])
+
+    def recv_rows(self, senders: list[int], row: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The frames `send_rows` sent this member from every member in ``senders``, as rows
+        like ``row`` (a ``[0, ...]`` tensor giving the row shape and dtype), concatenated in
+        member order; and the rows from each member (0 for non-senders)."""
+        row_bytes = row.element_size() * math.prod(row.shape[1:])
+        sizes = [0] * self.size
+        parts = []
+        for j in senders:
+            self._read(j, self._head_bytes)
+            n = int(self._head[0])
+            if n % row_bytes:
+                raise RuntimeError(
+                    f"rank {self.hub.rank}: rank {self.ranks[j]} sent {n} bytes on shared-memory "
+                    f"{self.name}, not whole rows of {row_bytes}: the ranks' calls diverged"
+                )
+            buf = torch.empty(n, dtype=torch.uint8)
+            self._read(j, buf.numpy())
+            parts.append(buf)
+            sizes[j] = n // row_bytes
+        data = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else torch.empty(0)
+        out = data.to(torch.uint8).view(row.dtype).view(-1, *row.shape[1:])
+        return out, sizes
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``torch.distributed.all_gather_single`` (``all_gather_into_tensor``) on this group."""

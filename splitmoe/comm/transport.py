@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from splitmoe.comm.cost_model import DEFAULT_COST_MODEL, LINK_CLASSES, CostModel
 from splitmoe.comm.distributed import Collective, new_collective
-from splitmoe.comm.shm import ShmHub
+from splitmoe.comm.shm import ShmHub, ShmLane
 from splitmoe.comm.topology import Topology
 
 DIRECTIONS = ("dispatch", "combine")  # attention -> experts / experts -> attention
@@ -432,6 +432,18 @@ def register_transport(name: str):
 class FlatTransport(Transport):
     """One uneven ``all_to_all_single`` over all ranks per direction, after a count exchange."""
 
+    def __init__(self, topo: Topology, *args, **kwargs):
+        super().__init__(topo, *args, **kwargs)  # same arguments as every transport
+        self._attention_ranks = list(range(topo.num_attention))
+        self._expert_ranks = list(range(topo.num_attention, topo.world_size))
+
+    def _count_sent(self, rows: torch.Tensor, counts: list[int], layer: int) -> None:
+        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
+        self.stats.add(
+            layer, "dispatch", counts, row_bytes, range(self.topo.world_size), self.links,
+            self.topo.rank,
+        )  # fmt: skip
+
     def _counts(self, send_counts: list[int], layer: int) -> list[int]:
         send = torch.tensor(send_counts, dtype=torch.int64, device=self.comm_device)
         recv = torch.empty_like(send)
@@ -447,7 +459,15 @@ class FlatTransport(Transport):
         self.stats.call(layer, "flat")
         token_index, ids, w, counts = self.route(topk_ids, topk_weights)
         rows = self.pack(x[token_index], ids, w)  # [P, row_bytes]
-        self.all_to_all(rows, counts, self._counts(counts, layer), layer, "dispatch")
+        lane = self.lanes["dispatch"]
+        if isinstance(lane, ShmLane):
+            # Frames carry their sizes: no count exchange, and nothing to wait for here.
+            t0 = time.perf_counter()
+            lane.send_rows(rows, counts, self._expert_ranks)
+            self.stats.record(layer)["seconds"]["exchange"] += time.perf_counter() - t0
+            self._count_sent(rows, counts, layer)
+        else:
+            self.all_to_all(rows, counts, self._counts(counts, layer), layer, "dispatch")
         return DispatchHandle(
             token_index=token_index, send_counts=counts, num_tokens=x.shape[0], layer=layer
         )
@@ -463,9 +483,15 @@ class FlatTransport(Transport):
     def receive(self, layer=UNKNOWN_LAYER):
         self.stats.call(layer, "flat")
         zeros = [0] * self.topo.world_size
-        recv_counts = self._counts(zeros, layer)
         nothing = torch.empty(0, self.row_bytes, dtype=torch.uint8)
-        rows = self.all_to_all(nothing, zeros, recv_counts, layer, "dispatch")
+        lane = self.lanes["dispatch"]
+        if isinstance(lane, ShmLane):
+            t0 = time.perf_counter()
+            rows, recv_counts = lane.recv_rows(self._attention_ranks, nothing)
+            self.stats.record(layer)["seconds"]["exchange"] += time.perf_counter() - t0
+        else:
+            recv_counts = self._counts(zeros, layer)
+            rows = self.all_to_all(nothing, zeros, recv_counts, layer, "dispatch")
         x, ids, w = self.unpack(rows)
         return ExpertBatch(x=x, expert_ids=ids, weights=w, recv_counts=recv_counts, layer=layer)
 
