@@ -72,7 +72,7 @@ class LayerWeights:
     qk_head_norm: torch.Tensor | None = None  # [nh + nkv, d]: per-head q then k norm weights
 
     @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor]) -> LayerWeights:
+    def from_tensors(cls, t: dict[str, torch.Tensor], cfg: ModelConfig) -> LayerWeights:
         b = None
         if "q_bias" in t:
             b = torch.cat([t["q_bias"], t["k_bias"], t["v_bias"]])
@@ -92,15 +92,16 @@ class LayerWeights:
             mlp_gate_up=None if gate is None else torch.cat([gate, up]),
             mlp_down=down,
             shared_expert_gate=t.get("shared_expert_gate"),
+            # per-head q and k norm weights stacked, so both are normed in one call
+            qk_head_norm=torch.cat(
+                [
+                    t["q_norm"].expand(cfg.num_heads, cfg.head_dim),
+                    t["k_norm"].expand(cfg.num_kv_heads, cfg.head_dim),
+                ]
+            )
+            if cfg.qk_norm == "head"
+            else None,
         )
-
-    def with_head_norm(self, num_heads: int, num_kv_heads: int) -> LayerWeights:
-        """Stacks the per-head q and k norm weights so both are normed in one call."""
-        d = self.q_norm.shape[-1]
-        self.qk_head_norm = torch.cat(
-            [self.q_norm.expand(num_heads, d), self.k_norm.expand(num_kv_heads, d)]
-        )
-        return self
 
 
 def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -122,10 +123,7 @@ class AttentionModel:
         self.embed = global_weights["embed"]  # [V, H]
         self.final_norm = global_weights["final_norm"]
         self.lm_head = global_weights["lm_head"]  # [V, H]
-        self.layers = [LayerWeights.from_tensors(t) for t in layer_weights]
-        if cfg.qk_norm == "head":
-            for layer in self.layers:
-                layer.with_head_norm(cfg.num_heads, cfg.num_kv_heads)
+        self.layers = [LayerWeights.from_tensors(t, cfg) for t in layer_weights]
         self.attention_backend = attention_backend
         d = cfg.head_dim
         self.inv_freq = 1.0 / (

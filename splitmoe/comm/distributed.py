@@ -52,6 +52,19 @@ class DistGroup:
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> None:
         dist.all_gather_single(output, input, group=self.group)
 
+    def all_to_all_counted(
+        self, input: torch.Tensor, input_split_sizes: list[int], senders: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """`ShmLane.all_to_all_counted`: a count all-to-all, then the rows (every member takes
+        part in both; only the members in ``senders`` have rows to send)."""
+        send = torch.tensor(input_split_sizes, dtype=torch.int64, device=input.device)
+        recv = torch.empty_like(send)
+        self.all_to_all_single(recv, send)
+        counts = recv.tolist()
+        output = input.new_empty((sum(counts), *input.shape[1:]))
+        self.all_to_all_single(output, input, counts, input_split_sizes)
+        return output, counts
+
 
 Collective = DistGroup | ShmLane
 

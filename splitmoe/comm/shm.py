@@ -127,15 +127,15 @@ class _Completed:
 class _Ring:
     """One SPSC ring inside a mapped inbox: ``pos[0]`` write position, ``pos[8]`` read position,
     ``pos[12]`` attached flag, ``pos[13]`` "the writer sleeps on a full ring" (int64 indices);
-    ``data`` the bytes. The low 32 bits of each position are its futex word, at ``wpos_addr`` /
+    ``data`` the bytes, a numpy view (its slice copies cost far less than torch's on small
+    messages). The low 32 bits of each position are its futex word, at ``wpos_addr`` /
     ``rpos_addr`` (little-endian)."""
 
     def __init__(self, buf: mmap.mmap, offset: int, capacity: int):
         self.pos = np.frombuffer(buf, dtype=np.int64, count=HEADER // 8, offset=offset)
         self.wpos_addr = self.pos.ctypes.data
         self.rpos_addr = self.wpos_addr + 64
-        self.data = torch.frombuffer(buf, dtype=torch.uint8, count=capacity, offset=offset + HEADER)
-        self.np_data = self.data.numpy()
+        self.data = np.frombuffer(buf, dtype=np.uint8, count=capacity, offset=offset + HEADER)
         self.capacity = capacity
 
 
@@ -312,9 +312,9 @@ class ShmLane:
             if n:
                 off = r % ring.capacity
                 first = min(n, ring.capacity - off)
-                self.staged[j] += ring.np_data[off : off + first].tobytes()
+                self.staged[j] += ring.data[off : off + first].tobytes()
                 if n > first:
-                    self.staged[j] += ring.np_data[: n - first].tobytes()
+                    self.staged[j] += ring.data[: n - first].tobytes()
                 self._consumed(ring, r + n)
 
     @staticmethod
@@ -346,9 +346,9 @@ class ShmLane:
             n = min(free, total - done)
             off = w % cap
             first = min(n, cap - off)
-            ring.np_data[off : off + first] = src[done : done + first]
+            ring.data[off : off + first] = src[done : done + first]
             if n > first:
-                ring.np_data[: n - first] = src[done + first : done + n]
+                ring.data[: n - first] = src[done + first : done + n]
             ring.pos[0] = w + n  # publishes the bytes (x86: stores are not reordered)
             done += n
             waiter = None  # the peer made room: the timeout counts from now
@@ -375,9 +375,9 @@ class ShmLane:
             n = min(avail, total - done)
             off = r % cap
             first = min(n, cap - off)
-            out[done : done + first] = ring.np_data[off : off + first]
+            out[done : done + first] = ring.data[off : off + first]
             if n > first:
-                out[done + first : done + n] = ring.np_data[: n - first]
+                out[done + first : done + n] = ring.data[: n - first]
             self._consumed(ring, r + n)
             done += n
             waiter = None  # the peer sent something: the timeout counts from now
@@ -389,12 +389,16 @@ class ShmLane:
         self._write(j, payload)
         _futex_wake(self.outbox[j].wpos_addr)
 
-    def _recv(self, j: int, out: np.ndarray) -> None:
-        head = self._head
+    def _read_header(self, j: int) -> int:
+        """The byte length of the next frame from member j."""
         self._read(j, self._head_bytes)
-        if int(head[0]) != out.size:
+        return int(self._head[0])
+
+    def _recv(self, j: int, out: np.ndarray) -> None:
+        n = self._read_header(j)
+        if n != out.size:
             raise RuntimeError(
-                f"rank {self.hub.rank}: rank {self.ranks[j]} sent {int(head[0])} bytes on "
+                f"rank {self.hub.rank}: rank {self.ranks[j]} sent {n} bytes on "
                 f"shared-memory {self.name} where {out.size} were expected: the ranks' "
                 "collective calls diverged"
             )
@@ -437,37 +441,37 @@ class ShmLane:
             output.copy_(torch.from_numpy(dst_bytes).view(output.dtype).view(output.shape))
         return _Completed() if async_op else None
 
-    def send_rows(self, input: torch.Tensor, split_sizes: list[int], to: list[int]) -> None:
-        """Sends member ``j`` in ``to`` its ``split_sizes[j]`` rows of ``input`` as one frame,
-        an empty one included: `recv_rows` learns the sizes from the frames, so no count
-        exchange precedes the data and the sender never waits for its receivers."""
-        src = _flat_bytes(input)
-        for (start, size), j in zip(_rows(input, split_sizes, self.size), range(self.size)):
-            if j in to:
-                self._send(j, src[start : start + size])
-
-    def recv_rows(self, senders: list[int], row: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """The frames `send_rows` sent this member from every member in ``senders``, as rows
-        like ``row`` (a ``[0, ...]`` tensor giving the row shape and dtype), concatenated in
-        member order; and the rows from each member (0 for non-senders)."""
-        row_bytes = row.element_size() * math.prod(row.shape[1:])
+    def all_to_all_counted(
+        self, input: torch.Tensor, input_split_sizes: list[int], senders: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Members in ``senders`` send every other member its ``input_split_sizes`` rows of
+        ``input``; the others receive them, learning how many from the data: returns the rows
+        received (in member order; like ``input`` beyond the first dimension) and how many came
+        from each member. Here each share is one frame, an empty one included, so no count
+        exchange precedes the data and a sender never waits for its receivers."""
+        if self.me in senders:
+            src = _flat_bytes(input)
+            for j, (start, size) in enumerate(_rows(input, input_split_sizes, self.size)):
+                if j not in senders:
+                    self._send(j, src[start : start + size])
+            return input[:0], [0] * self.size
+        row_bytes = input.element_size() * math.prod(input.shape[1:])
         sizes = [0] * self.size
-        parts = []
-        for j in senders:
-            self._read(j, self._head_bytes)
-            n = int(self._head[0])
-            if n % row_bytes:
+        for j in senders:  # every sender has a ring of its own: all headers first
+            sizes[j] = self._read_header(j)
+            if sizes[j] % row_bytes:
                 raise RuntimeError(
-                    f"rank {self.hub.rank}: rank {self.ranks[j]} sent {n} bytes on shared-memory "
-                    f"{self.name}, not whole rows of {row_bytes}: the ranks' calls diverged"
+                    f"rank {self.hub.rank}: rank {self.ranks[j]} sent {sizes[j]} bytes on "
+                    f"shared-memory {self.name}, not whole rows of {row_bytes}: the ranks' calls "
+                    "diverged"
                 )
-            buf = torch.empty(n, dtype=torch.uint8)
-            self._read(j, buf.numpy())
-            parts.append(buf)
-            sizes[j] = n // row_bytes
-        data = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else torch.empty(0)
-        out = data.to(torch.uint8).view(row.dtype).view(-1, *row.shape[1:])
-        return out, sizes
+        data = torch.empty(sum(sizes), dtype=torch.uint8)
+        dst, at = data.numpy(), 0
+        for j in senders:  # then each payload straight into its place
+            self._read(j, dst[at : at + sizes[j]])
+            at += sizes[j]
+        rows = [n // row_bytes for n in sizes]
+        return data.view(input.dtype).view(-1, *input.shape[1:]), rows
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``torch.distributed.all_gather_single`` (``all_gather_into_tensor``) on this group."""
@@ -492,7 +496,7 @@ class ShmLane:
         for m in self._maps:
             try:
                 m.close()
-            except BufferError:  # a tensor still views it; the mapping goes with the process
+            except BufferError:  # an array still views it; the mapping goes with the process
                 pass
         self._maps = []
 

@@ -32,13 +32,13 @@ import torch.distributed as dist
 
 from splitmoe.comm.cost_model import DEFAULT_COST_MODEL, LINK_CLASSES, CostModel
 from splitmoe.comm.distributed import Collective, new_collective
-from splitmoe.comm.shm import ShmHub, ShmLane
+from splitmoe.comm.shm import ShmHub
 from splitmoe.comm.topology import Topology
 
 DIRECTIONS = ("dispatch", "combine")  # attention -> experts / experts -> attention
-# Where a layer's communication time goes: the per-layer count exchange, the node-local
-# aggregation of the two-phase scheme (phase 1, both directions), and the exchange with the
-# expert ranks (flat all-to-all, or phase 2).
+# Where a layer's communication time goes: the two-phase scheme's per-layer count all-gather,
+# its node-local aggregation (phase 1, both directions), and the exchange with the expert ranks
+# (flat's all-to-all, its row counts included, or phase 2).
 STAGES = ("counts", "aggregate", "exchange")
 SCHEMES = ("flat", "two_phase")
 UNKNOWN_LAYER = -1  # calls that did not say which layer they serve
@@ -393,6 +393,21 @@ class Transport(ABC):
         t0 = time.perf_counter()  # (not `stats.timed`: a generator per call on the hot path)
         work = lane.all_to_all_single(recv, send, recv_counts, send_counts, async_op=async_op)
         self.stats.record(layer)["seconds"][stage] += time.perf_counter() - t0
+        self._account(layer, direction, send_counts, send, peers)
+        if async_op:
+            self._in_flight.append((work, send))
+            return None
+        return recv.to(self.device)
+
+    def _account(
+        self,
+        layer: int,
+        direction: str,
+        send_counts: list[int],
+        send: torch.Tensor,
+        peers: list[int] | range | None = None,
+    ) -> None:
+        """Counts ``send_counts`` rows of ``send`` to each member (world ranks ``peers``)."""
         self.stats.add(
             layer,
             direction,
@@ -402,10 +417,6 @@ class Transport(ABC):
             self.links,
             self.topo.rank,
         )
-        if async_op:
-            self._in_flight.append((work, send))
-            return None
-        return recv.to(self.device)
 
     def flush(self) -> None:
         """Waits until every asynchronous send has completed (expert ranks, end of a step)."""
@@ -430,44 +441,31 @@ def register_transport(name: str):
 
 @register_transport("flat")
 class FlatTransport(Transport):
-    """One uneven ``all_to_all_single`` over all ranks per direction, after a count exchange."""
+    """One uneven all-to-all over all ranks per direction; the expert ranks learn their row
+    counts with the rows (`all_to_all_counted`: frames that carry their size over shared memory,
+    a count exchange first over torch.distributed)."""
 
     def __init__(self, topo: Topology, *args, **kwargs):
         super().__init__(topo, *args, **kwargs)  # same arguments as every transport
         self._attention_ranks = list(range(topo.num_attention))
-        self._expert_ranks = list(range(topo.num_attention, topo.world_size))
 
-    def _count_sent(self, rows: torch.Tensor, counts: list[int], layer: int) -> None:
-        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-        self.stats.add(
-            layer, "dispatch", counts, row_bytes, range(self.topo.world_size), self.links,
-            self.topo.rank,
-        )  # fmt: skip
-
-    def _counts(self, send_counts: list[int], layer: int) -> list[int]:
-        send = torch.tensor(send_counts, dtype=torch.int64, device=self.comm_device)
-        recv = torch.empty_like(send)
-        with self.stats.timed(layer, "counts"):
-            self.lanes["dispatch"].all_to_all_single(recv, send)
-            return recv.tolist()
+    def _dispatch_rows(self, rows: torch.Tensor, counts: list[int], layer: int):
+        rows = rows.to(self.comm_device)
+        t0 = time.perf_counter()
+        out = self.lanes["dispatch"].all_to_all_counted(rows, counts, self._attention_ranks)
+        self.stats.record(layer)["seconds"]["exchange"] += time.perf_counter() - t0
+        self._account(layer, "dispatch", counts, rows)
+        return out
 
     def dispatch(self, x, topk_ids, topk_weights, layer=UNKNOWN_LAYER):
-        # Synchronous on the attention side: the same (layer, micro-batch) order on each lane
-        # plus the experts' asynchronous send-back is what lets micro-batches interleave.
-        # Posting these three collectives asynchronously instead leaked ~15 MB of native
+        # Synchronous on the attention side over gloo: the same (layer, micro-batch) order on
+        # each lane plus the experts' asynchronous send-back is what lets micro-batches
+        # interleave. Posting these collectives asynchronously instead leaked ~15 MB of native
         # memory per 60 requests on gloo (torch 2.13) and gained nothing measurable on CPU.
         self.stats.call(layer, "flat")
         token_index, ids, w, counts = self.route(topk_ids, topk_weights)
         rows = self.pack(x[token_index], ids, w)  # [P, row_bytes]
-        lane = self.lanes["dispatch"]
-        if isinstance(lane, ShmLane):
-            # Frames carry their sizes: no count exchange, and nothing to wait for here.
-            t0 = time.perf_counter()
-            lane.send_rows(rows, counts, self._expert_ranks)
-            self.stats.record(layer)["seconds"]["exchange"] += time.perf_counter() - t0
-            self._count_sent(rows, counts, layer)
-        else:
-            self.all_to_all(rows, counts, self._counts(counts, layer), layer, "dispatch")
+        self._dispatch_rows(rows, counts, layer)
         return DispatchHandle(
             token_index=token_index, send_counts=counts, num_tokens=x.shape[0], layer=layer
         )
@@ -482,17 +480,9 @@ class FlatTransport(Transport):
 
     def receive(self, layer=UNKNOWN_LAYER):
         self.stats.call(layer, "flat")
-        zeros = [0] * self.topo.world_size
-        nothing = torch.empty(0, self.row_bytes, dtype=torch.uint8)
-        lane = self.lanes["dispatch"]
-        if isinstance(lane, ShmLane):
-            t0 = time.perf_counter()
-            rows, recv_counts = lane.recv_rows(self._attention_ranks, nothing)
-            self.stats.record(layer)["seconds"]["exchange"] += time.perf_counter() - t0
-        else:
-            recv_counts = self._counts(zeros, layer)
-            rows = self.all_to_all(nothing, zeros, recv_counts, layer, "dispatch")
-        x, ids, w = self.unpack(rows)
+        nothing = torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.comm_device)
+        rows, recv_counts = self._dispatch_rows(nothing, [0] * self.topo.world_size, layer)
+        x, ids, w = self.unpack(rows.to(self.device))
         return ExpertBatch(x=x, expert_ids=ids, weights=w, recv_counts=recv_counts, layer=layer)
 
     def send_back(self, y, batch):
