@@ -114,7 +114,7 @@ class LocalGather(Balancer):
         out = torch.empty(
             self.num_attention * send.numel(), dtype=send.dtype, device=self.comm_device
         )
-        out.copy_(self.gathered)  # stands in for dist.all_gather_single(out, send)
+        out.copy_(self.gathered)  # stands in for dist.all_gather_into_tensor(out, send)
         return out.view(self.num_attention, -1).to(self.device)
 
 

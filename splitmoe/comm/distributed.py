@@ -50,7 +50,7 @@ class DistGroup:
         )
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        dist.all_gather_single(output, input, group=self.group)
+        dist.all_gather_into_tensor(output, input, group=self.group)
 
     def all_to_all_counted(
         self, input: torch.Tensor, input_split_sizes: list[int], senders: list[int]

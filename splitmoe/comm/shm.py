@@ -474,7 +474,7 @@ class ShmLane:
         return data.view(input.dtype).view(-1, *input.shape[1:]), rows
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """``torch.distributed.all_gather_single`` (``all_gather_into_tensor``) on this group."""
+        """``torch.distributed.all_gather_into_tensor`` on this group."""
         size = input.numel() * input.element_size()
         src = _flat_bytes(input)
         dst = output.view(-1).view(torch.uint8).numpy()

@@ -95,7 +95,7 @@ def _gather(coll, seed, rank, world, dtype, row) -> torch.Tensor:
     x = _data(seed * 10 + rank, 2, dtype, row)
     out = _garbage(2 * world, dtype, row)
     if isinstance(coll, dist.ProcessGroup):
-        dist.all_gather_single(out, x, group=coll)
+        dist.all_gather_into_tensor(out, x, group=coll)
     else:
         coll.all_gather_single(out, x)
     return out
