@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from splitmoe.kernels.fused_moe import count_keys
 from splitmoe.scheduler.placement import Placement
 
 if TYPE_CHECKING:
@@ -279,11 +280,9 @@ class Balancer:
 
 
 def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``topk_ids [T, k]`` -> pairs per expert ``[E]`` int64 (``index_add_``: unlike
-    ``bincount``, no host synchronisation on a GPU)."""
-    ids = topk_ids.reshape(-1)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    return counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))
+    """``topk_ids [T, k]`` -> pairs per expert ``[E]`` int64, with no host synchronisation on a
+    GPU (`count_keys`)."""
+    return count_keys(topk_ids.long(), num_experts)
 
 
 def assign(
