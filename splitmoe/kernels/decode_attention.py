@@ -34,6 +34,7 @@ from splitmoe.kernels.triton_utils import (
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
+REDUCE_CHUNK = 16  # segments the reduction holds in registers at once
 MIN_SPLIT_TOKENS = 128  # below this a segment's fixed cost outweighs the parallelism it adds
 
 
@@ -164,6 +165,7 @@ def _decode_reduce_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -173,17 +175,27 @@ def _decode_reduce_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
     _, _, chunk = _segment(seq_len, 0, NUM_SPLITS, BLOCK_N)
+    used = tl.cdiv(seq_len, chunk)  # segments that hold keys
+    base = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
     offs_s = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < used, other=float("-inf"))  # [S]
+    top = tl.max(lse, 0)
+    total = tl.sum(tl.math.exp2(lse - top), 0)  # empty segments weigh 0
+    # The [S, D] partial outputs a chunk of segments at a time: all 64 at once spill registers.
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_ok = offs_s < tl.cdiv(seq_len, chunk)  # segments that hold keys
-    part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + offs_s  # [S]
-    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))  # [S]
-    w = tl.math.exp2(lse - tl.max(lse, 0))  # [S]; 0 for empty segments
-    w = w / tl.sum(w, 0)
-    parts = tl.load(
-        part_o_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0
-    )  # [S, D]
-    out = tl.sum(parts * w[:, None], 0)  # [D]
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    for first in tl.static_range(0, NUM_SPLITS, SPLIT_CHUNK):
+        offs_c = first + tl.arange(0, SPLIT_CHUNK)
+        c_ok = offs_c < used
+        lse_c = tl.load(part_lse_ptr + base + offs_c, mask=c_ok, other=float("-inf"))
+        w = tl.math.exp2(lse_c - top)  # [C]
+        parts = tl.load(
+            part_o_ptr + (base + offs_c)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+            mask=c_ok[:, None],
+            other=0.0,
+        )  # [C, D]
+        acc += tl.sum(parts * w[:, None], 0)
+    out = acc / total
     tl.store(
         o_ptr + q_start * stride_ot + head * stride_oh + offs_d,
         out.to(o_ptr.dtype.element_ty),
@@ -257,7 +269,7 @@ def launch_decode(
             out, part_o, part_lse, meta.query_start_loc, meta.seq_lens,
             out.stride(0), out.stride(1),
             HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_N=tiles.block_n, NUM_SPLITS=splits,
-            num_warps=4,
+            SPLIT_CHUNK=min(splits, REDUCE_CHUNK), num_warps=4,
         )  # fmt: skip
 
 
