@@ -38,9 +38,9 @@ class MoeTiles:
 
 
 def moe_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeTiles:
-    """H100 starting points by rows per expert (vLLM's defaults in spirit). Few rows per expert
-    (decode): 16-row tiles, the GEMMs read each expert's weights once and are bandwidth-bound.
-    Many: 64 x 128 tensor-core tiles with L2-friendly ordering."""
+    """H100 tiles by rows per expert. Few rows per expert (decode): 16-row tiles, the GEMMs read
+    each expert's weights once and are bandwidth-bound. Many: 128 x 128 tensor-core tiles with
+    L2-friendly ordering."""
     per_expert = num_pairs / max(1, num_experts)
     if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: half the K depth per stage
         if per_expert <= 16:
@@ -52,7 +52,9 @@ def moe_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeTiles:
         return MoeTiles(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
     if per_expert <= 64:
         return MoeTiles(block_m=32, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
-    return MoeTiles(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    # Swept on an H100 (bf16, Qwen3-30B-A3B and DeepSeek-V3 layers, 1024-8192 tokens): 128 x 128
+    # beat 64 x 128 by 13-27% from 4096 tokens on, and tied it at 1024.
+    return MoeTiles(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
 @triton.jit
