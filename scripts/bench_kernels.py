@@ -13,7 +13,12 @@ and torch._grouped_mm, in one run, as one table.
 Decode attention and small-batch MoE are memory-bound: read GB/s is the figure of merit (bytes
 that must move: the K/V of every context; the weights of every expert used plus activations).
 Prefill and large-batch MoE are compute-bound: TFLOP/s of the matmuls (causal pairs only).
-Times are per call, from ``triton.testing.do_bench`` (L2 flushed between calls) on CUDA.
+Times are per call, from ``triton.testing.do_bench`` (L2 flushed between calls) on CUDA, two
+ways: ``ms`` launches the call eagerly, as a Python loop would, so at small shapes it is the
+host's launch cost (tens of microseconds per operation on a slow host CPU); ``graph ms`` replays
+a CUDA graph of the same call, which is the GPU's own time and what a graph-captured step pays.
+GB/s and TFLOP/s come from ``graph ms`` where the call could be captured (the torch references
+synchronise with the host and cannot).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class Row:
     shape: str
     impl: str
     ms: float | None
+    graph_ms: float | None = None
     gbps: float | None = None
     tflops: float | None = None
     err: float | None = None  # max |output - reference| (float32 reference)
@@ -72,7 +78,7 @@ class Row:
 
 
 def bench(fn, device: torch.device, smoke: bool) -> float:
-    """Milliseconds per call."""
+    """Milliseconds per call, launched eagerly."""
     if device.type == "cuda":
         import triton.testing
 
@@ -83,6 +89,25 @@ def bench(fn, device: torch.device, smoke: bool) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - t) * 1e3 / reps
+
+
+def bench_graph(fn) -> float | None:
+    """Milliseconds per replay of a CUDA graph of ``fn`` (None where ``fn`` cannot be captured:
+    it synchronises with the host)."""
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        return None
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=50)
 
 
 def paged_batch(seqs, nh, nkv, d, dtype, device, seed=0):
@@ -129,17 +154,21 @@ def timed(
     rows: list[Row], row: Row, fn, device, smoke, moved=None, flops=None, ref=None, view=None
 ) -> None:
     """Times ``fn`` into ``row`` (GB/s from ``moved`` bytes, TFLOP/s from ``flops``) and
-    compares its output, reshaped by ``view``, with ``ref``."""
+    compares its output, reshaped by ``view``, with ``ref``. The torch references are not
+    graph-captured: they synchronise with the host."""
     try:
         if ref is not None:
             out = fn() if view is None else view(fn())
             row.err = (out.float() - ref).abs().max().item()
         row.ms = bench(fn, device, smoke)
+        if device.type == "cuda" and row.impl != "torch-ref":
+            row.graph_ms = bench_graph(fn)
     except RuntimeError as e:  # an SDPA backend or grouped_mm this build/GPU lacks
         row.note = "unavailable: " + str(e).splitlines()[0][:60]
     else:
-        row.gbps = None if moved is None else moved / row.ms / 1e6
-        row.tflops = None if flops is None else flops / row.ms / 1e9
+        ms = row.ms if row.graph_ms is None else row.graph_ms
+        row.gbps = None if moved is None else moved / ms / 1e6
+        row.tflops = None if flops is None else flops / ms / 1e9
     rows.append(row)
 
 
@@ -268,11 +297,14 @@ def moe_case(model, w13, w2, k, N, device, smoke) -> list[Row]:
 
 
 def print_table(rows: list[Row], out=sys.stdout) -> None:
-    head = ("kernel", "model", "shape", "impl", "ms", "GB/s", "TFLOP/s", "max err", "note")
+    head = (
+        "kernel", "model", "shape", "impl", "ms", "graph ms", "GB/s", "TFLOP/s", "max err", "note"
+    )  # fmt: skip
     cells = [
         (
             r.kernel, r.model, r.shape, r.impl,
             "-" if r.ms is None else f"{r.ms:.4f}",
+            "-" if r.graph_ms is None or r.ms is None else f"{r.graph_ms:.4f}",
             "-" if r.gbps is None or r.ms is None else f"{r.gbps:.0f}",
             "-" if r.tflops is None or r.ms is None else f"{r.tflops:.2f}",
             "-" if r.err is None else f"{r.err:.1e}",
@@ -281,7 +313,7 @@ def print_table(rows: list[Row], out=sys.stdout) -> None:
         for r in rows
     ]  # fmt: skip
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
-    right = {4, 5, 6, 7}
+    right = {4, 5, 6, 7, 8}
 
     def line(c):
         return "  ".join(
@@ -379,6 +411,7 @@ def compile_plan(attention_models, moe_models, dtype: torch.dtype, arch: int) ->
                     red = {
                         k: consts[k] for k in ("HEAD_DIM", "HEAD_DIM_PAD", "BLOCK_N", "NUM_SPLITS")
                     }
+                    red["SPLIT_CHUNK"] = min(splits, dec.REDUCE_CHUNK)
                     plans[("reduce",) + tuple(red.items())] = (
                         dec._decode_reduce_kernel, att, red, dec.DecodeTiles(64, splits, 4, 1)
                     )  # fmt: skip
