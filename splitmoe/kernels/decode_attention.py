@@ -79,7 +79,7 @@ def _segment(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     return start, tl.minimum(start + chunk, seq_len), chunk
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])  # the block table widens as contexts grow
 def _decode_kernel(
     q_ptr,
     k_ptr,

@@ -69,7 +69,9 @@ def _tile_ids(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+# Integers that change from call to call are not specialised: Triton would compile a variant for
+# each value class (1, multiples of 16, others), each a second or more of JIT in a live request.
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _gate_up_kernel(
     x_ptr,  # [N, H]
     w_ptr,  # [E, 2I, H]: gate rows, then up rows
@@ -125,7 +127,7 @@ def _gate_up_kernel(
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _down_kernel(
     h_ptr,  # [R, I]: sorted rows
     w_ptr,  # [E, H, I]

@@ -69,7 +69,8 @@ def _find_seq(query_start_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Per-step integers are not specialised (see moe_gemm.py): one compiled variant per tile choice.
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
