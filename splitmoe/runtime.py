@@ -9,6 +9,7 @@ no rank has work and every attention rank's channel is closed, all ranks leave t
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import resource
@@ -285,6 +286,11 @@ def run_rank(
     control = new_collective(world, groups.hub, par.timeout, CONTROL_CAPACITY, group=groups.cpu)
     sync = StepSync(control, topo.world_size)
     sync.warm_up(groups.data, groups.comm_device)
+    # Everything built so far (torch, the model, the groups) lives as long as the rank: moved out
+    # of the collector's sight, a full collection during a step walks only what steps create.
+    # 1+1 ranks on CPU, batch 128, four alternated runs each: m=2 / m=1 went ~1.06x -> ~1.19x.
+    gc.collect()
+    gc.freeze()
     channel.ready(topo)
     logger.info("%s ready on %s", topo.describe(), device)
     _loop(topo, worker, channel, sync, transport, cfg, balance)
