@@ -7,6 +7,7 @@ import torch
 
 from splitmoe.kernels.fused_moe import (
     fused_moe_cpu,
+    fused_moe_grouped_cpu,
     fused_moe_grouped_mm,
     fused_moe_padded_bmm,
     fused_moe_ref,
@@ -35,6 +36,8 @@ def test_cpu_paths_match_the_reference(tokens, skew, skip):
     want = fused_moe_ref(x, w13, w2, ids, w)
     for path in (fused_moe_cpu, fused_moe_grouped_mm, fused_moe_padded_bmm):
         torch.testing.assert_close(path(x, w13, w2, ids, w), want, rtol=1e-5, atol=1e-5)
+    # The CPU grouped path adds each expert's rows in the reference's order: the same bits.
+    assert torch.equal(fused_moe_grouped_cpu(x, w13, w2, ids, w), want)
 
 
 def test_no_local_expert_gives_zeros():
