@@ -319,9 +319,10 @@ def _loop(
                 {"rank": topo.rank, "role": topo.role, "timeline": worker.timeline.export()}
             )
         if topo.is_attention:
-            for spec in inbox.requests:
-                worker.add_request(spec)
-            tokens = worker.plan()
+            with worker.timeline.span("schedule", "compute"):
+                for spec in inbox.requests:
+                    worker.add_request(spec)
+                tokens = worker.plan()
             done = channel.closed and not worker.has_work
         else:
             tokens, done = 0, True
@@ -346,7 +347,8 @@ def _loop(
         if topo.is_attention:
             updates, record = worker.execute(m)
             if record is not None:
-                channel.emit(updates, record)
+                with worker.timeline.span("emit", "comm"):
+                    channel.emit(updates, record)
         else:
             worker.step(m)
         if balance is not None and balance.due():

@@ -192,23 +192,32 @@ class AttentionWorker:
         returns the requests' new tokens and a record of the step (None if it had no tokens)."""
         batch = self._batch
         record = self._record(batch)
-        parts = split_micro_batches(batch.num_new_tokens, micro_batches)
-        mbs, rows, to_sample = [], [], []
-        for part in parts:
-            reqs = [batch.requests[i] for i in part]
-            counts = [batch.num_new_tokens[i] for i in part]
-            mb, sample_rows = self._inputs(reqs, counts)
-            mbs.append(mb)
-            rows.append(sample_rows)
-            to_sample += [
-                r for r, n in zip(reqs, counts) if r.num_computed_tokens + n == r.num_tokens
-            ]
+        with self.timeline.span("inputs", "compute"):
+            parts = split_micro_batches(batch.num_new_tokens, micro_batches)
+            mbs, rows, to_sample = [], [], []
+            for part in parts:
+                reqs = [batch.requests[i] for i in part]
+                counts = [batch.num_new_tokens[i] for i in part]
+                mb, sample_rows = self._inputs(reqs, counts)
+                mbs.append(mb)
+                rows.append(sample_rows)
+                to_sample += [
+                    r for r, n in zip(reqs, counts) if r.num_computed_tokens + n == r.num_tokens
+                ]
         with self.timeline.span(f"forward m={micro_batches}", "compute"):
             hs = self.model.forward(mbs, self.kv_cache, self.experts)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         if not to_sample:
             return [], record
+        with self.timeline.span("sample", "compute"):
+            return self._sample(hs, rows, to_sample), record
+
+    def _sample(
+        self, hs: list[torch.Tensor], rows: list[list[int]], to_sample: list
+    ) -> list[RequestUpdate]:
+        """Next tokens of the requests whose prompt is done (``rows[j]``: their rows in micro-batch
+        j's final hidden states ``hs[j]``), appended to them, as the front end's updates."""
         h = torch.cat([h[r] for h, r in zip(hs, rows)])  # [B, H], in to_sample order
         logits = self.model.logits(h)  # [B, V]
         tokens = sample(
@@ -227,4 +236,4 @@ class AttentionWorker:
                 update.finish_reason = req.finish_reason
                 update.metrics = req.metrics()
             updates.append(update)
-        return updates, record
+        return updates

@@ -1,0 +1,48 @@
+"""Per-step timelines (`LLM.trace`) and their Chrome trace: what a user reads the overlap from."""
+
+from __future__ import annotations
+
+import json
+
+from tiny_models import prompt_ids
+
+from splitmoe import LLM, SamplingParams
+from splitmoe.config import ModelConfig
+from splitmoe.timeline import KINDS, breakdown, chrome_trace
+
+PROMPTS = [prompt_ids(n, seed=120 + i) for i, n in enumerate((5, 9, 3, 12))]
+
+
+def test_trace_shows_every_micro_batch_of_every_layer(tiny_ckpt):
+    ckpt = tiny_ckpt("qwen3_moe")
+    layers = ModelConfig.from_hf(str(ckpt)).num_layers
+    with LLM(str(ckpt), attention_ranks=1, expert_ranks=1, micro_batches=2, device="cpu") as llm:
+        llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        traces = llm.trace()
+    assert [(t["rank"], t["role"]) for t in traces] == [(0, "attention"), (1, "expert")]
+    attention, expert = (t["timeline"] for t in traces)
+    step = max(s.step for s in attention) - 1  # a decode step with every request still running
+    att = [s for s in attention if s.step == step]
+    exp = [s for s in expert if s.step == step]
+    names = [s.name for s in att]
+    for layer in range(layers):  # one dispatch and one combine per micro-batch and layer
+        assert names.count(f"dispatch L{layer}") == 2
+        assert names.count(f"combine L{layer}") == 2
+    for name in ("inputs", "forward m=2", "sample", "schedule", "sync"):
+        assert name in names
+    # the expert rank serves micro-batch 0 then 1 of each layer, in arrival order
+    served = [s.name for s in exp if s.kind == "compute"]
+    assert served == [f"experts L{layer}.{j}" for layer in range(layers) for j in (0, 1)]
+    for spans in (att, exp):
+        assert all(s.kind in KINDS and s.end >= s.start for s in spans)
+        b = breakdown(spans)  # spans nested in the forward are counted once
+        assert min(b[k] for k in KINDS) >= 0.0
+        assert sum(b[k] for k in KINDS) <= b["wall"] * (1 + 1e-9)
+    # dispatching micro-batch 0 of layer 0 comes before the expert computes it
+    first_dispatch = min(s.start for s in att if s.name == "dispatch L0")
+    first_experts = min(s.start for s in exp if s.name == "experts L0.0")
+    assert first_dispatch < first_experts
+    trace = json.loads(json.dumps(chrome_trace({0: att, 1: exp}, {0: "attention", 1: "expert"})))
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == len(att) + len(exp)
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 and e["cat"] in KINDS for e in events)
