@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--transport", default="flat")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--steps", type=int, default=3, help="decode steps in the trace")
+    ap.add_argument("--steps", type=int, default=3, help="decode steps in the trace (the last)")
     ap.add_argument("--threads-per-rank", type=int, default=1)
     ap.add_argument("--out", default="out/trace.json")
     args = ap.parse_args()
@@ -54,9 +54,11 @@ def main() -> None:
             prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
         )
         traces = llm.trace()
-    # the last steps are the emptiest (requests finishing); take steps from the middle of decode
+    # Every request decodes until max_tokens (ignore_eos), so the steps before the last are full
+    # decode steps; prompts are prefilled in the first steps, which a window from the middle of
+    # the run could still catch (a prefill step costs several decode steps).
     last = min(max(s.step for s in t["timeline"]) for t in traces)
-    chosen = set(range(max(1, last // 2), max(1, last // 2) + args.steps))
+    chosen = set(range(max(1, last - args.steps), last))
     spans = {t["rank"]: [s for s in t["timeline"] if s.step in chosen] for t in traces}
     roles = {t["rank"]: t["role"] for t in traces}
     out = Path(args.out)
