@@ -399,7 +399,9 @@ class LLM:
         """Generates like `generate`, yielding a `StreamDelta` as each token is produced."""
         return self._follow(self.submit(prompts, sampling_params))
 
-    def _follow(self, rids: list[int]) -> Iterator[StreamDelta]:
+    def _follow(self, rids: list[int], with_text: bool = True) -> Iterator[StreamDelta]:
+        """Deltas of ``rids`` as their tokens arrive; ``with_text=False`` skips the text deltas
+        (`generate` needs only the finished outputs, whose text is decoded once)."""
         index = {rid: i for i, rid in enumerate(rids)}
         texts = dict.fromkeys(rids, "")
         pending = set(rids)
@@ -409,7 +411,7 @@ class LLM:
                     if out.request_id not in index:
                         continue  # another caller's request
                     text = ""
-                    if self.tokenizer is not None:
+                    if with_text and self.tokenizer is not None:
                         full = out.text if out.finished else self.tokenizer.decode(out.token_ids)
                         if out.finished or not full.endswith("\ufffd"):
                             text = full[len(texts[out.request_id]) :]
@@ -445,7 +447,7 @@ class LLM:
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
         outputs: list[RequestOutput | None] = [None] * len(rids)
         with tqdm(total=len(rids), desc="generate", unit="req", disable=not show) as bar:
-            for delta in self._follow(rids):
+            for delta in self._follow(rids, with_text=False):
                 if delta.output is not None:
                     outputs[delta.index] = delta.output
                     bar.update(1)
