@@ -125,6 +125,34 @@ def _rank_main(cfg: EngineConfig, rank: int, init_method: str, in_q, out_q) -> N
     out_q.join_thread()
 
 
+class _Detokenizer:
+    """Text deltas of one request's output, decoding only the tokens since the last delta plus
+    the ones before them that give them context (the prefix and read offsets of vLLM's
+    incremental detokenizer), not the whole output at every token. A delta waits while the text
+    ends in an incomplete character. At the end, what the full decode adds is the last delta, so
+    the deltas add up to the output's text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.prefix = self.read = 0  # token offsets: context start, end of what was emitted
+        self.text = ""  # emitted so far
+
+    def delta(self, out: RequestOutput) -> str:
+        if out.finished:
+            rest = out.text[len(self.text) :] if out.text.startswith(self.text) else ""
+            self.text += rest
+            return rest
+        ids = out.token_ids
+        before = self.tokenizer.decode(ids[self.prefix : self.read])
+        after = self.tokenizer.decode(ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(ids)
+        new = after[len(before) :]
+        self.text += new
+        return new
+
+
 class LLM:
     """Starts ``attention_ranks + expert_ranks`` rank processes and serves `generate` calls.
 
@@ -403,7 +431,7 @@ class LLM:
         """Deltas of ``rids`` as their tokens arrive; ``with_text=False`` skips the text deltas
         (`generate` needs only the finished outputs, whose text is decoded once)."""
         index = {rid: i for i, rid in enumerate(rids)}
-        texts = dict.fromkeys(rids, "")
+        detok = {rid: _Detokenizer(self.tokenizer) for rid in rids} if with_text else {}
         pending = set(rids)
         try:
             while pending:
@@ -412,10 +440,7 @@ class LLM:
                         continue  # another caller's request
                     text = ""
                     if with_text and self.tokenizer is not None:
-                        full = out.text if out.finished else self.tokenizer.decode(out.token_ids)
-                        if out.finished or not full.endswith("\ufffd"):
-                            text = full[len(texts[out.request_id]) :]
-                            texts[out.request_id] = full
+                        text = detok[out.request_id].delta(out)
                     if out.finished:
                         pending.discard(out.request_id)
                     yield StreamDelta(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from tiny_models import prompt_ids
 
 from splitmoe import LLM, SamplingParams
@@ -110,3 +111,33 @@ def test_stream_and_metrics_are_consistent(tiny_ckpt):
     assert agg.ttft_p50 <= agg.ttft_p99 and agg.tbt_p50 <= agg.tbt_p99
     assert agg.input_tokens == sum(len(o.prompt_token_ids) for o in outs)
     assert agg.seqs_per_step_max == 2 and agg.num_steps >= 9
+
+
+def test_stream_text_deltas_add_up_without_decoding_everything(tiny_ckpt):
+    """The incremental detokenizer's deltas join to the full decode at every step (also across
+    tokens that split a character), decoding a window instead of the whole output."""
+    from splitmoe.llm import _Detokenizer
+    from splitmoe.outputs import RequestOutput
+    from splitmoe.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_checkpoint(tiny_ckpt("olmoe"))
+    ids = torch.randint(0, 200, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    decoded = []
+
+    class Counting:
+        def decode(self, window):
+            decoded.append(len(window))
+            return tok.decode(window)
+
+    d = _Detokenizer(Counting())
+    out = RequestOutput(request_id=0, prompt_token_ids=[1])
+    text = ""
+    for i, t in enumerate(ids):
+        out.token_ids.append(t)
+        text += d.delta(out)
+        full = tok.decode(out.token_ids)
+        assert full.startswith(text) and len(full) - len(text) <= 8 * (i + 1 - d.read)
+    out.finish_reason, out.text = "length", tok.decode(ids)
+    text += d.delta(out)
+    assert text == out.text
+    assert max(decoded) < 40  # windows, not the whole 300-token output
