@@ -82,11 +82,20 @@ def _gather_keys(
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
+def _derived(meta: AttentionMetadata, key: tuple, build):
+    """``build(meta)``, computed by the first layer that asks and kept in ``meta.derived``."""
+    if key not in meta.derived:
+        meta.derived[key] = build(meta)
+    return meta.derived[key]
+
+
 def decode_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> DecodePlan | None:
     """The `DecodePlan` of ``meta`` (None without one-token rows), built once per step."""
     key = ("decode", block_size, dtype)
-    if key in meta.derived:
-        return meta.derived[key]
+    return _derived(meta, key, lambda m: _decode_plan(m, block_size, dtype))
+
+
+def _decode_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> DecodePlan | None:
     decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
     plan = None
     if decode:
@@ -101,7 +110,6 @@ def decode_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) ->
         seen = torch.arange(L, device=dev)[None, :] < lens[:, None]  # [Bd, L]
         mask = _additive_mask(seen, dtype)[:, None, None, :]
         plan = DecodePlan(rows=rows, slots=_key_slots(tables, block_size), length=L, mask=mask)
-    meta.derived[key] = plan
     return plan
 
 
@@ -122,12 +130,14 @@ def store_kv(
 class PrefillPlan:
     """The rows of a step's multi-token sequences (prompt chunks) as one padded batch, built once
     per step: ``rows [Bp * Q]`` the packed query row of each (sequence, position) (padding
-    repeats a real row), ``valid [Bp * Q]`` which of them are real, ``slots [Bp * L]`` the flat
-    cache slot of every key position, ``mask [Bp, 1, Q, L]`` 0 where a query may attend a key
-    (causal within its sequence), -inf elsewhere."""
+    repeats a real row), ``kept`` the padded positions that are real and ``out_rows`` their query
+    rows, ``slots [Bp * L]`` the flat cache slot of every key position, ``mask [Bp, 1, g * Q, L]``
+    0 where a query may attend a key (causal within its sequence), -inf elsewhere, repeated for
+    the ``g`` query heads of a GQA group."""
 
     rows: torch.Tensor
-    valid: torch.Tensor
+    kept: torch.Tensor
+    out_rows: torch.Tensor
     slots: torch.Tensor
     queries: int
     length: int
@@ -142,12 +152,17 @@ PREFILL_MAX_PADDING = 2.0
 
 
 def prefill_plan(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, heads: int = 1
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, heads: int = 1, group: int = 1
 ) -> PrefillPlan | None:
-    """The `PrefillPlan` of ``meta`` (None: no multi-token rows, or too much padding)."""
-    key = ("prefill", block_size, dtype)
-    if key in meta.derived:
-        return meta.derived[key]
+    """The `PrefillPlan` of ``meta`` for ``heads`` query heads in GQA groups of ``group`` (None:
+    no multi-token rows, or too much padding), built once per step."""
+    key = ("prefill", block_size, dtype)  # one model per step: heads and group never vary
+    return _derived(meta, key, lambda m: _prefill_plan(m, block_size, dtype, heads, group))
+
+
+def _prefill_plan(
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, heads: int, group: int
+) -> PrefillPlan | None:
     seqs = [i for i, n in enumerate(meta.query_lens) if n > 1]
     plan = None
     if seqs:
@@ -172,16 +187,18 @@ def prefill_plan(
             kpos = torch.arange(L, device=dev)[None, None, :]
             # padding query rows may see key 0, so that their (discarded) softmax stays finite
             allowed = (kpos <= qpos[:, :, None]) | ((kpos == 0) & ~valid[:, :, None])
-            mask = _additive_mask(allowed, dtype)
+            mask = _additive_mask(allowed, dtype)[:, None].repeat(1, 1, group, 1)
+            kept = valid.view(-1).nonzero().view(-1)
+            rows = rows.view(-1)
             plan = PrefillPlan(
-                rows=rows.view(-1),
-                valid=valid.view(-1),
+                rows=rows,
+                kept=kept,
+                out_rows=rows.index_select(0, kept),
                 slots=slots,
                 queries=Q,
                 length=L,
-                mask=mask[:, None],
+                mask=mask,
             )
-    meta.derived[key] = plan
     return plan
 
 
@@ -202,10 +219,9 @@ def _batched_prefill(
     # queries as [Bp, nkv, g * Q, d]: a GQA group's heads share their KV head
     qp = q.index_select(0, plan.rows).view(Bp, Q, nkv, g, d).permute(0, 2, 3, 1, 4)
     qp = qp.reshape(Bp, nkv, g * Q, d)
-    mask = plan.mask.repeat(1, 1, g, 1)  # [Bp, 1, g * Q, L]
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.mask, scale=scale)
     o = o.view(Bp, nkv, g, Q, d).permute(0, 3, 1, 2, 4).reshape(Bp * Q, nh, d)
-    out[plan.rows[plan.valid]] = o[plan.valid]
+    out.index_copy_(0, plan.out_rows, o.index_select(0, plan.kept))
 
 
 def paged_attention_ref(
@@ -238,7 +254,7 @@ def paged_attention_ref(
     out = torch.empty_like(q)
     if plan is not None:
         out[plan.rows] = o.reshape(-1, nh, d)
-    chunks = prefill_plan(meta, bs, q.dtype, nh)
+    chunks = prefill_plan(meta, bs, q.dtype, nh, g)
     if chunks is not None:
         _batched_prefill(q, k_cache, v_cache, chunks, scale, out)
         return out
