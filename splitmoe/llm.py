@@ -77,6 +77,8 @@ class _QueueChannel:
                     inbox.trace_wanted = True
                 elif msg[0] == "rebalance":
                     inbox.rebalance_wanted = True
+                elif msg[0] == "wake":  # work arrived elsewhere: join the next sync now
+                    pass
                 else:
                     self._closed = True
                 msg = self.in_q.get_nowait()
@@ -382,9 +384,8 @@ class LLM:
                 request_id=rid, prompt_token_ids=list(p), attention_rank=rank
             )
             rids.append(rid)
-        for q, batch in zip(self._in_qs, batches):
-            if batch:
-                q.put(("add", batch))
+        for q, batch in zip(self._in_qs, batches):  # (the attention ranks' queues)
+            q.put(("add", batch) if batch else ("wake",))  # idle ranks join the next step now
         return rids
 
     def poll(self, timeout: float | None = None) -> list[tuple[RequestOutput, list[int]]]:
@@ -512,6 +513,8 @@ class LLM:
             raise RuntimeError("this LLM is closed; create a new one")
         self._stats = {}
         self._in_qs[0].put(("rebalance",))  # one rank asks; the control plane tells all
+        for q in self._in_qs[1 : self.config.parallel.attention_ranks]:
+            q.put(("wake",))
         deadline = time.monotonic() + (
             self.config.parallel.timeout_s if timeout is None else timeout
         )
