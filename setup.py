@@ -5,7 +5,10 @@ setup(
     version="0.1.0",
     description="Attention-FFN disaggregated inference runtime for Mixture-of-Experts models",
     packages=find_packages(include=["splitmoe", "splitmoe.*"]),
-    package_data={"splitmoe.sim": ["profiles/*.json", "configs/*.json"]},
+    package_data={
+        "splitmoe.sim": ["profiles/*.json", "configs/*.json"],
+        "splitmoe.kernels": ["csrc/*.c"],  # built on first use (see splitmoe/kernels/cpu_native.py)
+    },
     python_requires=">=3.10",
     # torch is pinned by the install scripts (scripts/setup_env.sh) to a CPU build on machines
     # without CUDA; here we only state the lower bound the code needs.

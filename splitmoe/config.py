@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -317,7 +317,9 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
     threads_per_rank: int | None = None
-    attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
+    # "auto" (triton on CUDA; on CPU the native "cpu" kernels in float32 when they build, else
+    # torch) | "torch" | "triton" | "cpu" (attention only)
+    attention_backend: str = "auto"
     moe_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -341,6 +343,26 @@ class EngineConfig:
                 )
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank={self.threads_per_rank!r} must be None or >= 1")
+        if self.moe_backend == "cpu":
+            raise ValueError(
+                "moe_backend='cpu' does not exist: the native CPU kernels cover attention; the "
+                "experts' CPU path is moe_backend='torch' (what 'auto' picks on CPU)"
+            )
+        if self.attention_backend == "cpu":
+            self._check_cpu_kernels()
+
+    def _check_cpu_kernels(self) -> None:
+        from splitmoe.kernels import cpu_native
+
+        if self.device_type != "cpu" or self.torch_dtype != torch.float32:
+            raise ValueError(
+                f"attention_backend='cpu' runs float32 on CPU; this run is {self.torch_dtype} on "
+                f"{self.device_type}: use attention_backend='auto' or dtype='float32', device='cpu'"
+            )
+        try:
+            cpu_native.library()  # built here, once, before any rank starts
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"attention_backend='cpu' is not available here: {e}") from e
 
     @property
     def device_type(self) -> str:
@@ -353,11 +375,19 @@ class EngineConfig:
         return resolve_dtype(self.dtype, self.model.checkpoint_dtype, self.device_type)
 
     def backend(self, name: str) -> str:
-        """Resolved ``attention_backend`` / ``moe_backend``: ``auto`` is Triton on CUDA."""
+        """Resolved ``attention_backend`` / ``moe_backend``: ``auto`` is Triton on CUDA; on CPU
+        it is the native kernels for float32 attention where they build (see
+        `kernels.cpu_native`), else the PyTorch reference."""
         value = getattr(self, name)
-        if value == "auto":
-            return "triton" if self.device_type == "cuda" else "torch"
-        return value
+        if value != "auto":
+            return value
+        if self.device_type == "cuda":
+            return "triton"
+        if name == "attention_backend" and self.torch_dtype == torch.float32:
+            from splitmoe.kernels import cpu_native
+
+            return "cpu" if cpu_native.available() else "torch"
+        return "torch"
 
     @property
     def max_model_len(self) -> int:

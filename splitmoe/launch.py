@@ -268,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exchange through torch.distributed even between ranks on one host",
     )
-    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"]
+    )
     ap.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

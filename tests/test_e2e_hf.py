@@ -20,17 +20,20 @@ PROMPTS = [prompt_ids(n, seed=i) for i, n in enumerate(PROMPT_LENGTHS)]
 # (attention_ranks, expert_ranks); expert_ranks=0 means experts colocated.
 TOPOLOGIES = [(1, 0), (1, 1), (1, 2), (2, 2)]
 
-CASES = [(fam, a, e) for fam in FAMILIES for (a, e) in TOPOLOGIES]
+# attention_backend "auto" is the native CPU kernels in float32 (where a C compiler builds them);
+# the PyTorch reference path runs every family once too.
+CASES = [(fam, a, e, "auto") for fam in FAMILIES for (a, e) in TOPOLOGIES]
+CASES += [(fam, 1, 0, "torch") for fam in FAMILIES]
 # A 3-layer Qwen3-MoE whose layer 0 is dense (mlp_only_layers=[0]).
-CASES += [("qwen3_moe_dense", 1, 0), ("qwen3_moe_dense", 1, 2)]
+CASES += [("qwen3_moe_dense", 1, 0, "auto"), ("qwen3_moe_dense", 1, 2, "auto")]
 
 
 @pytest.mark.parametrize(
-    "ckpt_name,attention_ranks,expert_ranks",
+    "ckpt_name,attention_ranks,expert_ranks,backend",
     CASES,
-    ids=[f"{n}-{a}+{e}" for n, a, e in CASES],
+    ids=[f"{n}-{a}+{e}" + ("" if b == "auto" else f"-{b}") for n, a, e, b in CASES],
 )
-def test_greedy_matches_hf(ckpt_name, attention_ranks, expert_ranks, tiny_ckpt, hf_ref):
+def test_greedy_matches_hf(ckpt_name, attention_ranks, expert_ranks, backend, tiny_ckpt, hf_ref):
     ckpt = tiny_ckpt(ckpt_name)
     expected = [hf_ref(ckpt, p, MAX_TOKENS) for p in PROMPTS]
 
@@ -41,6 +44,7 @@ def test_greedy_matches_hf(ckpt_name, attention_ranks, expert_ranks, tiny_ckpt, 
         expert_ranks=expert_ranks,
         dtype="float32",
         device="cpu",
+        attention_backend=backend,
     ) as llm:
         outs = llm.generate(PROMPTS, params)
 

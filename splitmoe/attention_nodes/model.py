@@ -125,6 +125,14 @@ class AttentionModel:
         self.lm_head = global_weights["lm_head"]  # [V, H]
         self.layers = [LayerWeights.from_tensors(t, cfg) for t in layer_weights]
         self.attention_backend = attention_backend
+        # The "cpu" backend also runs the layer's norms and RoPE as native kernels (float32).
+        self.native = None
+        self.norm = rms_norm
+        if attention_backend == "cpu":
+            from splitmoe.kernels import cpu_native
+
+            self.native = cpu_native
+            self.norm = cpu_native.rms_norm
         d = cfg.head_dim
         self.inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
@@ -172,6 +180,16 @@ class AttentionModel:
         T = x.shape[0]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = F.linear(x, layer.w_qkv, layer.b_qkv)  # [T, (nh + 2 nkv) d]
+        if self.native is not None and cfg.qk_norm != "full" and cfg.clip_qkv is None:
+            # q and k heads normed (per head) and rotated in place, in one pass
+            qkv = qkv.view(T, nh + 2 * nkv, d)
+            w = layer.qk_head_norm if cfg.qk_norm == "head" else None
+            self.native.norm_rope_(qkv[:, : nh + nkv], w, cfg.rms_norm_eps, *cos_sin)
+            q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
+            k_cache, v_cache = kv
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, "cpu")
+            return F.linear(o.view(T, self.q_size), layer.o_proj)
         if cfg.qk_norm == "full" or cfg.clip_qkv is not None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if cfg.qk_norm == "full":
@@ -229,9 +247,9 @@ class AttentionModel:
                 if in_flight[j] is not None:
                     h = h + self.finish_moe(in_flight[j], experts)
                     in_flight[j] = None
-                x = rms_norm(h, layer.input_norm, eps)
+                x = self.norm(h, layer.input_norm, eps)
                 h = h + self.attention(layer, x, rope[j], kv, mb.meta)
-                x = rms_norm(h, layer.post_norm, eps)
+                x = self.norm(h, layer.post_norm, eps)
                 if layer.router is None:
                     h = h + gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)
                 else:
@@ -240,7 +258,7 @@ class AttentionModel:
         for j, moe in enumerate(in_flight):
             if moe is not None:
                 hs[j] = hs[j] + self.finish_moe(moe, experts)
-        return [rms_norm(h, self.final_norm, eps) for h in hs]
+        return [self.norm(h, self.final_norm, eps) for h in hs]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head).float()  # [B, V]

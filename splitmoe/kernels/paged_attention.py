@@ -8,7 +8,9 @@ prefix, or one decode token), and each attends causally to every earlier token o
 
 Backends: ``"torch"`` runs `paged_attention_ref`; ``"triton"`` sends one-token rows to the
 split-KV decode kernel (`decode_attention`) and longer rows to the FlashAttention prefill/extend
-kernel (`prefill_attention`), both of which read K/V through the block table.
+kernel (`prefill_attention`), both of which read K/V through the block table; ``"cpu"`` (float32
+on CPU) sends one-token rows to the native kernel of `cpu_native` and longer rows to the
+reference.
 """
 
 from __future__ import annotations
@@ -241,7 +243,6 @@ def paged_attention_ref(
     g = nh // nkv
     if T == 0:
         return torch.empty_like(q)
-    qlens = meta.query_lens
     plan = decode_plan(meta, bs, q.dtype)
     if plan is not None:
         k, v = _gather_keys(k_cache, v_cache, plan.slots, plan.length)
@@ -254,12 +255,29 @@ def paged_attention_ref(
     out = torch.empty_like(q)
     if plan is not None:
         out[plan.rows] = o.reshape(-1, nh, d)
+    prefill_ref(q, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def prefill_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The reference for the rows of multi-token sequences (prompt chunks): writes them into
+    ``out``, batched when `prefill_plan` allows, else one sequence at a time."""
+    T, nh, d = q.shape
+    bs, nkv = k_cache.shape[1], k_cache.shape[2]
+    g = nh // nkv
     chunks = prefill_plan(meta, bs, q.dtype, nh, g)
     if chunks is not None:
         _batched_prefill(q, k_cache, v_cache, chunks, scale, out)
-        return out
+        return
     starts = meta.query_start_loc.tolist()
-    for i, n in enumerate(qlens):
+    for i, n in enumerate(meta.query_lens):
         if n == 1 or n == 0:
             continue
         ctx = meta.seq_lens_list[i]
@@ -274,7 +292,6 @@ def paged_attention_ref(
         scores.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
         p = scores.softmax(-1).to(q.dtype)
         out[starts[i] : starts[i] + n] = torch.einsum("kgql,lkd->qkgd", p, v).reshape(n, nh, d)
-    return out
 
 
 def check_paged_inputs(
@@ -364,8 +381,17 @@ def paged_attention(
         )
     if backend == "torch":
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    if backend == "cpu":  # native decode rows; prompt chunks stay on the reference
+        from splitmoe.kernels import cpu_native
+
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if cpu_native.decode_attention(q, k_cache, v_cache, meta, scale, out) < meta.num_seqs:
+            prefill_ref(q, k_cache, v_cache, meta, scale, out)
+        return out
     if backend != "triton":
-        raise ValueError(f"attention backend {backend!r} is not available; use 'torch' or 'triton'")
+        raise ValueError(
+            f"attention backend {backend!r} is not available; use 'torch', 'triton' or 'cpu'"
+        )
     from splitmoe.kernels.triton_utils import require_triton
 
     require_triton("attention_backend", q.device)

@@ -1,0 +1,290 @@
+"""Native CPU kernels (the ``"cpu"`` attention backend): decode attention over the paged KV cache,
+RMSNorm, and the q/k head norm fused with RoPE, in float32.
+
+On CPU an attention rank's decode layer costs per-op overheads, not arithmetic: the reference
+gathers every sequence's K/V blocks into a padded copy and runs SDPA as per-(sequence, head)
+GEMMs of a few rows, and an RMSNorm is six small ops. ``csrc/cpu_kernels.c`` does each in one
+pass over its data. It is plain C, built on first use with the system C compiler
+(``cc -O3 -march=native``, well under a second) into a cache directory and loaded with ctypes;
+without a compiler `available` is False and ``attention_backend="auto"`` stays on the PyTorch
+reference. The wrappers check what the C code assumes (dtypes, devices, strides) and raise
+``ValueError`` naming the problem. The references in `paged_attention` and
+`attention_nodes.model.rms_norm` are the oracle in tests (tests/kernels/test_cpu_native.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from splitmoe.kernels.paged_attention import AttentionMetadata, _derived
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c11",
+    "-fPIC",
+    "-shared",
+    "-Werror=implicit-function-declaration",
+)
+MAX_HEAD_DIM = 1024  # the fused norm + RoPE kernel keeps one head in a stack buffer
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "splitmoe_decode_attention_f32": (
+        ctypes.c_int,
+        [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32]
+        + [_p, _i64, _i64],
+    ),
+    "splitmoe_rms_norm_f32": (
+        None,
+        [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _f32, _p, _i64, _i64],
+    ),
+    "splitmoe_norm_rope_f32": (
+        ctypes.c_int,
+        [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _f32, _p, _p, _i64],
+    ),
+}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "splitmoe" / "cpu-kernels"
+
+
+def _compiler() -> str | None:
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _host_key() -> str:
+    """What a ``-march=native`` binary depends on besides the source: the CPU's features."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compiles ``csrc/cpu_kernels.c`` (once per source, flags and CPU) and returns the shared
+    library's path. Raises RuntimeError if there is no C compiler or the build fails."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError(
+            "no C compiler (cc, gcc or clang) on PATH to build splitmoe's CPU kernels; install "
+            "one (e.g. apt install gcc) or use attention_backend='torch'"
+        )
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join((cc, *FLAGS, _host_key())).encode()).hexdigest()[:16]
+    directory = directory or cache_dir()
+    lib = directory / f"cpu_kernels-{key}.so"
+    if lib.is_file():
+        return lib
+    directory.mkdir(parents=True, exist_ok=True)
+    # Build under a temporary name and rename: ranks that build at once never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"building splitmoe's CPU kernels failed ({cc} {' '.join(FLAGS)}):\n"
+                f"{result.stderr.strip()}\nuse attention_backend='torch' to run without them"
+            )
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded kernels (built first if needed); RuntimeError if they cannot be built."""
+    lib = ctypes.CDLL(str(build()))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels build and load here (x86-64 or arm64 Linux/macOS with a C compiler)."""
+    try:
+        library()
+    except (RuntimeError, OSError) as e:
+        logger.warning("CPU kernels unavailable, attention stays on PyTorch: %s", e)
+        return False
+    return True
+
+
+def _check_f32(name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.float32 or not t.is_cpu or t.stride(-1) != 1:
+        raise ValueError(
+            f"cpu kernels: {name} must be a float32 CPU tensor with a contiguous last dim; got "
+            f"{t.dtype} on {t.device} with strides {t.stride()}"
+        )
+
+
+def _decode_rows(meta: AttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """``(seq_index, rows, count)`` of the step's one-token sequences: their indices in the step
+    and their query rows (None, None for a pure decode step, where both are the identity)."""
+
+    def build(m: AttentionMetadata):
+        decode = [i for i, n in enumerate(m.query_lens) if n == 1]
+        if len(decode) == len(m.query_lens):
+            return None, None, len(decode)
+        if not decode:
+            return None, None, 0
+        idx = torch.tensor(decode, dtype=torch.int64)
+        return idx, m.query_start_loc.index_select(0, idx).to(torch.int64), len(decode)
+
+    return _derived(meta, ("cpu-decode",), build)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> int:
+    """Writes the attention of the step's one-token rows into their rows of ``out``; returns
+    how many sequences that was.
+
+    q, out: ``[T, num_heads, head_dim]`` float32 (any row and head strides, head_dim
+    contiguous); caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous. The same
+    math as `paged_attention_ref` (softmax in float32), reading K/V through the block table."""
+    seq_index, rows, count = _decode_rows(meta)
+    if count == 0:
+        return 0
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_f32(name, t)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("cpu kernels: k_cache and v_cache must be contiguous")
+    tables, lens = meta.block_tables, meta.seq_lens
+    if tables.dtype != torch.int32 or (tables.numel() and tables.stride(1) != 1):
+        raise ValueError(
+            f"cpu kernels: block_tables must be int32 with contiguous rows; got {tables.dtype} "
+            f"strides {tables.stride()}"
+        )
+    if lens.dtype != torch.int64 or not lens.is_contiguous():
+        lens = _derived(meta, ("cpu-lens",), lambda m: m.seq_lens.to(torch.int64).contiguous())
+    if seq_index is not None:
+        lens = lens.index_select(0, seq_index)
+    nb, bs, nkv, d = k_cache.shape
+    nh = q.shape[1]
+    rc = library().splitmoe_decode_attention_f32(
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        None if seq_index is None else seq_index.data_ptr(),
+        None if rows is None else rows.data_ptr(),
+        count,
+        nh,
+        nkv,
+        d,
+        bs,
+        scale,
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+    )
+    if rc != 0:
+        raise MemoryError("cpu kernels: decode attention could not allocate its scores")
+    return count
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x [T, H]`` float32 (weight ``[H]`` or None)."""
+    _check_f32("x", x)
+    if x.dim() != 2 or x.stride(0) < x.shape[1]:
+        raise ValueError(f"cpu kernels: rms_norm takes [T, H] rows; got {tuple(x.shape)}")
+    if weight is not None:
+        _check_f32("weight", weight)
+        if weight.shape != x.shape[-1:]:
+            raise ValueError(f"cpu kernels: weight {tuple(weight.shape)} for x {tuple(x.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    T, H = x.shape
+    library().splitmoe_rms_norm_f32(
+        x.data_ptr(),
+        x.stride(0),
+        0,
+        T,
+        1,
+        H,
+        None if weight is None else weight.data_ptr(),
+        0,
+        eps,
+        out.data_ptr(),
+        H,
+        0,
+    )
+    return out
+
+
+def norm_rope_(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """In place on ``x [T, heads, d]`` float32 (head_dim contiguous): RMSNorm of every head with
+    per-head weights ``[heads, d]`` (None: no norm), then rotary embedding with ``cos, sin
+    [T, 1, d]`` as built by `AttentionModel.rope` (sin's first half negated). Returns ``x``."""
+    _check_f32("x", x)
+    T, heads, d = x.shape
+    if d % 2 or d > MAX_HEAD_DIM:
+        raise ValueError(f"cpu kernels: head_dim {d} must be even and at most {MAX_HEAD_DIM}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check_f32(name, t)
+        if t.shape != (T, 1, d) or t.stride() != cos.stride():
+            raise ValueError(f"cpu kernels: {name} must be [{T}, 1, {d}]; got {tuple(t.shape)}")
+    if weight is not None:
+        _check_f32("weight", weight)
+        if weight.shape != (heads, d):
+            raise ValueError(f"cpu kernels: weight {tuple(weight.shape)} for {heads} heads of {d}")
+    library().splitmoe_norm_rope_f32(
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        T,
+        heads,
+        d,
+        None if weight is None else weight.data_ptr(),
+        0 if weight is None else weight.stride(0),
+        eps,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+    )
+    return x

@@ -1,0 +1,339 @@
+"""The native CPU kernels (``attention_backend="cpu"``) against their PyTorch references: decode
+attention over a scattered paged cache, the mixed-batch entry point, RMSNorm, the fused per-head
+norm + RoPE, the wrappers' input checks, the build cache, and the config that selects them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from small_default import write_small_model
+
+import splitmoe.kernels.paged_attention as pa
+from splitmoe.attention_nodes.model import AttentionModel, rms_norm
+from splitmoe.config import EngineConfig, ModelConfig
+from splitmoe.kernels import cpu_native
+from splitmoe.kernels.paged_attention import (
+    AttentionMetadata,
+    paged_attention,
+    paged_attention_ref,
+    store_kv,
+)
+
+if not cpu_native.available():
+    pytest.skip(
+        "splitmoe's CPU kernels cannot be built here (no C compiler?)", allow_module_level=True
+    )
+
+
+def _paged_batch(seqs, nh, nkv, d, block_size, g, num_blocks=None):
+    """A step over a paged cache with scattered (randomly permuted) block ids.
+
+    ``seqs``: ``(cached tokens, new tokens)`` per sequence. Returns ``(qkv, q, k_cache, v_cache,
+    meta)`` where ``q [T, nh, d]`` is the strided query view of ``qkv [T, (nh + 2 nkv) d]``."""
+    blocks_needed = sum(-(-(c + n) // block_size) for c, n in seqs)
+    num_blocks = num_blocks or blocks_needed + 7
+    k_cache = torch.zeros(num_blocks, block_size, nkv, d)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots = [], []
+    for cached, new in seqs:
+        ctx = cached + new
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        tables.append(table)
+        k = torch.randn(ctx, nkv, d, generator=g)
+        v = torch.randn(ctx, nkv, d, generator=g)
+        pos = torch.arange(ctx)
+        slot = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+        store_kv(k, v, k_cache, v_cache, slot)  # the prefix and this step's tokens alike
+        slots.append(slot[cached:])
+    T = sum(n for _, n in seqs)
+    qkv = torch.randn(T, (nh + 2 * nkv) * d, generator=g)
+    q = qkv.view(T, nh + 2 * nkv, d)[:, :nh]
+    width = max(map(len, tables))
+    qlens = [n for _, n in seqs]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist()),
+        seq_lens=torch.tensor([c + n for c, n in seqs]),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.cat(slots),
+        query_lens=qlens,
+        seq_lens_list=[c + n for c, n in seqs],
+    )
+    return qkv, q, k_cache, v_cache, meta
+
+
+def _strided_out(T, nh, d):
+    """An output view ``[T, nh, d]`` with padding between rows and heads, filled with NaN; and
+    the buffer it lives in (so that writes outside the view can be seen)."""
+    buf = torch.full((T, nh + 1, d + 4), float("nan"))
+    return buf[:, 1:, 2 : d + 2], buf
+
+
+def _rope(positions, d, theta=10000.0):
+    """``cos, sin [T, 1, d]`` from `AttentionModel.rope` (sin's first half negated)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    return AttentionModel.rope(SimpleNamespace(inv_freq=inv_freq), positions, torch.float32)
+
+
+# --- decode attention -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nh,nkv,d", [(4, 4, 16), (4, 2, 32), (8, 1, 64), (6, 2, 20)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_matches_ref(nh, nkv, d, block_size):
+    """A pure decode step: context lengths 1, a block multiple, one past it, and others; q is a
+    strided view of qkv and out a strided view with padding, which the kernel must not touch."""
+    g = torch.Generator().manual_seed(nh * 1000 + d * 10 + block_size)
+    lens = [1, 2 * block_size, 2 * block_size + 1, 37, 5, 3 * block_size - 1]
+    qkv, q, k_cache, v_cache, meta = _paged_batch(
+        [(n - 1, 1) for n in lens], nh, nkv, d, block_size, g
+    )
+    qkv_before = qkv.clone()
+    scale = d**-0.5
+    out, buf = _strided_out(len(lens), nh, d)
+    assert cpu_native.decode_attention(q, k_cache, v_cache, meta, scale, out) == len(lens)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    outside = torch.ones(buf.shape, dtype=torch.bool)
+    outside[:, 1:, 2 : d + 2] = False
+    assert buf[outside].isnan().all(), "decode_attention wrote outside out's view"
+    assert torch.equal(qkv, qkv_before)
+
+
+def test_decode_returns_zero_without_decode_rows():
+    g = torch.Generator().manual_seed(1)
+    _, q, k_cache, v_cache, meta = _paged_batch([(0, 5), (3, 4)], 4, 2, 16, 4, g)
+    out = torch.full(q.shape, float("nan"))
+    assert cpu_native.decode_attention(q, k_cache, v_cache, meta, 0.25, out) == 0
+    assert out.isnan().all()
+
+
+@pytest.mark.parametrize("nh,nkv,d", [(4, 4, 16), (4, 2, 32), (6, 2, 20)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("batched", [False, True])
+def test_mixed_batch_matches_ref(nh, nkv, d, block_size, batched, monkeypatch):
+    """Decode rows, fresh prompts and a chunk extending a cached prefix in one step through
+    ``paged_attention(backend="cpu")``: decode rows from the kernel, prompt rows from the
+    reference (batched into one padded SDPA, or one sequence at a time)."""
+    monkeypatch.setattr(pa, "PREFILL_MAX_PADDING", 1e9 if batched else 0.0)
+    g = torch.Generator().manual_seed(0)
+    seqs = [(0, 1), (9, 1), (0, 13), (5, 7), (33, 1), (16, 16), (block_size - 1, 1)]
+    decode = [i for i, (_, n) in enumerate(seqs) if n == 1]
+    _, q, k_cache, v_cache, meta = _paged_batch(seqs, nh, nkv, d, block_size, g)
+    scale = d**-0.5
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    out = paged_attention(q, k_cache, v_cache, meta, scale, backend="cpu")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+    starts = meta.query_start_loc.tolist()
+    decode_rows = [starts[i] for i in decode]
+    prompt_rows = [r for r in range(q.shape[0]) if r not in decode_rows]
+    assert torch.equal(out[prompt_rows], ref[prompt_rows]), "prompt rows are the reference's"
+
+    # The kernel alone writes exactly the decode rows and counts their sequences.
+    alone = torch.full(q.shape, float("nan"))
+    assert cpu_native.decode_attention(q, k_cache, v_cache, meta, scale, alone) == len(decode)
+    torch.testing.assert_close(alone[decode_rows], ref[decode_rows], atol=1e-5, rtol=1e-5)
+    assert alone[prompt_rows].isnan().all()
+
+
+def test_decode_int32_metadata():
+    """seq_lens and query_start_loc as int32 (the kernel reads int64 lengths: converted once)."""
+    g = torch.Generator().manual_seed(2)
+    _, q, k_cache, v_cache, meta = _paged_batch([(6, 1), (0, 3), (20, 1)], 4, 2, 16, 4, g)
+    meta.seq_lens = meta.seq_lens.int()
+    meta.query_start_loc = meta.query_start_loc.int()
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, 0.25)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.25, backend="cpu")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_scale", [1.0, 30.0])
+def test_long_context_and_peaked_softmax(q_scale):
+    """~600 keys over 16-token blocks (the scores buffer sized by the longest sequence, many
+    blocks) beside a short sequence; with the query scaled up the scores spread over hundreds,
+    the softmax is nearly one-hot and exponents go below the kernel's -87.3 clamp."""
+    nh, nkv, d, bs = 8, 2, 32, 16
+    g = torch.Generator().manual_seed(7)
+    seqs = [(600, 1), (4, 1), (0, 9), (129, 1)]
+    qkv, q, k_cache, v_cache, meta = _paged_batch(seqs, nh, nkv, d, bs, g)
+    q.mul_(q_scale)
+    scale = d**-0.5
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    out = torch.full(q.shape, float("nan"))
+    assert cpu_native.decode_attention(q, k_cache, v_cache, meta, scale, out) == 3
+    rows = [0, 1, 11]
+    torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
+    out = paged_attention(q, k_cache, v_cache, meta, scale, backend="cpu")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if q_scale > 1:  # the case really is peaked: the top key holds most of the weight
+        k = k_cache[meta.block_tables[0, :38].long()].flatten(0, 1)[:601, 0]  # KV head 0
+        p = (q[0, 0] @ k.T * scale).softmax(-1)
+        assert p.max() > 0.5
+
+
+# --- RMSNorm and norm + RoPE ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [0, 1, 7, 33])
+@pytest.mark.parametrize("H", [24, 128])
+@pytest.mark.parametrize("with_weight", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rms_norm_matches_ref(T, H, with_weight, strided):
+    g = torch.Generator().manual_seed(T * 1000 + H)
+    eps = 1e-6
+    x = torch.randn(T, H + 8 if strided else H, generator=g) * 3.0
+    x = x[:, :H] if strided else x  # rows further apart than H
+    weight = torch.randn(H, generator=g) if with_weight else None
+    x_before = x.clone()
+    out = cpu_native.rms_norm(x, weight, eps)
+    assert out.shape == (T, H) and out.dtype == torch.float32
+    torch.testing.assert_close(out, rms_norm(x, weight, eps), atol=1e-6, rtol=1e-5)
+    assert torch.equal(x, x_before)
+    if T == 0:
+        assert out.numel() == 0
+
+
+@pytest.mark.parametrize("nh,nkv,d", [(4, 2, 16), (8, 1, 20), (2, 2, 64)])
+@pytest.mark.parametrize("T", [1, 6])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_norm_rope_matches_ref(nh, nkv, d, T, with_weight):
+    """In place on the q and k heads of ``qkv`` (a strided view); the v heads stay untouched."""
+    g = torch.Generator().manual_seed(nh * 100 + d + T)
+    eps = 1e-6
+    heads = nh + nkv
+    qkv = torch.randn(T, (nh + 2 * nkv) * d, generator=g)
+    x = qkv.view(T, nh + 2 * nkv, d)[:, :heads]
+    weight = torch.rand(heads, d, generator=g) + 0.5 if with_weight else None
+    cos, sin = _rope(torch.arange(T) + 100, d)
+    before = qkv.clone()
+    if with_weight:
+        expected = AttentionModel.apply_rope(rms_norm(x, None, eps) * weight, (cos, sin))
+    else:
+        expected = AttentionModel.apply_rope(x.clone(), (cos, sin))
+    result = cpu_native.norm_rope_(x, weight, eps, cos, sin)
+    assert result is x
+    torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
+    v = qkv.view(T, nh + 2 * nkv, d)[:, heads:]
+    assert torch.equal(v, before.view(T, nh + 2 * nkv, d)[:, heads:]), "v heads changed"
+
+
+def test_norm_rope_arbitrary_positions():
+    """Positions out of order and far apart (each row rotated by its own angle)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, 32, generator=g)
+    weight = torch.rand(3, 32, generator=g) + 0.5
+    cos, sin = _rope(torch.tensor([7, 0, 1000, 3, 511]), 32, theta=1e6)
+    expected = AttentionModel.apply_rope(rms_norm(x, None, 1e-5) * weight, (cos, sin))
+    cpu_native.norm_rope_(x, weight, 1e-5, cos, sin)
+    torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_norms_where_eps_matters():
+    """Rows whose mean square is of the order of eps, and an all-zero row (0, not NaN)."""
+    g = torch.Generator().manual_seed(5)
+    eps = 1e-5
+    x = torch.randn(4, 48, generator=g) * torch.tensor([[1e-3], [3e-3], [0.0], [1.0]])
+    weight = torch.randn(48, generator=g)
+    torch.testing.assert_close(
+        cpu_native.rms_norm(x, weight, eps), rms_norm(x, weight, eps), atol=1e-6, rtol=1e-5
+    )
+    heads = x.view(4, 3, 16).clone()
+    head_weight = torch.rand(3, 16, generator=g) + 0.5
+    cos, sin = _rope(torch.arange(4), 16)
+    expected = AttentionModel.apply_rope(rms_norm(heads, None, eps) * head_weight, (cos, sin))
+    cpu_native.norm_rope_(heads, head_weight, eps, cos, sin)
+    torch.testing.assert_close(heads, expected, atol=1e-5, rtol=1e-5)
+    assert not heads.isnan().any()
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+def test_decode_rejects_bad_input():
+    g = torch.Generator().manual_seed(0)
+    nh, nkv, d, bs = 4, 2, 16, 4
+    _, q, k_cache, v_cache, meta = _paged_batch([(3, 1), (8, 1)], nh, nkv, d, bs, g)
+    out = torch.empty(q.shape)
+    with pytest.raises(ValueError, match="q must be a float32"):
+        cpu_native.decode_attention(q.double(), k_cache, v_cache, meta, 0.25, out)
+    padded = torch.zeros(*k_cache.shape[:-1], 2 * d)[..., :d]
+    padded.copy_(k_cache)
+    assert padded.stride(-1) == 1 and not padded.is_contiguous()
+    with pytest.raises(ValueError, match="k_cache and v_cache must be contiguous"):
+        cpu_native.decode_attention(q, padded, v_cache, meta, 0.25, out)
+    with pytest.raises(ValueError, match="out must be a float32"):
+        cpu_native.decode_attention(q, k_cache, v_cache, meta, 0.25, out.transpose(1, 2))
+
+
+def test_rms_norm_rejects_bad_input():
+    x = torch.randn(3, 16)
+    with pytest.raises(ValueError, match=r"rms_norm takes \[T, H\] rows"):
+        cpu_native.rms_norm(x.view(3, 2, 8), None, 1e-6)
+    with pytest.raises(ValueError, match=r"weight \(15,\) for x \(3, 16\)"):
+        cpu_native.rms_norm(x, torch.ones(15), 1e-6)
+    with pytest.raises(ValueError, match="x must be a float32"):
+        cpu_native.rms_norm(x.half(), None, 1e-6)
+
+
+def test_norm_rope_rejects_bad_input():
+    cos, sin = _rope(torch.arange(2), 16)
+    with pytest.raises(ValueError, match="head_dim 15 must be even"):
+        c, s = cos[..., :15].contiguous(), sin[..., :15].contiguous()
+        cpu_native.norm_rope_(torch.randn(2, 3, 15), None, 1e-6, c, s)
+    with pytest.raises(ValueError, match=r"cos must be \[2, 1, 16\]"):
+        cpu_native.norm_rope_(torch.randn(2, 3, 16), None, 1e-6, cos[:1], sin)
+    with pytest.raises(ValueError, match=r"cos must be \[2, 1, 16\]"):
+        cpu_native.norm_rope_(torch.randn(2, 3, 16), None, 1e-6, cos.view(2, 16), sin)
+    with pytest.raises(ValueError, match=r"weight \(2, 16\) for 3 heads of 16"):
+        cpu_native.norm_rope_(torch.randn(2, 3, 16), torch.ones(2, 16), 1e-6, cos, sin)
+
+
+# --- build ------------------------------------------------------------------------------------
+
+
+def test_build_is_cached(tmp_path, monkeypatch):
+    lib = cpu_native.build(tmp_path)
+    assert lib.is_file() and lib.parent == tmp_path
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError(f"recompiled: {args}")
+
+    monkeypatch.setattr(cpu_native.subprocess, "run", no_compile)
+    assert cpu_native.build(tmp_path) == lib
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lib.name]  # no temporary left over
+
+
+def test_build_without_compiler(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
+    with pytest.raises(RuntimeError, match="C compiler") as e:
+        cpu_native.build(tmp_path / "other")
+    assert "attention_backend='torch'" in str(e.value)
+    assert not (tmp_path / "other").exists()
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_cfg(tmp_path_factory):
+    return ModelConfig.from_hf(write_small_model(tmp_path_factory.mktemp("cpu-native") / "m"))
+
+
+def test_config_cpu_backend(model_cfg):
+    with pytest.raises(ValueError, match="float32"):
+        EngineConfig(model=model_cfg, attention_backend="cpu", dtype="bfloat16", device="cpu")
+    with pytest.raises(ValueError, match="float32"):
+        EngineConfig(model=model_cfg, attention_backend="cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="moe_backend='cpu'"):
+        EngineConfig(model=model_cfg, moe_backend="cpu")
+    cfg = EngineConfig(model=model_cfg, device="cpu", dtype="float32")
+    assert cfg.backend("attention_backend") == "cpu"
+    assert cfg.backend("moe_backend") == "torch"
+    assert EngineConfig(model=model_cfg, device="cpu").backend("attention_backend") == "cpu"
+    explicit = EngineConfig(model=model_cfg, attention_backend="cpu", device="cpu")
+    assert explicit.backend("attention_backend") == "cpu"
+    bf16 = EngineConfig(model=model_cfg, device="cpu", dtype="bfloat16")
+    assert bf16.backend("attention_backend") == "torch"
