@@ -27,10 +27,8 @@ def make_prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[in
     return torch.randint(1, vocab, (batch, length), generator=g).tolist()
 
 
-def bench_splitmoe(args, prompts, micro_batches=None):
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    with LLM(
+def open_splitmoe(args, micro_batches=None, attention_backend="auto") -> LLM:
+    return LLM(
         args.model,
         attention_ranks=args.attention_ranks,
         expert_ranks=args.expert_ranks,
@@ -41,26 +39,36 @@ def bench_splitmoe(args, prompts, micro_batches=None):
         threads_per_rank=args.threads_per_rank,
         max_num_seqs=max(64, args.batch),
         shared_memory=not args.no_shared_memory,
-    ) as llm:
-        startup = time.perf_counter() - t0
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        wall = time.perf_counter() - t
-        metrics = llm.metrics()
+        attention_backend=attention_backend,
+    )
+
+
+def measure_splitmoe(llm: LLM, args, prompts) -> dict:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t
     ttft = [o.metrics.ttft for o in outs]
     decode_time = max(o.metrics.e2e_latency for o in outs) - max(ttft)
     n = sum(len(o.token_ids) for o in outs)
     return dict(
         tokens=[o.token_ids for o in outs],
-        startup_s=startup,
         wall_s=wall,
         ttft_ms=1e3 * statistics.mean(ttft),
         tpot_ms=1e3 * statistics.mean(o.metrics.tpot for o in outs),
         decode_tok_s=len(outs) * (args.max_tokens - 1) / decode_time,
         output_tok_s=n / wall,
-        metrics=metrics,
+        metrics=llm.metrics(),
     )
+
+
+def bench_splitmoe(args, prompts, micro_batches=None, attention_backend="auto") -> dict:
+    """One run on a fresh engine (started, warmed up on a small request, measured, closed)."""
+    t0 = time.perf_counter()
+    with open_splitmoe(args, micro_batches, attention_backend) as llm:
+        startup = time.perf_counter() - t0
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        return dict(measure_splitmoe(llm, args, prompts), startup_s=startup)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -68,43 +76,49 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["decode_tok_s"])[len(runs) // 2]
 
 
-def bench_hf(args, prompts):
-    from transformers import AutoModelForCausalLM
+class HFBench:
+    """HF transformers ``generate`` on the same prompts, the model loaded once."""
 
-    torch.set_num_threads(args.hf_threads)
-    dtype = {
-        "auto": torch.float32,
-        "float32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-    }[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    model.eval()
-    # No EOS: every row runs to n tokens, like splitmoe's ignore_eos (min_new_tokens would
-    # instead mask EOS out of the logits and change the greedy tokens).
-    model.generation_config.eos_token_id = None
-    x = torch.tensor(prompts)
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    def __init__(self, args, prompts):
+        from transformers import AutoModelForCausalLM
 
-    def run(n):
+        dtype = {
+            "auto": torch.float32,
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+        }[args.dtype]
+        self.args = args
+        self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+        self.model.eval()
+        # No EOS: every row runs to n tokens, like splitmoe's ignore_eos (min_new_tokens would
+        # instead mask EOS out of the logits and change the greedy tokens).
+        self.model.generation_config.eos_token_id = None
+        self.x = torch.tensor(prompts)
+        self._run(2)  # warm-up
+
+    def _run(self, n: int):
+        torch.set_num_threads(self.args.hf_threads)
+        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
         t = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(x, max_new_tokens=n, **kw)
-        assert out.shape[1] == x.shape[1] + n, "HF stopped early"
+            out = self.model.generate(self.x, max_new_tokens=n, **kw)
+        assert out.shape[1] == self.x.shape[1] + n, "HF stopped early"
         return time.perf_counter() - t, out
 
-    run(2)  # warm-up
-    ttft, _ = run(1)
-    wall, out = run(args.max_tokens)
-    decode = wall - ttft
-    return dict(
-        tokens=out[:, x.shape[1] :].tolist(),
-        wall_s=wall,
-        ttft_ms=1e3 * ttft,
-        tpot_ms=1e3 * decode / (args.max_tokens - 1),
-        decode_tok_s=len(prompts) * (args.max_tokens - 1) / decode,
-        output_tok_s=len(prompts) * args.max_tokens / wall,
-    )
+    def measure(self) -> dict:
+        n, B = self.args.max_tokens, self.x.shape[0]
+        ttft, _ = self._run(1)
+        wall, out = self._run(n)
+        decode = wall - ttft
+        return dict(
+            tokens=out[:, self.x.shape[1] :].tolist(),
+            wall_s=wall,
+            ttft_ms=1e3 * ttft,
+            tpot_ms=1e3 * decode / (n - 1),
+            decode_tok_s=B * (n - 1) / decode,
+            output_tok_s=B * n / wall,
+        )
 
 
 def main() -> None:
@@ -132,10 +146,22 @@ def main() -> None:
         help="comma-separated counts to compare in one run, e.g. 1,2 (auto: chosen per step)",
     )
     ap.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="comma-separated attention backends to compare in one run, e.g. torch,cpu",
+    )
+    ap.add_argument(
         "--repeat",
         type=int,
         default=1,
         help="runs per configuration, interleaved; each is reported by its median run",
+    )
+    ap.add_argument(
+        "--paired",
+        action="store_true",
+        help="keep one engine per configuration (and HF) for the whole run and alternate their "
+        "generate calls, each warmed up on the full batch first; ratios are the median of each "
+        "round's ratio (steadier than fresh engines on a noisy host; needs memory for all)",
     )
     ap.add_argument("--metrics", action="store_true", help="print each run's serving metrics")
     ap.add_argument("--seed", type=int, default=0)
@@ -149,43 +175,78 @@ def main() -> None:
     counts = (
         [None] if args.micro_batches == "auto" else [int(m) for m in args.micro_batches.split(",")]
     )
-    if args.repeat < 1 or len(set(counts)) != len(counts):
-        ap.error("--repeat must be >= 1 and --micro-batches must not repeat a count")
+    backends = args.attention_backend.split(",")
+    if args.repeat < 1 or len(set(counts)) != len(counts) or len(set(backends)) != len(backends):
+        ap.error("--repeat must be >= 1 and --micro-batches / --attention-backend must not repeat")
+    configs = [(b, m) for b in backends for m in counts]
+
+    def label(b, m) -> str:
+        return (
+            f"splitmoe {topo}"
+            + ("" if len(backends) == 1 else f" {b}")
+            + ("" if m is None else f" m={m}")
+        )
+
     # Each configuration runs --repeat times, interleaved (m=1, m=2, m=1, m=2, ...), and is
     # reported by its median run: on a shared machine the load drifts, and interleaving exposes
-    # every configuration to the same drift.
-    runs: dict = {m: [] for m in counts}
-    for _ in range(args.repeat):
-        for m in counts:
-            runs[m].append(bench_splitmoe(args, prompts, m))
-    rows = [
-        (f"splitmoe {topo}" + ("" if m is None else f" m={m}"), median_run(runs[m])) for m in counts
-    ]
+    # every configuration to the same drift. --paired also keeps the engines (and processes)
+    # the same from round to round, and compares within each round.
+    names = ([] if args.skip_hf else ["HF transformers"]) + [label(*c) for c in configs]
+    runs: dict = {name: [] for name in names}
+    if args.paired:
+        hf = None if args.skip_hf else HFBench(args, prompts)
+        engines = {label(*c): open_splitmoe(args, c[1], c[0]) for c in configs}
+        try:
+            for llm in engines.values():  # warm-up at full size: allocations, page faults
+                measure_splitmoe(llm, args, prompts)
+            for _ in range(args.repeat):
+                if hf is not None:
+                    runs["HF transformers"].append(hf.measure())
+                for name, llm in engines.items():
+                    runs[name].append(measure_splitmoe(llm, args, prompts))
+        finally:
+            for llm in engines.values():
+                llm.__exit__(None, None, None)
+    else:
+        for _ in range(args.repeat):
+            for c in configs:
+                runs[label(*c)].append(bench_splitmoe(args, prompts, c[1], c[0]))
+        if not args.skip_hf:
+            runs["HF transformers"].append(HFBench(args, prompts).measure())
+    rows = [(name, median_run(runs[name])) for name in names]
     if args.repeat > 1:
-        for m in counts:
-            each = ", ".join(f"{r['decode_tok_s']:.0f}" for r in runs[m])
-            print(f"decode tok/s of each run, m={m or 'auto'}: {each}")
-    if not args.skip_hf:
-        rows.insert(0, ("HF transformers", bench_hf(args, prompts)))
+        for name in names:
+            if len(runs[name]) > 1:
+                each = ", ".join(f"{r['decode_tok_s']:.0f}" for r in runs[name])
+                print(f"decode tok/s of each run, {name}: {each}")
     print(
         f"\nmodel {args.model} ({cfg.model_type}, {cfg.num_layers} layers, {cfg.num_experts} "
         f"experts, top-{cfg.top_k}), batch {args.batch}, prompt {args.prompt_len}, "
         f"{args.max_tokens} new tokens, {args.dtype}, {os.cpu_count()} CPU cores"
     )
     print(
-        f"{'engine':<18}{'decode tok/s':>14}{'output tok/s':>14}{'TTFT ms':>10}"
+        f"{'engine':<24}{'decode tok/s':>14}{'output tok/s':>14}{'TTFT ms':>10}"
         f"{'TPOT ms':>10}{'wall s':>9}"
     )
     for name, r in rows:
         print(
-            f"{name:<18}{r['decode_tok_s']:>14.1f}{r['output_tok_s']:>14.1f}"
+            f"{name:<24}{r['decode_tok_s']:>14.1f}{r['output_tok_s']:>14.1f}"
             f"{r['ttft_ms']:>10.1f}{r['tpot_ms']:>10.2f}{r['wall_s']:>9.2f}"
         )
-    base = rows[0][1]
+    base_name, base = rows[0]
     for name, r in rows[1:]:
         ratio = r["decode_tok_s"] / base["decode_tok_s"]
-        same = r["tokens"] == base["tokens"]
-        print(f"decode throughput {name} / {rows[0][0]}: {ratio:.2f}x; tokens identical: {same}")
+        same = all(x["tokens"] == base["tokens"] for x in runs[name])
+        paired = ""
+        if args.paired:
+            each = [
+                a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(runs[name], runs[base_name])
+            ]
+            paired = f" (paired: median {statistics.median(each):.2f}x of {len(each)} rounds)"
+        print(
+            f"decode throughput {name} / {base_name}: {ratio:.2f}x{paired}; "
+            f"tokens identical: {same}"
+        )
     if args.metrics:
         for name, r in rows:
             if "metrics" in r:
