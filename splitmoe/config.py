@@ -318,7 +318,7 @@ class EngineConfig:
     seed: int = 0
     threads_per_rank: int | None = None
     # "auto" (triton on CUDA; on CPU the native "cpu" kernels in float32 when they build, else
-    # torch) | "torch" | "triton" | "cpu" (attention only)
+    # torch) | "torch" | "triton" | "cpu"
     attention_backend: str = "auto"
     moe_backend: str = "auto"
 
@@ -343,26 +343,22 @@ class EngineConfig:
                 )
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank={self.threads_per_rank!r} must be None or >= 1")
-        if self.moe_backend == "cpu":
-            raise ValueError(
-                "moe_backend='cpu' does not exist: the native CPU kernels cover attention; the "
-                "experts' CPU path is moe_backend='torch' (what 'auto' picks on CPU)"
-            )
-        if self.attention_backend == "cpu":
-            self._check_cpu_kernels()
+        for name in ("attention_backend", "moe_backend"):
+            if getattr(self, name) == "cpu":
+                self._check_cpu_kernels(name)
 
-    def _check_cpu_kernels(self) -> None:
+    def _check_cpu_kernels(self, name: str) -> None:
         from splitmoe.kernels import cpu_native
 
         if self.device_type != "cpu" or self.torch_dtype != torch.float32:
             raise ValueError(
-                f"attention_backend='cpu' runs float32 on CPU; this run is {self.torch_dtype} on "
-                f"{self.device_type}: use attention_backend='auto' or dtype='float32', device='cpu'"
+                f"{name}='cpu' runs float32 on CPU; this run is {self.torch_dtype} on "
+                f"{self.device_type}: use {name}='auto' or dtype='float32', device='cpu'"
             )
         try:
             cpu_native.library()  # built here, once, before any rank starts
         except (RuntimeError, OSError) as e:
-            raise ValueError(f"attention_backend='cpu' is not available here: {e}") from e
+            raise ValueError(f"{name}='cpu' is not available here: {e}") from e
 
     @property
     def device_type(self) -> str:
@@ -376,14 +372,14 @@ class EngineConfig:
 
     def backend(self, name: str) -> str:
         """Resolved ``attention_backend`` / ``moe_backend``: ``auto`` is Triton on CUDA; on CPU
-        it is the native kernels for float32 attention where they build (see
-        `kernels.cpu_native`), else the PyTorch reference."""
+        it is the native kernels in float32 where they build (see `kernels.cpu_native`), else
+        the PyTorch path."""
         value = getattr(self, name)
         if value != "auto":
             return value
         if self.device_type == "cuda":
             return "triton"
-        if name == "attention_backend" and self.torch_dtype == torch.float32:
+        if self.torch_dtype == torch.float32:
             from splitmoe.kernels import cpu_native
 
             return "cpu" if cpu_native.available() else "torch"

@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"]
     )
-    ap.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton", "cpu"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--block-size", type=int, default=16)

@@ -192,10 +192,9 @@ class LLM:
         threads_per_rank: CPU threads per rank (default: cores / ranks).
         timeout_s: how long a collective, a step or start-up may take before the job is failed
             (a hung rank is detected within this bound; a dead one at once).
-        attention_backend, moe_backend: ``"auto"`` (Triton on CUDA; on CPU PyTorch, and for
-            float32 attention the native ``"cpu"`` kernels where a C compiler builds them),
-            ``"torch"``, ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``), or ``"cpu"``
-            (attention only).
+        attention_backend, moe_backend: ``"auto"`` (Triton on CUDA; on CPU the native ``"cpu"``
+            kernels in float32 where a C compiler builds them, else PyTorch), ``"torch"``,
+            ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``), or ``"cpu"``.
         seed: seeds the random streams of sampled requests that carry no seed of their own, so
             a `generate` call is reproducible.
         redundant_experts: extra expert slots per MoE layer on the expert ranks, holding
@@ -272,6 +271,7 @@ class LLM:
         # Resolved once here: builds the native CPU kernels, if they are picked, before the ranks
         # start (each then loads the cached library).
         self.config.backend("attention_backend")
+        self.config.backend("moe_backend")
         # Reads and checks every tensor header before any rank starts.
         from splitmoe.models.loader import CheckpointReader
 

@@ -7,6 +7,7 @@ import time
 import torch
 
 from splitmoe.config import ModelConfig
+from splitmoe.kernels import cpu_native
 from splitmoe.kernels.fused_moe import fused_moe
 from splitmoe.models.loader import load_expert_weights
 
@@ -34,8 +35,13 @@ class LocalExperts:
         if not isinstance(expert_ids, dict):
             expert_ids = {layer: list(expert_ids) for layer in cfg.moe_layers}
         self.layer_experts = {layer: list(ids) for layer, ids in expert_ids.items()}
-        self.weights = load_expert_weights(cfg, self.layer_experts, dtype, str(device))
         self.backend = backend
+        # Per MoE layer (w13, w2) in the layout the backend computes with: the loader's
+        # [n, 2I, H] / [n, H, I], or transposed for the native CPU kernel.
+        self.weights = {
+            layer: self._layout(*w)
+            for layer, w in load_expert_weights(cfg, self.layer_experts, dtype, str(device)).items()
+        }
         self.weights_reloaded = 0  # (layer, slot) weights replaced by rebalances
 
     @property
@@ -62,8 +68,9 @@ class LocalExperts:
         for layer, slots in changed.items():
             w13, w2 = self.weights[layer]
             idx = torch.tensor(slots, device=w13.device)
-            w13[idx] = fresh[layer][0]
-            w2[idx] = fresh[layer][1]
+            new13, new2 = self._layout(*fresh[layer])
+            w13[idx] = new13
+            w2[idx] = new2
             self.layer_experts[layer] = list(expert_ids[layer])
             n += len(slots)
         self.weights_reloaded += n
@@ -74,7 +81,14 @@ class LocalExperts:
     ) -> torch.Tensor:
         """``x [N, H]``, ``local_ids / weights [N, k]`` (-1: not here) -> sums ``[N, H]``."""
         w13, w2 = self.weights[layer]
+        if self.backend == "cpu":
+            if x.shape[0] == 0:
+                return torch.zeros_like(x)
+            return cpu_native.fused_moe(x, w13, w2, local_ids, weights)
         return fused_moe(x, w13, w2, local_ids, weights, self.backend)
+
+    def _layout(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cpu_native.expert_layout(w13, w2) if self.backend == "cpu" else (w13, w2)
 
     def measure_cost(self, pairs: int = 64, repeats: int = 15) -> tuple[float, float]:
         """Seconds this rank's expert compute costs per distinct expert it runs and per (token,
@@ -85,7 +99,7 @@ class LocalExperts:
         layer = next(iter(self.layer_experts))
         w13, _ = self.weights[layer]
         n_exp = min(pairs, w13.shape[0])
-        H = w13.shape[2]
+        H = self.cfg.hidden_size
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(pairs, H, generator=gen).to(self.device, self.dtype)
         w = torch.full((pairs, 1), 1.0, device=self.device)

@@ -1,9 +1,11 @@
-"""Native CPU kernels (the ``"cpu"`` attention backend): decode attention over the paged KV cache,
-RMSNorm, and the q/k head norm fused with RoPE, in float32.
+"""Native CPU kernels (the ``"cpu"`` backend), float32: decode attention over the paged KV cache,
+RMSNorm, the q/k head norm fused with RoPE (``attention_backend``), and the routed experts of a
+MoE layer (``moe_backend``).
 
 On CPU an attention rank's decode layer costs per-op overheads, not arithmetic: the reference
 gathers every sequence's K/V blocks into a padded copy and runs SDPA as per-(sequence, head)
-GEMMs of a few rows, and an RMSNorm is six small ops. ``csrc/cpu_kernels.c`` does each in one
+GEMMs of a few rows, an RMSNorm is six small ops, and the grouped expert FFN is a sort, gathers,
+two grouped GEMMs that loop over experts, and a scatter. ``csrc/cpu_kernels.c`` does each in one
 pass over its data. It is plain C, built on first use with the system C compiler
 (``cc -O3 -march=native``, well under a second) into a cache directory and loaded with ctypes;
 without a compiler `available` is False and ``attention_backend="auto"`` stays on the PyTorch
@@ -36,6 +38,7 @@ FLAGS = (
     "-O3",
     "-march=native",
     "-std=c11",
+    "-ffp-contract=fast",  # FMAs (ISO C mode would turn contraction off)
     "-fPIC",
     "-shared",
     "-Werror=implicit-function-declaration",
@@ -56,6 +59,10 @@ _SIGNATURES = {
     "splitmoe_norm_rope_f32": (
         ctypes.c_int,
         [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _f32, _p, _p, _i64],
+    ),
+    "splitmoe_fused_moe_f32": (
+        ctypes.c_int,
+        [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p],
     ),
 }
 
@@ -288,3 +295,59 @@ def norm_rope_(
         cos.stride(0),
     )
     return x
+
+
+def expert_layout(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_moe`'s weight layout from the loader's ``w13 [E, 2I, H]``, ``w2 [E, H, I]``:
+    ``w13t [E, H, 2I]``, ``w2t [E, I, H]`` (row-major GEMMs over the hidden and intermediate
+    dims; converted once when the experts are loaded)."""
+    return w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13t: torch.Tensor,
+    w2t: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """The routed-expert output ``[N, H]`` float32, as `fused_moe_ref`: ``x [N, H]``, weights in
+    `expert_layout` (``w13t [E, H, 2I]`` gate columns then up, ``w2t [E, I, H]``), ``expert_ids
+    [N, k]`` local ids (-1: served elsewhere) and router ``weights [N, k]``."""
+    for name, t in (("x", x), ("w13t", w13t), ("w2t", w2t)):
+        _check_f32(name, t)
+        if not t.is_contiguous():
+            raise ValueError(f"cpu kernels: {name} must be contiguous")
+    N, H = x.shape
+    E, H2, two_i = w13t.shape
+    if H2 != H or two_i % 2 or w2t.shape != (E, two_i // 2, H):
+        raise ValueError(
+            f"cpu kernels: fused_moe shapes do not fit: x {tuple(x.shape)}, w13t "
+            f"{tuple(w13t.shape)} (want [E, {H}, 2I]), w2t {tuple(w2t.shape)} (want [E, I, {H}])"
+        )
+    if expert_ids.shape != weights.shape or expert_ids.dim() != 2 or expert_ids.shape[0] != N:
+        raise ValueError(
+            f"cpu kernels: fused_moe routing expert_ids {tuple(expert_ids.shape)} and weights "
+            f"{tuple(weights.shape)} must both be [{N}, k]"
+        )
+    ids = expert_ids.to(torch.int64).contiguous()
+    w = weights.to(torch.float32).contiguous()
+    out = torch.empty(N, H, dtype=torch.float32)
+    rc = library().splitmoe_fused_moe_f32(
+        x.data_ptr(),
+        N,
+        H,
+        w13t.data_ptr(),
+        w2t.data_ptr(),
+        E,
+        two_i // 2,
+        ids.data_ptr(),
+        w.data_ptr(),
+        ids.shape[1],
+        out.data_ptr(),
+    )
+    if rc == -2:
+        raise ValueError(f"cpu kernels: fused_moe got an expert id >= {E} (the experts held here)")
+    if rc != 0:
+        raise MemoryError("cpu kernels: fused_moe could not allocate its scratch rows")
+    return out

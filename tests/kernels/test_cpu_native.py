@@ -14,6 +14,7 @@ import splitmoe.kernels.paged_attention as pa
 from splitmoe.attention_nodes.model import AttentionModel, rms_norm
 from splitmoe.config import EngineConfig, ModelConfig
 from splitmoe.kernels import cpu_native
+from splitmoe.kernels.fused_moe import fused_moe_ref
 from splitmoe.kernels.paged_attention import (
     AttentionMetadata,
     paged_attention,
@@ -327,13 +328,63 @@ def test_config_cpu_backend(model_cfg):
         EngineConfig(model=model_cfg, attention_backend="cpu", dtype="bfloat16", device="cpu")
     with pytest.raises(ValueError, match="float32"):
         EngineConfig(model=model_cfg, attention_backend="cpu", dtype="bfloat16")
-    with pytest.raises(ValueError, match="moe_backend='cpu'"):
-        EngineConfig(model=model_cfg, moe_backend="cpu")
+    with pytest.raises(ValueError, match="moe_backend='cpu' runs float32"):
+        EngineConfig(model=model_cfg, moe_backend="cpu", dtype="bfloat16", device="cpu")
     cfg = EngineConfig(model=model_cfg, device="cpu", dtype="float32")
     assert cfg.backend("attention_backend") == "cpu"
-    assert cfg.backend("moe_backend") == "torch"
+    assert cfg.backend("moe_backend") == "cpu"
+    assert EngineConfig(model=model_cfg, moe_backend="torch").backend("moe_backend") == "torch"
     assert EngineConfig(model=model_cfg, device="cpu").backend("attention_backend") == "cpu"
     explicit = EngineConfig(model=model_cfg, attention_backend="cpu", device="cpu")
     assert explicit.backend("attention_backend") == "cpu"
     bf16 = EngineConfig(model=model_cfg, device="cpu", dtype="bfloat16")
     assert bf16.backend("attention_backend") == "torch"
+    assert bf16.backend("moe_backend") == "torch"
+
+
+# --- fused MoE --------------------------------------------------------------------------------
+
+
+def _moe_case(tokens: int, E: int, H: int, I: int, k: int, skip: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=g) * 0.2
+    w2 = torch.randn(E, H, I, generator=g) * 0.2
+    x = torch.randn(tokens, H, generator=g)
+    logits = torch.randn(tokens, E, generator=g) + 2.0 * torch.linspace(0, 3, E)  # skewed
+    ids = logits.topk(k, dim=1).indices.to(torch.int32)
+    ids[torch.rand(tokens, k, generator=g) < skip] = -1  # slots served by another rank
+    w = torch.rand(tokens, k, generator=g)
+    return x, w13, w2, ids, w
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 33, 130])
+@pytest.mark.parametrize("E,H,I,k", [(8, 32, 16, 3), (16, 128, 64, 4), (4, 72, 40, 2)])
+@pytest.mark.parametrize("skip", [0.0, 0.5])
+def test_fused_moe_matches_ref(tokens, E, H, I, k, skip):
+    """Row tiles of 4 and single rows, whole column tiles and leftover columns (H 72, 2I 80 are
+    not multiples of the tile width), experts without tokens, slots served elsewhere."""
+    x, w13, w2, ids, w = _moe_case(tokens, E, H, I, k, skip, seed=tokens * 7 + E)
+    want = fused_moe_ref(x, w13, w2, ids, w)
+    got = cpu_native.fused_moe(x, *cpu_native.expert_layout(w13, w2), ids, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got64 = cpu_native.fused_moe(x, *cpu_native.expert_layout(w13, w2), ids.long(), w)
+    assert torch.equal(got64, got)  # int32 and int64 ids alike
+
+
+def test_fused_moe_all_slots_elsewhere_gives_zeros():
+    x, w13, w2, ids, w = _moe_case(6, 8, 32, 16, 2, 0.0, seed=1)
+    got = cpu_native.fused_moe(x, *cpu_native.expert_layout(w13, w2), torch.full_like(ids, -1), w)
+    assert torch.equal(got, torch.zeros_like(x))
+
+
+def test_fused_moe_rejects_bad_input():
+    x, w13, w2, ids, w = _moe_case(5, 8, 32, 16, 2, 0.0, seed=2)
+    w13t, w2t = cpu_native.expert_layout(w13, w2)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        cpu_native.fused_moe(x, w13, w2, ids, w)  # the loader's layout, not the kernel's
+    with pytest.raises(ValueError, match="float32"):
+        cpu_native.fused_moe(x.double(), w13t, w2t, ids, w)
+    with pytest.raises(ValueError, match="routing"):
+        cpu_native.fused_moe(x, w13t, w2t, ids[:, :1], w)
+    with pytest.raises(ValueError, match="expert id >= 8"):
+        cpu_native.fused_moe(x, w13t, w2t, torch.full_like(ids, 8), w)

@@ -205,3 +205,141 @@ int splitmoe_norm_rope_f32(float *x, int64_t x_st, int64_t x_sh, int64_t rows, i
     }
     return 0;
 }
+
+/* ---- fused MoE ------------------------------------------------------------------------------ */
+
+/* C[M, N] = A[M, K] @ B[K, N] (row-major, leading dims lda / ldb / ldc), in register tiles of
+ * 4 rows x TILE_N columns: per step of K, TILE_N / 16 vectors of B and 4 broadcasts of A feed
+ * 4 x TILE_N / 16 FMAs. The compiler keeps the tile in registers (AVX-512: 16 of 32). */
+typedef float v16f __attribute__((vector_size(64)));
+#ifdef __AVX512F__
+#define TILE_V 4
+#else
+#define TILE_V 2
+#endif
+#define TILE_N (16 * TILE_V)
+
+static inline v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+/* One tile: ROWS rows x TILE_N columns, all of K. */
+#define GEMM_TILE(NAME, ROWS)                                                                    \
+    static void NAME(const float *A, int64_t lda, const float *B, int64_t ldb, float *C,         \
+                     int64_t ldc, int64_t K) {                                                   \
+        v16f c[ROWS][TILE_V];                                                                    \
+        for (int r = 0; r < ROWS; r++)                                                           \
+            for (int v = 0; v < TILE_V; v++) c[r][v] = (v16f){0};                                \
+        for (int64_t p = 0; p < K; p++) {                                                        \
+            v16f b[TILE_V];                                                                      \
+            for (int v = 0; v < TILE_V; v++) b[v] = load16(B + p * ldb + 16 * v);                \
+            for (int r = 0; r < ROWS; r++) {                                                     \
+                const float a = A[r * lda + p];                                                  \
+                for (int v = 0; v < TILE_V; v++) c[r][v] += a * b[v];                            \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < ROWS; r++)                                                           \
+            for (int v = 0; v < TILE_V; v++) store16(C + r * ldc + 16 * v, c[r][v]);             \
+    }
+GEMM_TILE(gemm_tile4, 4)
+GEMM_TILE(gemm_tile1, 1)
+
+static void gemm(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
+                 int64_t M, int64_t N, int64_t K) {
+    int64_t j = 0;
+    for (; j + TILE_N <= N; j += TILE_N) {
+        int64_t i = 0;
+        for (; i + 4 <= M; i += 4) gemm_tile4(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K);
+        for (; i < M; i++) gemm_tile1(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K);
+    }
+    for (; j < N; j++) /* columns past the last whole tile */
+        for (int64_t i = 0; i < M; i++) {
+            float s = 0.0f;
+            for (int64_t p = 0; p < K; p++) s += A[i * lda + p] * B[p * ldb + j];
+            C[i * ldc + j] = s;
+        }
+}
+
+/* out[i] = silu(gate[i]) * up[i], silu(x) = x * sigmoid(x) with e^-|x| from the non-positive
+ * exp; branch-free, so the loop vectorises (a scalar silu was ~half of the layer at 8 rows per
+ * expert). */
+static void silu_mul(const float *gate, const float *up, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        const float e = exp_nonpositive(-fabsf(g));
+        out[i] = g * ((g < 0 ? e : 1.0f) / (1.0f + e)) * up[i];
+    }
+}
+
+/* Routed experts of one MoE layer: out[t] = sum_j weights[t, j] * FFN_e(x[t]) over the slots j
+ * with e = expert_ids[t, j] in [0, E) (-1: served elsewhere, skipped), where
+ * FFN_e(v) = (silu(v W1_e) * (v W3_e)) W2_e. Weights pre-transposed for row-major GEMMs:
+ * w13t [E, H, 2I] (gate columns, then up), w2t [E, I, H]. x [N, H], out [N, H] contiguous.
+ * Pairs are grouped by expert (counting sort, stable), each expert's rows gathered, and its
+ * output rows added into out in ascending expert order (fused_moe_ref's order of the sums).
+ * Returns 0; -1 if scratch memory could not be allocated; -2 for an expert id >= E. */
+int splitmoe_fused_moe_f32(const float *x, int64_t N, int64_t H, const float *w13t,
+                           const float *w2t, int64_t E, int64_t I, const int64_t *expert_ids,
+                           const float *weights, int64_t k, float *out) {
+    memset(out, 0, sizeof(float) * (size_t)(N * H));
+    int64_t *start = calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(N * k + 1));
+    if (!start || !order) {
+        free(start);
+        free(order);
+        return -1;
+    }
+    for (int64_t p = 0; p < N * k; p++) {
+        const int64_t e = expert_ids[p];
+        if (e >= E) {
+            free(start);
+            free(order);
+            return -2;
+        }
+        if (e >= 0) start[e + 1]++;
+    }
+    int64_t max_rows = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (start[e + 1] > max_rows) max_rows = start[e + 1];
+        start[e + 1] += start[e];
+    }
+    int64_t *fill = malloc(sizeof(int64_t) * (size_t)(E + 1));
+    float *a = malloc(sizeof(float) * (size_t)(max_rows * (H + 3 * I) + 1));
+    if (!fill || !a) {
+        free(start);
+        free(order);
+        free(fill);
+        free(a);
+        return -1;
+    }
+    memcpy(fill, start, sizeof(int64_t) * (size_t)E);
+    for (int64_t p = 0; p < N * k; p++)
+        if (expert_ids[p] >= 0) order[fill[expert_ids[p]]++] = p;
+    float *h = a + max_rows * H;  /* [rows, 2I]: gate | up */
+    float *act = h + max_rows * 2 * I; /* [rows, I]; the down projection reuses a */
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t rows = start[e + 1] - start[e];
+        if (!rows) continue;
+        const int64_t *pairs = order + start[e];
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(a + r * H, x + pairs[r] / k * H, sizeof(float) * (size_t)H);
+        gemm(a, H, w13t + e * H * 2 * I, 2 * I, h, 2 * I, rows, 2 * I, H);
+        for (int64_t r = 0; r < rows; r++)
+            silu_mul(h + r * 2 * I, h + r * 2 * I + I, act + r * I, I);
+        gemm(act, I, w2t + e * I * H, H, a, H, rows, H, I);
+        for (int64_t r = 0; r < rows; r++) {
+            const float w = weights[pairs[r]];
+            float *o = out + pairs[r] / k * H;
+            for (int64_t c = 0; c < H; c++) o[c] += a[r * H + c] * w;
+        }
+    }
+    free(start);
+    free(order);
+    free(fill);
+    free(a);
+    return 0;
+}
