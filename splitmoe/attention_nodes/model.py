@@ -125,7 +125,8 @@ class AttentionModel:
         self.lm_head = global_weights["lm_head"]  # [V, H]
         self.layers = [LayerWeights.from_tensors(t, cfg) for t in layer_weights]
         self.attention_backend = attention_backend
-        # The "cpu" backend also runs the layer's norms and RoPE as native kernels (float32).
+        # The "cpu" backend also runs the layer's norms, RoPE, KV store and router top-k as native
+        # kernels (float32).
         self.native = None
         self.norm = rms_norm
         if attention_backend == "cpu":
@@ -162,6 +163,8 @@ class AttentionModel:
     def route(self, layer: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax over experts (float32) -> top-k -> optional renormalisation."""
         logits = F.linear(x, layer.router)  # [T, E]
+        if self.native is not None:  # the same steps in one native call
+            return self.native.route(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)  # [T, k]
         if self.cfg.norm_topk_prob:
@@ -187,7 +190,7 @@ class AttentionModel:
             self.native.norm_rope_(qkv[:, : nh + nkv], w, cfg.rms_norm_eps, *cos_sin)
             q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
             k_cache, v_cache = kv
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            self.native.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale, "cpu")
             return F.linear(o.view(T, self.q_size), layer.o_proj)
         if cfg.qk_norm == "full" or cfg.clip_qkv is not None:

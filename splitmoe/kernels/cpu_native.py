@@ -60,6 +60,8 @@ _SIGNATURES = {
         ctypes.c_int,
         [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _f32, _p, _p, _i64],
     ),
+    "splitmoe_route_f32": (ctypes.c_int, [_p, _i64, _i64, _i64, ctypes.c_int, _p, _p]),
+    "splitmoe_store_kv_f32": (None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
     "splitmoe_fused_moe_f32": (
         ctypes.c_int,
         [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p],
@@ -295,6 +297,61 @@ def norm_rope_(
         cos.stride(0),
     )
     return x
+
+
+def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of router ``logits [T, E]`` float32: ``ids [T, k]`` int64 (descending) and
+    their softmax probabilities ``[T, k]`` float32 (over all E; renormalised to sum to 1 when
+    ``renormalize``), as `AttentionModel.route` computes them with torch ops."""
+    _check_f32("logits", logits)
+    if logits.dim() != 2 or not logits.is_contiguous() or not 1 <= k <= logits.shape[1] <= 4096:
+        raise ValueError(
+            f"cpu kernels: route takes contiguous [T, E] logits with 1 <= k <= E <= 4096; got "
+            f"{tuple(logits.shape)}, k {k}"
+        )
+    T, E = logits.shape
+    ids = torch.empty(T, k, dtype=torch.int64)
+    weights = torch.empty(T, k, dtype=torch.float32)
+    library().splitmoe_route_f32(
+        logits.data_ptr(), T, E, k, int(renormalize), ids.data_ptr(), weights.data_ptr()
+    )
+    return ids, weights
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """`paged_attention.store_kv` for float32: ``k, v [T, num_kv_heads, head_dim]`` (each
+    token's heads contiguous, any token stride) into the caches' ``slots [T]`` int64."""
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_f32(name, t)
+    nkv, d = k_cache.shape[-2:]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("cpu kernels: k_cache and v_cache must be contiguous")
+    T = k.shape[0]
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != (T, nkv, d) or t.stride(1) != d:
+            raise ValueError(
+                f"cpu kernels: {name} must be [{T}, {nkv}, {d}] with each token's heads "
+                f"contiguous; got {tuple(t.shape)} strides {t.stride()}"
+            )
+    if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (T,):
+        raise ValueError(f"cpu kernels: slots must be contiguous int64 [{T}]")
+    library().splitmoe_store_kv_f32(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        T,
+        nkv * d,
+    )
 
 
 def expert_layout(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

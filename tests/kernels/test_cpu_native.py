@@ -388,3 +388,43 @@ def test_fused_moe_rejects_bad_input():
         cpu_native.fused_moe(x, w13t, w2t, ids[:, :1], w)
     with pytest.raises(ValueError, match="expert id >= 8"):
         cpu_native.fused_moe(x, w13t, w2t, torch.full_like(ids, 8), w)
+
+
+# --- router and KV store ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,E,k", [(0, 8, 2), (1, 8, 1), (37, 16, 4), (5, 60, 8), (3, 4, 4)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_matches_torch(T, E, k, renormalize):
+    g = torch.Generator().manual_seed(T * 100 + E)
+    logits = torch.randn(T, E, generator=g) * 3
+    probs = logits.softmax(-1)
+    want_w, want_ids = probs.topk(k, dim=-1)
+    if renormalize:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    ids, w = cpu_native.route(logits, k, renormalize)
+    assert ids.dtype == torch.int64 and ids.shape == (T, k)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_route_rejects_bad_input():
+    with pytest.raises(ValueError, match="k <= E"):
+        cpu_native.route(torch.randn(3, 4), 5, True)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_native.route(torch.randn(4, 3).t(), 2, True)
+
+
+def test_store_kv_matches_torch():
+    g = torch.Generator().manual_seed(5)
+    T, nh, nkv, d = 6, 4, 2, 16
+    qkv = torch.randn(T, nh + 2 * nkv, d, generator=g)
+    k, v = qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
+    slots = torch.randperm(40, generator=g)[:T]
+    want_k, want_v = torch.zeros(10, 4, nkv, d), torch.zeros(10, 4, nkv, d)
+    store_kv(k, v, want_k, want_v, slots)
+    got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    cpu_native.store_kv(k, v, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_native.store_kv(k, v, got_k, got_v, slots.int())

@@ -343,3 +343,56 @@ int splitmoe_fused_moe_f32(const float *x, int64_t N, int64_t H, const float *w1
     free(a);
     return 0;
 }
+
+/* ---- router and KV store -------------------------------------------------------------------- */
+
+/* Top-k routing of rows of router logits [T, E] (contiguous): the k largest logits of each row
+ * (descending; ties to the lower expert id), their softmax probabilities over all E experts
+ * computed in float32, renormalised to sum to 1 when renorm is set. ids [T, k] int64, weights
+ * [T, k] float32. k <= E <= 4096. Returns 0, or -1 for a bad k / E. */
+int splitmoe_route_f32(const float *logits, int64_t T, int64_t E, int64_t k, int renorm,
+                       int64_t *ids, float *weights) {
+    if (k < 1 || k > E || E > 4096) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = logits + t * E;
+        int64_t *id = ids + t * k;
+        float *w = weights + t * k;
+        for (int64_t j = 0; j < k; j++) { /* insertion into the sorted top-k so far */
+            id[j] = -1;
+            w[j] = -INFINITY;
+        }
+        for (int64_t e = 0; e < E; e++) {
+            const float v = row[e];
+            if (!(v > w[k - 1])) continue; /* (NaN never enters) */
+            int64_t j = k - 1;
+            for (; j > 0 && v > w[j - 1]; j--) {
+                w[j] = w[j - 1];
+                id[j] = id[j - 1];
+            }
+            w[j] = v;
+            id[j] = e;
+        }
+        const float m = w[0];
+        float total = 0.0f;
+        for (int64_t e = 0; e < E; e++) total += exp_nonpositive(row[e] - m);
+        float kept = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            w[j] = exp_nonpositive(w[j] - m) / total;
+            kept += w[j];
+        }
+        if (renorm)
+            for (int64_t j = 0; j < k; j++) w[j] /= kept;
+    }
+    return 0;
+}
+
+/* Writes this step's keys and values into their cache slots: k[t, :, :] at k + t * k_st (nkv
+ * heads of d, contiguous), likewise v; caches [num_slots, nkv, d] contiguous. */
+void splitmoe_store_kv_f32(const float *k, int64_t k_st, const float *v, int64_t v_st,
+                           float *k_cache, float *v_cache, const int64_t *slots, int64_t T,
+                           int64_t slot_elems) {
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_cache + slots[t] * slot_elems, k + t * k_st, sizeof(float) * (size_t)slot_elems);
+        memcpy(v_cache + slots[t] * slot_elems, v + t * v_st, sizeof(float) * (size_t)slot_elems);
+    }
+}
