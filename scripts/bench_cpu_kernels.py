@@ -1,4 +1,4 @@
-"""Native CPU kernels (`splitmoe.kernels.cpu_native`) against the PyTorch reference, one thread.
+"""Native CPU kernels (`splitmoe.kernels.cpu_native`) against the PyTorch paths, one thread.
 
     python scripts/bench_cpu_kernels.py            # default model's heads and Qwen3-30B-A3B's
     python scripts/bench_cpu_kernels.py --smoke    # tiny shapes, a few seconds
@@ -7,7 +7,8 @@ Decode attention runs over a paged cache with scattered blocks, as many layers' 
 4-layer model holds, touching other memory between calls (``--hot``: the same pool again and
 again instead), because inside a model step each layer finds its KV cold in cache. Each row gives
 µs per call (median of interleaved repeats) of the reference and the native kernel, their ratio,
-and the largest difference between their outputs.
+and the largest difference between their outputs. Then RMSNorm, the fused q/k norm + RoPE, and
+the routed experts of the default model (16 experts, H 128) and of Qwen3-30B-A3B (128, H 2048).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from splitmoe.attention_nodes.model import AttentionModel, rms_norm
 from splitmoe.kernels import cpu_native
+from splitmoe.kernels.fused_moe import fused_moe
 from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention_ref
 
 # (name, query heads, kv heads, head_dim)
@@ -144,6 +146,32 @@ def bench_norms(args) -> None:
         print("\n".join(norm_rows(args, T)))
 
 
+def moe_row(args, T: int, E: int, H: int, I: int, k: int) -> str:
+    g = torch.Generator().manual_seed(T)
+    w13 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, I, generator=g) * I**-0.5
+    x = torch.randn(T, H, generator=g)
+    ids = torch.randn(T, E, generator=g).topk(k, dim=1).indices.to(torch.int32)
+    w = torch.rand(T, k, generator=g)
+    w13t, w2t = cpu_native.expert_layout(w13, w2)
+    want = fused_moe(x, w13, w2, ids, w, "torch")
+    err = (cpu_native.fused_moe(x, w13t, w2t, ids, w) - want).abs().max().item()
+    n = 5 * args.repeat
+    t_ref = timed(lambda: fused_moe(x, w13, w2, ids, w, "torch"), n)
+    t_nat = timed(lambda: cpu_native.fused_moe(x, w13t, w2t, ids, w), n)
+    return row(f"moe {E}e top-{k} {H}/{I}", f"T {T}", t_ref, t_nat, err)
+
+
+def bench_moe(args) -> None:
+    print("\nrouted experts (fused_moe, torch = the grouped CPU path), µs per call")
+    print(HEADER)
+    shapes = [(16, 128, 64, 4)] if args.smoke else [(16, 128, 64, 4), (128, 2048, 768, 8)]
+    for E, H, I, k in shapes:
+        tokens = [1, 32] if args.smoke else [1, 8, 32, 128, 512]
+        for T in tokens if H < 1024 else [1, 32, 128]:
+            print(moe_row(args, T, E, H, I, k))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes")
@@ -156,6 +184,7 @@ def main() -> None:
     with torch.inference_mode():
         bench_decode(args)
         bench_norms(args)
+        bench_moe(args)
 
 
 if __name__ == "__main__":
