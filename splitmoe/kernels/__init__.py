@@ -6,6 +6,11 @@
 * `fused_moe.fused_moe`: the grouped expert FFN. Triton: `moe_gemm` (sorted, padded grouped
   GEMMs with SiLU-and-multiply fused); on CUDA also ``torch._grouped_mm``, whichever is faster.
 
-The references are the oracle in tests and the default on CPU; ``backend="triton"`` is the default
-on CUDA. Modules that import triton are imported only when that backend runs. See docs/kernels.md.
+`cpu_native`: the ``"cpu"`` backend, plain-C kernels for float32 on CPU (decode attention over the
+paged cache, RMSNorm, q/k norm + RoPE, router top-k, KV store, the routed experts), built on first
+use with the system C compiler and called through ctypes.
+
+The references are the oracle in tests; ``"triton"`` is the default on CUDA and ``"cpu"`` on CPU
+in float32 where it builds (else the references). Modules that import triton are imported only
+when that backend runs. See docs/kernels.md.
 """
