@@ -317,8 +317,8 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
     threads_per_rank: int | None = None
-    # "auto" (triton on CUDA; on CPU the native "cpu" kernels in float32 when they build, else
-    # torch) | "torch" | "triton" | "cpu"
+    # "auto" (triton on CUDA; on CPU the native "cpu" kernels for one-thread float32 ranks when
+    # they build, else torch) | "torch" | "triton" | "cpu"
     attention_backend: str = "auto"
     moe_backend: str = "auto"
 
@@ -350,7 +350,7 @@ class EngineConfig:
     def _check_cpu_kernels(self, name: str) -> None:
         from splitmoe.kernels import cpu_native
 
-        if self.device_type != "cpu" or self.torch_dtype != torch.float32:
+        if not self.native_cpu_eligible:
             raise ValueError(
                 f"{name}='cpu' runs float32 on CPU; this run is {self.torch_dtype} on "
                 f"{self.device_type}: use {name}='auto' or dtype='float32', device='cpu'"
@@ -371,19 +371,26 @@ class EngineConfig:
         return resolve_dtype(self.dtype, self.model.checkpoint_dtype, self.device_type)
 
     def backend(self, name: str) -> str:
-        """Resolved ``attention_backend`` / ``moe_backend``: ``auto`` is Triton on CUDA; on CPU
-        it is the native kernels in float32 where they build (see `kernels.cpu_native`), else
-        the PyTorch path."""
+        """Resolved ``attention_backend`` / ``moe_backend`` (in each rank, after its thread
+        count is set): ``auto`` is Triton on CUDA; on CPU, the native kernels for a rank that
+        runs float32 on one thread, where they build (see `kernels.cpu_native`: they are
+        single-threaded, so a rank with several threads keeps the PyTorch paths, which use
+        them), else the PyTorch paths."""
         value = getattr(self, name)
         if value != "auto":
             return value
         if self.device_type == "cuda":
             return "triton"
-        if self.torch_dtype == torch.float32:
+        if self.native_cpu_eligible and torch.get_num_threads() == 1:
             from splitmoe.kernels import cpu_native
 
             return "cpu" if cpu_native.available() else "torch"
         return "torch"
+
+    @property
+    def native_cpu_eligible(self) -> bool:
+        """Whether this run's device and dtype are those of the native CPU kernels."""
+        return self.device_type == "cpu" and self.torch_dtype == torch.float32
 
     @property
     def max_model_len(self) -> int:

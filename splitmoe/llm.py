@@ -193,8 +193,9 @@ class LLM:
         timeout_s: how long a collective, a step or start-up may take before the job is failed
             (a hung rank is detected within this bound; a dead one at once).
         attention_backend, moe_backend: ``"auto"`` (Triton on CUDA; on CPU the native ``"cpu"``
-            kernels in float32 where a C compiler builds them, else PyTorch), ``"torch"``,
-            ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``), or ``"cpu"``.
+            kernels for ranks running float32 on one thread, where a C compiler builds them,
+            else PyTorch), ``"torch"``, ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``),
+            or ``"cpu"``.
         seed: seeds the random streams of sampled requests that carry no seed of their own, so
             a `generate` call is reproducible.
         redundant_experts: extra expert slots per MoE layer on the expert ranks, holding
@@ -268,10 +269,10 @@ class LLM:
             attention_backend=attention_backend,
             moe_backend=moe_backend,
         )
-        # Resolved once here: builds the native CPU kernels, if they are picked, before the ranks
-        # start (each then loads the cached library).
-        self.config.backend("attention_backend")
-        self.config.backend("moe_backend")
+        if self.config.native_cpu_eligible:  # the ranks may pick the native CPU kernels: built
+            from splitmoe.kernels import cpu_native  # once here, each rank loads the library
+
+            cpu_native.available()
         # Reads and checks every tensor header before any rank starts.
         from splitmoe.models.loader import CheckpointReader
 

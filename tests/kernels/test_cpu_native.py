@@ -323,7 +323,29 @@ def model_cfg(tmp_path_factory):
     return ModelConfig.from_hf(write_small_model(tmp_path_factory.mktemp("cpu-native") / "m"))
 
 
-def test_config_cpu_backend(model_cfg):
+@pytest.fixture
+def one_thread():
+    """A rank's thread count: "auto" picks the (single-threaded) native kernels only there."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_config_auto_keeps_torch_with_threads(model_cfg):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cfg = EngineConfig(model=model_cfg, device="cpu", dtype="float32")
+        assert cfg.backend("attention_backend") == "torch"
+        assert cfg.backend("moe_backend") == "torch"
+        forced = EngineConfig(model=model_cfg, attention_backend="cpu", moe_backend="cpu")
+        assert forced.backend("attention_backend") == forced.backend("moe_backend") == "cpu"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_config_cpu_backend(model_cfg, one_thread):
     with pytest.raises(ValueError, match="float32"):
         EngineConfig(model=model_cfg, attention_backend="cpu", dtype="bfloat16", device="cpu")
     with pytest.raises(ValueError, match="float32"):
