@@ -277,6 +277,7 @@ def run_rank(
             device,
             timeout=par.timeout,
             hub=groups.hub,
+            native=cfg.backend("attention_backend") == "cpu",
         )
         balance = ExpertBalance(cfg, topo, groups, device)
     if topo.is_attention:

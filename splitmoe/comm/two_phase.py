@@ -279,9 +279,8 @@ class TwoPhaseTransport(Transport):
     # ---- attention side -----------------------------------------------------------------------
     def dispatch(self, x, topk_ids, topk_weights, layer=UNKNOWN_LAYER):
         A, W = self.topo.num_attention, self.topo.world_size
-        token_index, ids, w, counts = self.route(topk_ids, topk_weights)
+        token_index, rows, counts = self.route_rows(x, topk_ids, topk_weights)  # flat order
         plan = self._plan(self._gather_counts(counts[A:], layer), layer)
-        rows = self.pack(x[token_index], ids, w)  # [P, row_bytes], flat order
         if plan.scheme == "flat":
             send2 = rows
         else:

@@ -62,6 +62,10 @@ _SIGNATURES = {
     ),
     "splitmoe_route_f32": (ctypes.c_int, [_p, _i64, _i64, _i64, ctypes.c_int, _p, _p]),
     "splitmoe_store_kv_f32": (None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
+    "splitmoe_route_pack": (
+        ctypes.c_int64,
+        [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _p, _p, _p],
+    ),
     "splitmoe_fused_moe_f32": (
         ctypes.c_int,
         [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p],
@@ -352,6 +356,57 @@ def store_kv(
         T,
         nkv * d,
     )
+
+
+def route_pack(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    slot_rank: torch.Tensor,
+    slot_local: torch.Tensor,
+    num_ranks: int,
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """`Transport.route` and `Transport.pack` in one pass, the same bytes: ``x [T, H]`` (any
+    dtype, contiguous), ``slots [T, k]`` (slot of each (token, expert)), router ``weights
+    [T, k]``, ``slot_rank / slot_local [S]`` int64 (expert rank and local id of each slot).
+    Returns ``token_index [P]`` int64, ``rows [P, H * elem + 8 k]`` uint8 grouped by destination
+    and the row count per expert rank."""
+    T, k = slots.shape
+    if x.dim() != 2 or x.shape[0] != T or not x.is_cpu:
+        raise ValueError(f"cpu kernels: route_pack takes CPU x [{T}, H]; got {tuple(x.shape)}")
+    x = x.contiguous()
+    if weights.shape != (T, k) or k > 64:
+        raise ValueError(f"cpu kernels: route_pack weights must be [{T}, {k}] with k <= 64")
+    slots = slots.to(torch.int64).contiguous()
+    w = weights.to(torch.float32).contiguous()
+    x_row = x.shape[1] * x.element_size()
+    cap = T * min(k, num_ranks)
+    rows = torch.empty(cap, x_row + 8 * k, dtype=torch.uint8)
+    token_index = torch.empty(cap, dtype=torch.int64)
+    counts = torch.empty(num_ranks, dtype=torch.int64)
+    P = library().splitmoe_route_pack(
+        slots.data_ptr(),
+        T,
+        k,
+        slot_rank.data_ptr(),
+        slot_local.data_ptr(),
+        slot_rank.numel(),
+        num_ranks,
+        x.data_ptr(),
+        x_row,
+        w.data_ptr(),
+        rows.data_ptr(),
+        token_index.data_ptr(),
+        counts.data_ptr(),
+    )
+    if P == -2:
+        raise MemoryError("cpu kernels: route_pack could not allocate")
+    if P < 0:
+        raise ValueError(
+            f"cpu kernels: route_pack got a slot outside 0..{slot_rank.numel() - 1} or a slot "
+            f"owned by no expert rank"
+        )
+    return token_index[:P], rows[:P], counts.tolist()
 
 
 def expert_layout(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -450,3 +450,61 @@ def test_store_kv_matches_torch():
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     with pytest.raises(ValueError, match="int64"):
         cpu_native.store_kv(k, v, got_k, got_v, slots.int())
+
+
+# --- dispatch rows ----------------------------------------------------------------------------
+
+
+def _route_pack_ref(x, slots, weights, slot_rank, slot_local, R):
+    """The definition: a row per (token, distinct destination rank), destinations ascending,
+    tokens ascending within one; x bytes, then int32 local ids (-1 elsewhere), then the token's
+    float32 weights."""
+    rows, tokens, counts = [], [], [0] * R
+    for r in range(R):
+        for t in range(slots.shape[0]):
+            dest = [int(slot_rank[s]) for s in slots[t]]
+            if r not in dest:
+                continue
+            ids = torch.tensor(
+                [int(slot_local[s]) if d == r else -1 for s, d in zip(slots[t], dest)],
+                dtype=torch.int32,
+            )
+            row = [x[t].contiguous().view(torch.uint8), ids.view(torch.uint8)]
+            rows.append(torch.cat(row + [weights[t].float().contiguous().view(torch.uint8)]))
+            tokens.append(t)
+            counts[r] += 1
+    width = x.shape[1] * x.element_size() + 8 * slots.shape[1]
+    out = torch.stack(rows) if rows else torch.empty(0, width, dtype=torch.uint8)
+    return torch.tensor(tokens, dtype=torch.int64), out, counts
+
+
+@pytest.mark.parametrize("T", [0, 1, 9, 40])
+@pytest.mark.parametrize("R,replicas", [(1, 0), (2, 0), (3, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_pack_matches_definition(T, R, replicas, dtype):
+    g = torch.Generator().manual_seed(T * 10 + R)
+    E, k, H = 8, 3, 12
+    S = E + replicas  # slots: every expert once, plus replicas of the first ones
+    slot_rank = torch.randint(0, R, (S,), generator=g)
+    slot_rank[:R] = torch.arange(R)  # every rank owns a slot
+    slot_local = torch.zeros(S, dtype=torch.int64)
+    for r in range(R):
+        mine = (slot_rank == r).nonzero().view(-1)
+        slot_local[mine] = torch.arange(mine.numel())
+    slots = torch.stack(
+        [torch.randperm(S, generator=g)[:k] for _ in range(T)]
+        or [torch.empty(0, k, dtype=torch.int64)]
+    ).view(T, k)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w = torch.rand(T, k, generator=g)
+    want = _route_pack_ref(x, slots, w, slot_rank, slot_local, R)
+    tokens, rows, counts = cpu_native.route_pack(x, slots, w, slot_rank, slot_local, R)
+    assert torch.equal(tokens, want[0]) and counts == want[2]
+    assert torch.equal(rows, want[1])
+
+
+def test_route_pack_rejects_bad_slots():
+    slot_rank, slot_local = torch.zeros(4, dtype=torch.int64), torch.arange(4)
+    x, w = torch.randn(2, 8), torch.rand(2, 2)
+    with pytest.raises(ValueError, match="slot outside"):
+        cpu_native.route_pack(x, torch.tensor([[0, 4], [1, 2]]), w, slot_rank, slot_local, 1)

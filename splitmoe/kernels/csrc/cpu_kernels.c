@@ -396,3 +396,53 @@ void splitmoe_store_kv_f32(const float *k, int64_t k_st, const float *v, int64_t
         memcpy(v_cache + slots[t] * slot_elems, v + t * v_st, sizeof(float) * (size_t)slot_elems);
     }
 }
+
+/* ---- dispatch rows -------------------------------------------------------------------------- */
+
+/* The rows an attention rank dispatches (Transport.route + Transport.pack): one row per (token,
+ * distinct destination expert rank), grouped by destination (ascending), tokens ascending within
+ * a destination. A row is the token's x bytes (x_row_bytes), then k int32 local slot ids (-1 for
+ * slots on other ranks), then the token's k float32 router weights. slots [T, k] int64 (slot of
+ * each (token, expert)); slot_rank / slot_local [num_slots]: the expert rank and local id of each
+ * slot. Writes rows [P, row_bytes] and token_index [P] (P <= T * min(k, R)) and counts [R];
+ * returns P, or -1 for a slot id out of range / a rank >= R. */
+int64_t splitmoe_route_pack(const int64_t *slots, int64_t T, int64_t k, const int64_t *slot_rank,
+                            const int64_t *slot_local, int64_t num_slots, int64_t R,
+                            const uint8_t *x, int64_t x_row_bytes, const float *weights,
+                            uint8_t *rows, int64_t *token_index, int64_t *counts) {
+    const int64_t row_bytes = x_row_bytes + 8 * k;
+    memset(counts, 0, sizeof(int64_t) * (size_t)R);
+    for (int64_t t = 0; t < T; t++) /* rows per destination: a rank counts once per token */
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t s = slots[t * k + j];
+            if (s < 0 || s >= num_slots || slot_rank[s] < 0 || slot_rank[s] >= R) return -1;
+            int seen = 0;
+            for (int64_t i = 0; i < j; i++) seen |= slot_rank[slots[t * k + i]] == slot_rank[s];
+            if (!seen) counts[slot_rank[s]]++;
+        }
+    int64_t *at = malloc(sizeof(int64_t) * (size_t)(R + 1));
+    if (!at) return -2;
+    at[0] = 0;
+    for (int64_t r = 0; r < R; r++) at[r + 1] = at[r] + counts[r];
+    const int64_t P = at[R];
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t r = slot_rank[slots[t * k + j]];
+            int seen = 0;
+            for (int64_t i = 0; i < j; i++) seen |= slot_rank[slots[t * k + i]] == r;
+            if (seen) continue;
+            const int64_t p = at[r]++;
+            uint8_t *row = rows + p * row_bytes;
+            token_index[p] = t;
+            memcpy(row, x + t * x_row_bytes, (size_t)x_row_bytes);
+            int32_t ids[64];
+            for (int64_t i = 0; i < k; i++) {
+                const int64_t si = slots[t * k + i];
+                ids[i] = slot_rank[si] == r ? (int32_t)slot_local[si] : -1;
+            }
+            memcpy(row + x_row_bytes, ids, sizeof(int32_t) * (size_t)k);
+            memcpy(row + x_row_bytes + 4 * k, weights + t * k, sizeof(float) * (size_t)k);
+        }
+    free(at);
+    return P;
+}
