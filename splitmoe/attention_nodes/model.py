@@ -7,6 +7,7 @@ passed to `forward` explicitly: local experts in colocated mode, dispatch/combin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -230,14 +231,19 @@ class AttentionModel:
         return y if moe.shared is None else y + moe.shared
 
     def forward(
-        self, mbs: list[MicroBatch], kv_cache: PagedKVCache, experts: ExpertExecutor
+        self,
+        mbs: list[MicroBatch],
+        kv_cache: PagedKVCache,
+        experts: ExpertExecutor,
+        on_done: Callable[[int, torch.Tensor], None] | None = None,
     ) -> list[torch.Tensor]:
         """Final hidden states ``[T_j, H]`` (normed) of each micro-batch.
 
         Layer by layer, micro-batch by micro-batch (ping-pong): micro-batch j's MoE is started
         after its attention and finished only when its next layer needs it, so the attention of
         micro-batch j+1 runs while the experts work on j. With one micro-batch this is the plain
-        sequential forward.
+        sequential forward. ``on_done(j, h_j)`` is called as soon as micro-batch j's output is
+        final, so its tokens can be sampled while the experts still work on later micro-batches.
         """
         eps = self.cfg.rms_norm_eps
         hs = [F.embedding(mb.input_ids, self.embed) for mb in mbs]  # [T_j, H]
@@ -261,7 +267,10 @@ class AttentionModel:
         for j, moe in enumerate(in_flight):
             if moe is not None:
                 hs[j] = hs[j] + self.finish_moe(moe, experts)
-        return [self.norm(h, self.final_norm, eps) for h in hs]
+            hs[j] = self.norm(hs[j], self.final_norm, eps)
+            if on_done is not None:
+                on_done(j, hs[j])
+        return hs
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head).float()  # [B, V]

@@ -194,32 +194,35 @@ class AttentionWorker:
         record = self._record(batch)
         with self.timeline.span("inputs", "compute"):
             parts = split_micro_batches(batch.num_new_tokens, micro_batches)
-            mbs, rows, to_sample = [], [], []
+            mbs, rows, to_sample, scheduled = [], [], [], []
             for part in parts:
                 reqs = [batch.requests[i] for i in part]
                 counts = [batch.num_new_tokens[i] for i in part]
                 mb, sample_rows = self._inputs(reqs, counts)
                 mbs.append(mb)
                 rows.append(sample_rows)
-                to_sample += [
-                    r for r, n in zip(reqs, counts) if r.num_computed_tokens + n == r.num_tokens
-                ]
-        with self.timeline.span(f"forward m={micro_batches}", "compute"):
-            hs = self.model.forward(mbs, self.kv_cache, self.experts)
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-        if not to_sample:
-            return [], record
-        with self.timeline.span("sample", "compute"):
-            return self._sample(hs, rows, to_sample), record
+                scheduled.append(list(zip(reqs, counts)))
+                to_sample.append(
+                    [r for r, n in zip(reqs, counts) if r.num_computed_tokens + n == r.num_tokens]
+                )
+        updates: list[RequestUpdate] = []
 
-    def _sample(
-        self, hs: list[torch.Tensor], rows: list[list[int]], to_sample: list
-    ) -> list[RequestUpdate]:
-        """Next tokens of the requests whose prompt is done (``rows[j]``: their rows in micro-batch
-        j's final hidden states ``hs[j]``), appended to them, as the front end's updates."""
-        h = torch.cat([h[r] for h, r in zip(hs, rows)])  # [B, H], in to_sample order
-        logits = self.model.logits(h)  # [B, V]
+        def done(j: int, h: torch.Tensor) -> None:
+            # micro-batch j is final: sample it while the experts work on later micro-batches
+            for req, n in scheduled[j]:
+                req.num_computed_tokens += n
+            if to_sample[j]:
+                with self.timeline.span("sample", "compute"):
+                    updates.extend(self._sample(h, rows[j], to_sample[j]))
+
+        with self.timeline.span(f"forward m={micro_batches}", "compute"):
+            self.model.forward(mbs, self.kv_cache, self.experts, on_done=done)
+        return updates, record
+
+    def _sample(self, h: torch.Tensor, rows: list[int], to_sample: list) -> list[RequestUpdate]:
+        """Next tokens of the requests whose prompt is done (``rows``: their rows in their
+        micro-batch's final hidden states ``h``), appended to them, as the front end's updates."""
+        logits = self.model.logits(h[rows])  # [B, V]
         tokens = sample(
             logits,
             [r.params for r in to_sample],
