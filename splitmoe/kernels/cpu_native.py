@@ -1,6 +1,7 @@
-"""Native CPU kernels (the ``"cpu"`` backend), float32: decode attention over the paged KV cache,
-RMSNorm, the q/k head norm fused with RoPE (``attention_backend``), and the routed experts of a
-MoE layer (``moe_backend``).
+"""Native CPU kernels (the ``"cpu"`` backend), float32. For ``attention_backend``: decode
+attention over the paged KV cache, RMSNorm, the q/k head norm fused with RoPE, the router's
+top-k, the KV store, and the dispatch rows (`route_pack`); for ``moe_backend``: the routed
+experts of a MoE layer (`fused_moe`).
 
 On CPU an attention rank's decode layer costs per-op overheads, not arithmetic: the reference
 gathers every sequence's K/V blocks into a padded copy and runs SDPA as per-(sequence, head)
@@ -8,10 +9,10 @@ GEMMs of a few rows, an RMSNorm is six small ops, and the grouped expert FFN is 
 two grouped GEMMs that loop over experts, and a scatter. ``csrc/cpu_kernels.c`` does each in one
 pass over its data. It is plain C, built on first use with the system C compiler
 (``cc -O3 -march=native``, well under a second) into a cache directory and loaded with ctypes;
-without a compiler `available` is False and ``attention_backend="auto"`` stays on the PyTorch
-reference. The wrappers check what the C code assumes (dtypes, devices, strides) and raise
-``ValueError`` naming the problem. The references in `paged_attention` and
-`attention_nodes.model.rms_norm` are the oracle in tests (tests/kernels/test_cpu_native.py).
+without a compiler `available` is False and ``"auto"`` stays on the PyTorch paths. Every kernel
+is single-threaded. The wrappers check what the C code assumes (dtypes, devices, strides) and
+raise ``ValueError`` naming the problem. The PyTorch references are the oracle in tests
+(tests/kernels/test_cpu_native.py); docs/kernels.md has the figures.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def build(directory: Path | None = None) -> Path:
     if cc is None:
         raise RuntimeError(
             "no C compiler (cc, gcc or clang) on PATH to build splitmoe's CPU kernels; install "
-            "one (e.g. apt install gcc) or use attention_backend='torch'"
+            "one (e.g. apt install gcc) or use attention_backend='torch' and moe_backend='torch'"
         )
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join((cc, *FLAGS, _host_key())).encode()).hexdigest()[:16]
@@ -123,7 +124,8 @@ def build(directory: Path | None = None) -> Path:
         if result.returncode != 0:
             raise RuntimeError(
                 f"building splitmoe's CPU kernels failed ({cc} {' '.join(FLAGS)}):\n"
-                f"{result.stderr.strip()}\nuse attention_backend='torch' to run without them"
+                f"{result.stderr.strip()}\nuse attention_backend='torch' and moe_backend='torch' "
+                "to run without them"
             )
         os.replace(tmp, lib)
     finally:
@@ -148,7 +150,7 @@ def available() -> bool:
     try:
         library()
     except (RuntimeError, OSError) as e:
-        logger.warning("CPU kernels unavailable, attention stays on PyTorch: %s", e)
+        logger.warning("native CPU kernels unavailable, staying on the PyTorch paths: %s", e)
         return False
     return True
 
