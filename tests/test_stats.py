@@ -5,6 +5,7 @@ from __future__ import annotations
 from tiny_models import prompt_ids
 
 from splitmoe import LLM, SamplingParams
+from splitmoe.kernels import cpu_native
 
 
 def test_stats_from_every_rank(tiny_ckpt):
@@ -23,3 +24,7 @@ def test_stats_from_every_rank(tiny_ckpt):
     assert [s["experts"] for s in stats[2:]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert all(s["tokens_served"] > 0 for s in stats[2:])
     assert all(0 < s["rss_mb"] <= s["peak_rss_mb"] + 1 for s in stats)
+    # one thread per rank here, float32 on CPU: "auto" ran the native kernels where they build
+    native = "cpu" if cpu_native.available() else "torch"
+    assert [s["attention_backend"] for s in stats[:2]] == [native] * 2
+    assert [s["moe_backend"] for s in stats] == [None, None, native, native]

@@ -114,6 +114,8 @@ class AttentionWorker:
             "running": len(s.running),
             "waiting": len(s.waiting),
             "preemptions": s.num_preemptions,
+            "attention_backend": self.model.attention_backend,
+            "moe_backend": getattr(self.experts, "backend", None),  # None: experts elsewhere
         }
 
     def add_request(self, spec: RequestSpec) -> None:

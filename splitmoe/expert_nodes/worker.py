@@ -42,6 +42,7 @@ class ExpertWorker:
             "placement_version": self.placement.version,
             "weights_reloaded": self.experts.weights_reloaded,
             "tokens_served": self.tokens_served,
+            "moe_backend": self.experts.backend,
         }
 
     def set_placement(self, placement: Placement) -> None:
