@@ -27,7 +27,7 @@ def make_prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[in
     return torch.randint(1, vocab, (batch, length), generator=g).tolist()
 
 
-def open_splitmoe(args, micro_batches=None, attention_backend="auto") -> LLM:
+def open_splitmoe(args, micro_batches=None, backend="auto") -> LLM:
     return LLM(
         args.model,
         attention_ranks=args.attention_ranks,
@@ -39,7 +39,8 @@ def open_splitmoe(args, micro_batches=None, attention_backend="auto") -> LLM:
         threads_per_rank=args.threads_per_rank,
         max_num_seqs=max(64, args.batch),
         shared_memory=not args.no_shared_memory,
-        attention_backend=attention_backend,
+        attention_backend=backend,
+        moe_backend=backend,
     )
 
 
@@ -62,10 +63,10 @@ def measure_splitmoe(llm: LLM, args, prompts) -> dict:
     )
 
 
-def bench_splitmoe(args, prompts, micro_batches=None, attention_backend="auto") -> dict:
+def bench_splitmoe(args, prompts, micro_batches=None, backend="auto") -> dict:
     """One run on a fresh engine (started, warmed up on a small request, measured, closed)."""
     t0 = time.perf_counter()
-    with open_splitmoe(args, micro_batches, attention_backend) as llm:
+    with open_splitmoe(args, micro_batches, backend) as llm:
         startup = time.perf_counter() - t0
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         return dict(measure_splitmoe(llm, args, prompts), startup_s=startup)
@@ -146,9 +147,10 @@ def main() -> None:
         help="comma-separated counts to compare in one run, e.g. 1,2 (auto: chosen per step)",
     )
     ap.add_argument(
-        "--attention-backend",
+        "--backend",
         default="auto",
-        help="comma-separated attention backends to compare in one run, e.g. torch,cpu",
+        help="comma-separated backends (attention and MoE alike) to compare in one run, e.g. "
+        "torch,cpu: the PyTorch paths against the native CPU kernels",
     )
     ap.add_argument(
         "--repeat",
@@ -175,9 +177,9 @@ def main() -> None:
     counts = (
         [None] if args.micro_batches == "auto" else [int(m) for m in args.micro_batches.split(",")]
     )
-    backends = args.attention_backend.split(",")
+    backends = args.backend.split(",")
     if args.repeat < 1 or len(set(counts)) != len(counts) or len(set(backends)) != len(backends):
-        ap.error("--repeat must be >= 1 and --micro-batches / --attention-backend must not repeat")
+        ap.error("--repeat must be >= 1 and --micro-batches / --backend must not repeat")
     configs = [(b, m) for b in backends for m in counts]
 
     def label(b, m) -> str:
