@@ -50,8 +50,8 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "splitmoe_decode_attention_f32": (
         ctypes.c_int,
-        [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32]
-        + [_p, _i64, _i64],
+        [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64]
+        + [_f32, _p, _i64, _i64],
     ),
     "splitmoe_rms_norm_f32": (
         None,
@@ -62,7 +62,7 @@ _SIGNATURES = {
         [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64, _f32, _p, _p, _i64],
     ),
     "splitmoe_route_f32": (ctypes.c_int, [_p, _i64, _i64, _i64, ctypes.c_int, _p, _p]),
-    "splitmoe_store_kv_f32": (None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
+    "splitmoe_store_kv_f32": (ctypes.c_int, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64]),
     "splitmoe_route_pack": (
         ctypes.c_int64,
         [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _p, _p, _p],
@@ -220,6 +220,8 @@ def decode_attention(
         v_cache.data_ptr(),
         tables.data_ptr(),
         tables.stride(0),
+        tables.shape[1],
+        nb,
         lens.data_ptr(),
         None if seq_index is None else seq_index.data_ptr(),
         None if rows is None else rows.data_ptr(),
@@ -233,6 +235,11 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
     )
+    if rc == -3:
+        raise ValueError(
+            f"cpu kernels: decode attention: a sequence is longer than its block table row "
+            f"({tables.shape[1]} blocks of {bs}) or a block id is outside 0..{nb - 1}"
+        )
     if rc != 0:
         raise MemoryError("cpu kernels: decode attention could not allocate its scores")
     return count
@@ -347,7 +354,8 @@ def store_kv(
             )
     if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (T,):
         raise ValueError(f"cpu kernels: slots must be contiguous int64 [{T}]")
-    library().splitmoe_store_kv_f32(
+    num_slots = k_cache.numel() // (nkv * d)
+    rc = library().splitmoe_store_kv_f32(
         k.data_ptr(),
         k.stride(0),
         v.data_ptr(),
@@ -357,7 +365,10 @@ def store_kv(
         slots.data_ptr(),
         T,
         nkv * d,
+        num_slots,
     )
+    if rc != 0:
+        raise ValueError(f"cpu kernels: store_kv got a slot outside 0..{num_slots - 1}")
 
 
 def route_pack(

@@ -508,3 +508,30 @@ def test_route_pack_rejects_bad_slots():
     x, w = torch.randn(2, 8), torch.rand(2, 2)
     with pytest.raises(ValueError, match="slot outside"):
         cpu_native.route_pack(x, torch.tensor([[0, 4], [1, 2]]), w, slot_rank, slot_local, 1)
+
+
+def test_out_of_range_cache_addresses_are_refused():
+    """The C code reads and writes the caches through these ids: bad ones are a ValueError
+    before anything is read or written, never a wild memory access."""
+    k_cache, v_cache = torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, 1, 8)
+    q, out = torch.randn(1, 2, 8), torch.zeros(1, 2, 8)
+
+    def meta(table, seq_len):
+        return AttentionMetadata(
+            query_start_loc=torch.tensor([0, 1]),
+            seq_lens=torch.tensor([seq_len]),
+            block_tables=torch.tensor([table], dtype=torch.int32),
+            slot_mapping=torch.tensor([0]),
+            query_lens=[1],
+            seq_lens_list=[seq_len],
+        )
+
+    with pytest.raises(ValueError, match="block id"):
+        cpu_native.decode_attention(q, k_cache, v_cache, meta([0, 4], 3), 1.0, out)
+    with pytest.raises(ValueError, match="longer than its block table"):
+        cpu_native.decode_attention(q, k_cache, v_cache, meta([0, 1], 5), 1.0, out)
+    assert torch.equal(out, torch.zeros(1, 2, 8))
+    k = torch.randn(2, 1, 8)
+    with pytest.raises(ValueError, match="slot outside 0..7"):
+        cpu_native.store_kv(k, k, k_cache, v_cache, torch.tensor([3, 8]))
+    assert not k_cache.any()

@@ -75,18 +75,27 @@ static inline float sum_squares(const float *a, int64_t n) { return dot(a, a, n)
  * seq_lens[b] keys through block_tables[seq_index[b], :] (row stride table_st) and writes query
  * row rows[b]; seq_index / rows NULL mean b. Query head h reads KV head h / (nh / nkv).
  * Softmax in float32 over the scaled scores, then the probability-weighted sum of V.
- * Returns 0, or -1 if the scratch scores could not be allocated. */
+ * Returns 0; -1 if the scratch scores could not be allocated; -3 (nothing computed) if a
+ * sequence is longer than its table row (table_width blocks) or a block id is outside
+ * 0..num_blocks-1. */
 int splitmoe_decode_attention_f32(const float *q, int64_t q_st, int64_t q_sh,
                                   const float *k_cache, const float *v_cache,
                                   const int32_t *block_tables, int64_t table_st,
+                                  int64_t table_width, int64_t num_blocks,
                                   const int64_t *seq_lens, const int64_t *seq_index,
                                   const int64_t *rows, int64_t num_seqs, int64_t nh,
                                   int64_t nkv, int64_t d, int64_t block_size, float scale,
                                   float *out, int64_t o_st, int64_t o_sh) {
     const int64_t g = nh / nkv;
     int64_t max_len = 0;
-    for (int64_t b = 0; b < num_seqs; b++)
-        if (seq_lens[b] > max_len) max_len = seq_lens[b];
+    for (int64_t b = 0; b < num_seqs; b++) { /* every block read must exist: -3 otherwise */
+        const int64_t len = seq_lens[b];
+        const int32_t *table = block_tables + (seq_index ? seq_index[b] : b) * table_st;
+        if (len < 0 || len > table_width * block_size) return -3;
+        for (int64_t blk = 0; blk * block_size < len; blk++)
+            if (table[blk] < 0 || table[blk] >= num_blocks) return -3;
+        if (len > max_len) max_len = len;
+    }
     float *scores = malloc(sizeof(float) * (size_t)(nh * (max_len > 0 ? max_len : 1)));
     if (!scores) return -1;
     const int64_t slot_st = nkv * d;           /* elements per cache slot */
@@ -387,14 +396,18 @@ int splitmoe_route_f32(const float *logits, int64_t T, int64_t E, int64_t k, int
 }
 
 /* Writes this step's keys and values into their cache slots: k[t, :, :] at k + t * k_st (nkv
- * heads of d, contiguous), likewise v; caches [num_slots, nkv, d] contiguous. */
-void splitmoe_store_kv_f32(const float *k, int64_t k_st, const float *v, int64_t v_st,
-                           float *k_cache, float *v_cache, const int64_t *slots, int64_t T,
-                           int64_t slot_elems) {
+ * heads of d, contiguous), likewise v; caches [num_slots, nkv, d] contiguous. Returns 0, or -1
+ * (nothing written) for a slot outside 0..num_slots-1. */
+int splitmoe_store_kv_f32(const float *k, int64_t k_st, const float *v, int64_t v_st,
+                          float *k_cache, float *v_cache, const int64_t *slots, int64_t T,
+                          int64_t slot_elems, int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1; /* nothing written */
     for (int64_t t = 0; t < T; t++) {
         memcpy(k_cache + slots[t] * slot_elems, k + t * k_st, sizeof(float) * (size_t)slot_elems);
         memcpy(v_cache + slots[t] * slot_elems, v + t * v_st, sizeof(float) * (size_t)slot_elems);
     }
+    return 0;
 }
 
 /* ---- dispatch rows -------------------------------------------------------------------------- */
