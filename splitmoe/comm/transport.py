@@ -209,8 +209,9 @@ class Transport(ABC):
         that choose a scheme per layer (default: NVLink 4 + 400 Gb/s InfiniBand); ``timeout``: for
         process groups a transport creates (default: torch's); ``hub``: carries the collectives
         of ranks that share a host over shared memory (`splitmoe.comm.shm`), instead of
-        ``torch.distributed``; ``native``: route and pack CPU rows with the native CPU kernel
-        (`cpu_native.route_pack`, the same bytes), as ranks on the ``"cpu"`` backend do."""
+        ``torch.distributed``; ``native``: route and pack the rows with the native CPU kernel
+        (`cpu_native.route_pack`, the same bytes), as ranks on the ``"cpu"`` backend (CPU
+        tensors only) do."""
         self.topo = topo
         self.group = group
         self.comm_device = comm_device
@@ -340,7 +341,7 @@ class Transport(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """`route` and `pack`: ``token_index [P]``, the packed rows ``[P, row_bytes]`` grouped
         by destination, and the row count per world rank."""
-        if self.native and x.device.type == "cpu":
+        if self.native:
             from splitmoe.kernels import cpu_native
 
             token_index, rows, per_rank = cpu_native.route_pack(

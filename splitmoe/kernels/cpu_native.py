@@ -163,18 +163,20 @@ def _check_f32(name: str, t: torch.Tensor) -> None:
         )
 
 
-def _decode_rows(meta: AttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-    """``(seq_index, rows, count)`` of the step's one-token sequences: their indices in the step
-    and their query rows (None, None for a pure decode step, where both are the identity)."""
+def _decode_rows(
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int, torch.Tensor]:
+    """``(seq_index, rows, count, seq_lens)`` of the step's one-token sequences, built once per
+    step: their indices in the step and their query rows (None, None for a pure decode step,
+    where both are the identity), and the step's ``seq_lens`` as int64."""
 
     def build(m: AttentionMetadata):
+        lens = m.seq_lens.to(torch.int64).contiguous()
         decode = [i for i, n in enumerate(m.query_lens) if n == 1]
-        if len(decode) == len(m.query_lens):
-            return None, None, len(decode)
-        if not decode:
-            return None, None, 0
+        if len(decode) == len(m.query_lens) or not decode:
+            return None, None, len(decode), lens
         idx = torch.tensor(decode, dtype=torch.int64)
-        return idx, m.query_start_loc.index_select(0, idx).to(torch.int64), len(decode)
+        return idx, m.query_start_loc.index_select(0, idx).to(torch.int64), len(decode), lens
 
     return _derived(meta, ("cpu-decode",), build)
 
@@ -193,23 +195,19 @@ def decode_attention(
     q, out: ``[T, num_heads, head_dim]`` float32 (any row and head strides, head_dim
     contiguous); caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous. The same
     math as `paged_attention_ref` (softmax in float32), reading K/V through the block table."""
-    seq_index, rows, count = _decode_rows(meta)
+    seq_index, rows, count, lens = _decode_rows(meta)
     if count == 0:
         return 0
     for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_f32(name, t)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("cpu kernels: k_cache and v_cache must be contiguous")
-    tables, lens = meta.block_tables, meta.seq_lens
+    tables = meta.block_tables
     if tables.dtype != torch.int32 or (tables.numel() and tables.stride(1) != 1):
         raise ValueError(
             f"cpu kernels: block_tables must be int32 with contiguous rows; got {tables.dtype} "
             f"strides {tables.stride()}"
         )
-    if lens.dtype != torch.int64 or not lens.is_contiguous():
-        lens = _derived(meta, ("cpu-lens",), lambda m: m.seq_lens.to(torch.int64).contiguous())
-    if seq_index is not None:
-        lens = lens.index_select(0, seq_index)
     nb, bs, nkv, d = k_cache.shape
     nh = q.shape[1]
     rc = library().splitmoe_decode_attention_f32(
@@ -455,9 +453,11 @@ def fused_moe(
             f"cpu kernels: fused_moe routing expert_ids {tuple(expert_ids.shape)} and weights "
             f"{tuple(weights.shape)} must both be [{N}, k]"
         )
+    out = torch.zeros(N, H, dtype=torch.float32)
+    if N == 0:
+        return out
     ids = expert_ids.to(torch.int64).contiguous()
     w = weights.to(torch.float32).contiguous()
-    out = torch.empty(N, H, dtype=torch.float32)
     rc = library().splitmoe_fused_moe_f32(
         x.data_ptr(),
         N,

@@ -66,14 +66,19 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
+/* Asks for the n floats at p to be brought into cache (a hint: never faults). */
+static inline void prefetch(const float *p, int64_t n) {
+    for (int64_t off = 0; off < n; off += 16) __builtin_prefetch(p + off);
+}
+
 static inline float sum_squares(const float *a, int64_t n) { return dot(a, a, n); }
 
 /* Causal attention of one-token queries over a paged KV cache (decode), GQA aware.
  *
  * q[t, h, :] at q + t * q_st + h * q_sh; out likewise with o_st / o_sh (head_dim contiguous).
- * k_cache, v_cache: [num_blocks, block_size, nkv, d] contiguous. Sequence b (of num_seqs) reads
- * seq_lens[b] keys through block_tables[seq_index[b], :] (row stride table_st) and writes query
- * row rows[b]; seq_index / rows NULL mean b. Query head h reads KV head h / (nh / nkv).
+ * k_cache, v_cache: [num_blocks, block_size, nkv, d] contiguous. Decode sequence b (of num_seqs)
+ * is the step's sequence s = seq_index[b]: it reads seq_lens[s] keys through block_tables[s, :]
+ * (row stride table_st) and writes query row rows[b]; seq_index / rows NULL mean b. Query head h reads KV head h / (nh / nkv).
  * Softmax in float32 over the scaled scores, then the probability-weighted sum of V.
  * Returns 0; -1 if the scratch scores could not be allocated; -3 (nothing computed) if a
  * sequence is longer than its table row (table_width blocks) or a block id is outside
@@ -89,8 +94,9 @@ int splitmoe_decode_attention_f32(const float *q, int64_t q_st, int64_t q_sh,
     const int64_t g = nh / nkv;
     int64_t max_len = 0;
     for (int64_t b = 0; b < num_seqs; b++) { /* every block read must exist: -3 otherwise */
-        const int64_t len = seq_lens[b];
-        const int32_t *table = block_tables + (seq_index ? seq_index[b] : b) * table_st;
+        const int64_t s = seq_index ? seq_index[b] : b;
+        const int64_t len = seq_lens[s];
+        const int32_t *table = block_tables + s * table_st;
         if (len < 0 || len > table_width * block_size) return -3;
         for (int64_t blk = 0; blk * block_size < len; blk++)
             if (table[blk] < 0 || table[blk] >= num_blocks) return -3;
@@ -98,25 +104,22 @@ int splitmoe_decode_attention_f32(const float *q, int64_t q_st, int64_t q_sh,
     }
     float *scores = malloc(sizeof(float) * (size_t)(nh * (max_len > 0 ? max_len : 1)));
     if (!scores) return -1;
-    const int64_t slot_st = nkv * d;           /* elements per cache slot */
+    const int64_t slot_st = nkv * d;               /* elements per cache slot */
     const int64_t block_st = block_size * slot_st; /* elements per cache block */
     for (int64_t b = 0; b < num_seqs; b++) {
-        const int64_t len = seq_lens[b];
-        const int64_t t = rows ? rows[b] : b;
-        const int32_t *table = block_tables + (seq_index ? seq_index[b] : b) * table_st;
+        const int64_t s = seq_index ? seq_index[b] : b;
+        const int64_t len = seq_lens[s];
+        const int32_t *table = block_tables + s * table_st;
         const int64_t nblk = (len + block_size - 1) / block_size;
-        const float *qt = q + t * q_st;
-        float *ot = out + t * o_st;
+        const float *qt = q + (rows ? rows[b] : b) * q_st;
+        float *ot = out + (rows ? rows[b] : b) * o_st;
         /* scores[h * len + l] = q_h . k_l * scale. Each block is read once, front to back, for
          * every head (a block is contiguous: the prefetcher streams it), and the next block is
          * prefetched: blocks are scattered pages, and a sequence at a time otherwise waits on
          * one cache miss after another (~3x slower on a cold cache at batch 128). */
         for (int64_t blk = 0; blk < nblk; blk++) {
             const float *kb = k_cache + (int64_t)table[blk] * block_st;
-            if (blk + 1 < nblk) {
-                const char *next = (const char *)(k_cache + (int64_t)table[blk + 1] * block_st);
-                for (int64_t off = 0; off < block_st * 4; off += 64) __builtin_prefetch(next + off);
-            }
+            if (blk + 1 < nblk) prefetch(k_cache + (int64_t)table[blk + 1] * block_st, block_st);
             const int64_t l0 = blk * block_size;
             const int64_t n = len - l0 < block_size ? len - l0 : block_size;
             for (int64_t i = 0; i < n; i++)
@@ -135,18 +138,15 @@ int splitmoe_decode_attention_f32(const float *q, int64_t q_st, int64_t q_sh,
             for (int64_t l = 0; l < len; l++) sc[l] *= inv;
             memset(ot + h * o_sh, 0, sizeof(float) * (size_t)d);
         }
-        /* out_h = sum_l p_hl v_l, V blocks read the same way */
+        /* out_h = sum_l p_hl v_l, V blocks read the same way; the last one prefetches the next
+         * sequence's first K block */
         for (int64_t blk = 0; blk < nblk; blk++) {
             const float *vb = v_cache + (int64_t)table[blk] * block_st;
-            const char *next = (const char *)(blk + 1 < nblk
-                                                  ? v_cache + (int64_t)table[blk + 1] * block_st
-                                                  : k_cache + (int64_t)table[0] * block_st);
-            if (blk + 1 < nblk || b + 1 < num_seqs) {
-                if (blk + 1 == nblk) { /* the next sequence's first K block */
-                    const int32_t *nt = block_tables + (seq_index ? seq_index[b + 1] : b + 1) * table_st;
-                    next = (const char *)(k_cache + (int64_t)nt[0] * block_st);
-                }
-                for (int64_t off = 0; off < block_st * 4; off += 64) __builtin_prefetch(next + off);
+            if (blk + 1 < nblk) {
+                prefetch(v_cache + (int64_t)table[blk + 1] * block_st, block_st);
+            } else if (b + 1 < num_seqs) {
+                const int64_t s1 = seq_index ? seq_index[b + 1] : b + 1;
+                if (seq_lens[s1] > 0) prefetch(k_cache + (int64_t)block_tables[s1 * table_st] * block_st, block_st);
             }
             const int64_t l0 = blk * block_size;
             const int64_t n = len - l0 < block_size ? len - l0 : block_size;
@@ -290,11 +290,11 @@ static void silu_mul(const float *gate, const float *up, float *out, int64_t n) 
  * w13t [E, H, 2I] (gate columns, then up), w2t [E, I, H]. x [N, H], out [N, H] contiguous.
  * Pairs are grouped by expert (counting sort, stable), each expert's rows gathered, and its
  * output rows added into out in ascending expert order (fused_moe_ref's order of the sums).
- * Returns 0; -1 if scratch memory could not be allocated; -2 for an expert id >= E. */
+ * out must hold zeros. Returns 0; -1 if scratch memory could not be allocated; -2 for an
+ * expert id >= E. */
 int splitmoe_fused_moe_f32(const float *x, int64_t N, int64_t H, const float *w13t,
                            const float *w2t, int64_t E, int64_t I, const int64_t *expert_ids,
                            const float *weights, int64_t k, float *out) {
-    memset(out, 0, sizeof(float) * (size_t)(N * H));
     int64_t *start = calloc((size_t)E + 1, sizeof(int64_t));
     int64_t *order = malloc(sizeof(int64_t) * (size_t)(N * k + 1));
     if (!start || !order) {
