@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from splitmoe import host_memory
+
 
 class PagedKVCache:
     """``k[layer], v[layer]: [num_blocks, block_size, num_kv_heads, head_dim]``."""
@@ -16,12 +18,16 @@ class PagedKVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device | str,
     ):
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeroed, not torch.empty: attention reads whole blocks and masks the unwritten slots
         # with probability 0, and 0 * NaN (garbage memory) would still poison the output.
-        self.pool = torch.zeros(shape, dtype=dtype, device=device)
+        # On CPU: on huge pages (see host_memory), zeroed by the kernel where first touched.
+        if torch.device(device).type == "cpu":
+            self.pool = host_memory.empty(shape, dtype)
+        else:
+            self.pool = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from splitmoe import host_memory
 from splitmoe.config import ModelConfig
 from splitmoe.kernels import cpu_native
 from splitmoe.kernels.fused_moe import fused_moe
@@ -38,10 +39,13 @@ class LocalExperts:
         self.backend = backend
         # Per MoE layer (w13, w2) in the layout the backend computes with: the loader's
         # [n, 2I, H] / [n, H, I], or transposed for the native CPU kernel.
-        self.weights = {
+        weights = {
             layer: self._layout(*w)
             for layer, w in load_expert_weights(cfg, self.layer_experts, dtype, str(device)).items()
         }
+        # On CPU, every layer's experts in one huge-page arena (see host_memory)
+        flat = host_memory.pack([t for pair in weights.values() for t in pair])
+        self.weights = {layer: (flat[2 * i], flat[2 * i + 1]) for i, layer in enumerate(weights)}
         self.weights_reloaded = 0  # (layer, slot) weights replaced by rebalances
 
     @property
