@@ -7,6 +7,7 @@ passed to `forward` explicitly: local experts in colocated mode, dispatch/combin
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -14,6 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from splitmoe import host_memory
 from splitmoe.attention_nodes.kv_cache import PagedKVCache
 from splitmoe.config import ModelConfig
 from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention, store_kv
@@ -125,16 +127,38 @@ class AttentionModel:
         self.final_norm = global_weights["final_norm"]
         self.lm_head = global_weights["lm_head"]  # [V, H]
         self.layers = [LayerWeights.from_tensors(t, cfg) for t in layer_weights]
+        self._pack_weights()
         self.attention_backend = attention_backend
         # The "cpu" backend also runs the layer's norms, RoPE, KV store and router top-k as native
         # kernels (float32).
         self.native = None
         self.norm = rms_norm
+        # With them, a decode micro-batch runs each layer's attention half in one native call.
+        self.decode_layers = None
         if attention_backend == "cpu":
             from splitmoe.kernels import cpu_native
 
             self.native = cpu_native
             self.norm = cpu_native.rms_norm
+            if cfg.qk_norm != "full" and cfg.clip_qkv is None:
+                self.decode_layers = [
+                    cpu_native.DecodeLayer(
+                        layer.input_norm,
+                        layer.post_norm,
+                        layer.w_qkv,
+                        layer.b_qkv,
+                        layer.qk_head_norm,
+                        layer.o_proj,
+                        layer.router,
+                        cfg.num_heads,
+                        cfg.num_kv_heads,
+                        cfg.head_dim,
+                        cfg.rms_norm_eps,
+                        cfg.top_k,
+                        cfg.norm_topk_prob,
+                    )
+                    for layer in self.layers
+                ]
         d = cfg.head_dim
         self.inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
@@ -142,6 +166,19 @@ class AttentionModel:
         self.scale = d**-0.5
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
+
+    def _pack_weights(self) -> None:
+        """On CPU, every weight of this rank in one huge-page arena (see host_memory)."""
+        owners = [(self, name) for name in ("embed", "final_norm", "lm_head")]
+        owners += [
+            (layer, f.name)
+            for layer in self.layers
+            for f in dataclasses.fields(layer)
+            if getattr(layer, f.name) is not None
+        ]
+        packed = host_memory.pack([getattr(obj, name) for obj, name in owners])
+        for (obj, name), t in zip(owners, packed):
+            setattr(obj, name, t)
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -215,9 +252,17 @@ class AttentionModel:
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.attention_backend)
         return F.linear(o.reshape(T, self.q_size), layer.o_proj)
 
-    def start_moe(self, i: int, x: torch.Tensor, experts: ExpertExecutor) -> _MoeInFlight:
+    def start_moe(
+        self,
+        i: int,
+        x: torch.Tensor,
+        experts: ExpertExecutor,
+        routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> _MoeInFlight:
+        """Starts layer ``i``'s MoE on ``x`` (``routing``: its top-k ids and weights, when
+        already computed)."""
         layer = self.layers[i]
-        ids, weights = self.route(layer, x)
+        ids, weights = routing or self.route(layer, x)
         handle = experts.start(i, x, ids, weights)
         shared = None
         if layer.shared_expert_gate is not None:
@@ -249,6 +294,10 @@ class AttentionModel:
         hs = [F.embedding(mb.input_ids, self.embed) for mb in mbs]  # [T_j, H]
         rope = [self.rope(mb.positions, h.dtype) for mb, h in zip(mbs, hs)]
         in_flight: list[_MoeInFlight | None] = [None] * len(mbs)
+        # decode micro-batches: each layer's attention half in one native call (h in place)
+        fused = [
+            self.decode_layers is not None and max(mb.meta.query_lens, default=0) == 1 for mb in mbs
+        ]
         for i, layer in enumerate(self.layers):
             kv = kv_cache.layer(i)
             for j, mb in enumerate(mbs):
@@ -256,6 +305,14 @@ class AttentionModel:
                 if in_flight[j] is not None:
                     h = h + self.finish_moe(in_flight[j], experts)
                     in_flight[j] = None
+                if fused[j]:
+                    x, ids, weights = self.decode_layers[i](h, *rope[j], *kv, mb.meta, self.scale)
+                    if layer.router is None:
+                        h = h + gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)
+                    else:
+                        in_flight[j] = self.start_moe(i, x, experts, (ids, weights))
+                    hs[j] = h
+                    continue
                 x = self.norm(h, layer.input_norm, eps)
                 h = h + self.attention(layer, x, rope[j], kv, mb.meta)
                 x = self.norm(h, layer.post_norm, eps)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from splitmoe import host_memory
 from splitmoe.kernels.paged_attention import AttentionMetadata, _derived
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,11 @@ _SIGNATURES = {
     "splitmoe_fused_moe_f32": (
         ctypes.c_int,
         [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p],
+    ),
+    "splitmoe_decode_layer_f32": (
+        ctypes.c_int,
+        [_p, _i64, _i64, _p, _p, _f32, _p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _p, _i64]
+        + [_i64, _p, _p, _i64, _i64, _i64, _f32, _p, _p, _i64, _i64, ctypes.c_int, _p, _p, _p],
     ),
 }
 
@@ -476,3 +482,147 @@ def fused_moe(
     if rc != 0:
         raise MemoryError("cpu kernels: fused_moe could not allocate its scratch rows")
     return out
+
+
+class DecodeLayer:
+    """The attention half of one decoder layer for a step of one-token sequences, in one native
+    call (`splitmoe_decode_layer_f32`): input RMSNorm, the qkv projection (+ bias), the per-head
+    q/k norm (optional) and RoPE, the KV store, decode attention, the output projection added to
+    the residual stream, the post-attention RMSNorm and, on MoE layers, the router's top-k. The
+    same steps as `AttentionModel`'s per-op path with the other native kernels (the GEMMs are
+    the native ones, not MKL's, so results agree to rounding).
+
+    Built once per layer from its float32 weights: ``w_qkv [(nh + 2 nkv) d, H]`` (bias
+    ``[(nh + 2 nkv) d]`` or None), ``qk_head_norm [nh + nkv, d]`` or None, ``o_proj [H, nh d]``,
+    ``router [E, H]`` or None (dense layer). Keeps the transposed copies the GEMMs read and the
+    pointer arguments that do not change between steps."""
+
+    def __init__(
+        self,
+        input_norm: torch.Tensor,
+        post_norm: torch.Tensor,
+        w_qkv: torch.Tensor,
+        b_qkv: torch.Tensor | None,
+        qk_head_norm: torch.Tensor | None,
+        o_proj: torch.Tensor,
+        router: torch.Tensor | None,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        top_k: int,
+        renormalize: bool,
+    ):
+        H = input_norm.shape[0]
+        nh, nkv, d = num_heads, num_kv_heads, head_dim
+        named = {"input_norm": input_norm, "post_norm": post_norm, "w_qkv": w_qkv}
+        named.update(o_proj=o_proj, b_qkv=b_qkv, qk_head_norm=qk_head_norm, router=router)
+        for name, t in named.items():
+            if t is not None:
+                _check_f32(name, t)
+        want = {
+            "input_norm": (H,),
+            "post_norm": (H,),
+            "w_qkv": ((nh + 2 * nkv) * d, H),
+            "o_proj": (H, nh * d),
+            "b_qkv": ((nh + 2 * nkv) * d,),
+            "qk_head_norm": (nh + nkv, d),
+        }
+        for name, shape in want.items():
+            if named[name] is not None and tuple(named[name].shape) != shape:
+                raise ValueError(
+                    f"cpu kernels: decode layer {name} is {tuple(named[name].shape)}, want {shape}"
+                )
+        if d % 2 or d > MAX_HEAD_DIM:
+            raise ValueError(f"cpu kernels: head_dim {d} must be even and at most {MAX_HEAD_DIM}")
+        E = 0 if router is None else router.shape[0]
+        if router is not None and (router.shape != (E, H) or not 1 <= top_k <= E <= 4096):
+            raise ValueError(
+                f"cpu kernels: router {tuple(router.shape)} must be [E, {H}] with 1 <= top_k "
+                f"({top_k}) <= E <= 4096"
+            )
+        self.hidden, self.heads, self.top_k = H, (nh, nkv, d), top_k
+        self.has_router = router is not None
+        # GEMM weights as [K, N] for the row-major GEMMs; all in one huge-page arena
+        kept = [input_norm, post_norm, w_qkv.t(), b_qkv, qk_head_norm, o_proj.t(), router]
+        kept[-1] = None if router is None else router.t()
+        present = host_memory.pack([t.contiguous() for t in kept if t is not None])
+        self._keep = [None if t is None else present.pop(0) for t in kept]
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        in_n, post_n, wqkv_t, b, qkn, wo_t, router_t = (ptr(t) for t in self._keep)
+        self._weights = (in_n, post_n, eps, wqkv_t, b, qkn)
+        self._tail = (nh, nkv, d)
+        self._out_weights = (wo_t, router_t, E, top_k if router is not None else 0, renormalize)
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Updates ``h [T, H]`` (contiguous float32, one token per sequence of ``meta``) in place
+        and returns the post-attention normed ``x [T, H]`` and, on MoE layers, the routing
+        ``ids [T, k]`` int64 and ``weights [T, k]`` float32 (None, None on dense layers)."""
+        T, H = h.shape
+        if (
+            H != self.hidden
+            or not h.is_contiguous()
+            or h.dtype != torch.float32
+            or meta.num_seqs != T
+            or meta.slot_mapping.shape != (T,)
+        ):
+            raise ValueError(
+                f"cpu kernels: decode layer takes contiguous float32 [T, {self.hidden}] with one "
+                f"token per sequence; got {tuple(h.shape)} {h.dtype} for {meta.num_seqs} "
+                f"sequences"
+            )
+        for name, t in (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+            _check_f32(name, t)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("cpu kernels: k_cache and v_cache must be contiguous")
+        tables, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
+        if tables.dtype != torch.int32 or (tables.numel() and tables.stride(1) != 1):
+            raise ValueError("cpu kernels: block_tables must be int32 with contiguous rows")
+        if lens.dtype != torch.int64 or slots.dtype != torch.int64:
+            raise ValueError("cpu kernels: seq_lens and slot_mapping must be int64")
+        nb, bs = k_cache.shape[:2]
+        x = torch.empty(T, H, dtype=torch.float32)
+        k = self.top_k if self.has_router else 0
+        ids = torch.empty(T, k, dtype=torch.int64) if k else None
+        weights = torch.empty(T, k, dtype=torch.float32) if k else None
+        rc = library().splitmoe_decode_layer_f32(
+            h.data_ptr(),
+            T,
+            H,
+            *self._weights,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cos.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            nb,
+            bs,
+            tables.data_ptr(),
+            tables.stride(0),
+            tables.shape[1],
+            lens.contiguous().data_ptr(),
+            slots.contiguous().data_ptr(),
+            *self._tail,
+            scale,
+            *self._out_weights,
+            x.data_ptr(),
+            None if ids is None else ids.data_ptr(),
+            None if weights is None else weights.data_ptr(),
+        )
+        if rc == -3:
+            raise ValueError(
+                f"cpu kernels: decode layer: a sequence is longer than its block table row, or a "
+                f"block id or slot is outside the cache ({nb} blocks of {bs})"
+            )
+        if rc != 0:
+            raise MemoryError("cpu kernels: decode layer could not allocate its scratch")
+        return x, ids, weights

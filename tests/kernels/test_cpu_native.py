@@ -4,6 +4,7 @@ norm + RoPE, the wrappers' input checks, the build cache, and the config that se
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -535,3 +536,101 @@ def test_out_of_range_cache_addresses_are_refused():
     with pytest.raises(ValueError, match="slot outside 0..7"):
         cpu_native.store_kv(k, k, k_cache, v_cache, torch.tensor([3, 8]))
     assert not k_cache.any()
+
+
+# --- a decode layer's attention half in one call ----------------------------------------------
+
+
+def _decode_layer_ref(h, w, cos, sin, k_cache, v_cache, meta, eps, scale, nh, nkv, d, k, renorm):
+    """The per-op PyTorch path of `AttentionModel` (torch backend) for one decode layer."""
+    T = h.shape[0]
+    x = rms_norm(h, w["input_norm"], eps)
+    qkv = torch.nn.functional.linear(x, w["w_qkv"], w["b_qkv"]).view(T, nh + 2 * nkv, d)
+    qk = qkv[:, : nh + nkv]
+    if w["qk_head_norm"] is not None:
+        qk = rms_norm(qk, None, eps) * w["qk_head_norm"]
+    qk = AttentionModel.apply_rope(qk, (cos, sin))
+    store_kv(qk[:, nh:], qkv[:, nh + nkv :], k_cache, v_cache, meta.slot_mapping)
+    o = paged_attention_ref(qk[:, :nh].contiguous(), k_cache, v_cache, meta, scale)
+    h = h + torch.nn.functional.linear(o.reshape(T, nh * d), w["o_proj"])
+    x = rms_norm(h, w["post_norm"], eps)
+    if w["router"] is None:
+        return h, x, None, None
+    probs = torch.nn.functional.linear(x, w["router"]).softmax(-1)
+    weights, ids = probs.topk(k, dim=-1)
+    if renorm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return h, x, ids, weights
+
+
+def _decode_layer_weights(H, nh, nkv, d, E, bias, head_norm, g):
+    r = lambda *s: torch.randn(*s, generator=g) / s[-1] ** 0.5  # noqa: E731
+    return {
+        "input_norm": 1 + 0.1 * torch.randn(H, generator=g),
+        "post_norm": 1 + 0.1 * torch.randn(H, generator=g),
+        "w_qkv": r((nh + 2 * nkv) * d, H),
+        "b_qkv": 0.1 * torch.randn((nh + 2 * nkv) * d, generator=g) if bias else None,
+        "qk_head_norm": 1 + 0.1 * torch.randn(nh + nkv, d, generator=g) if head_norm else None,
+        "o_proj": r(H, nh * d),
+        "router": r(E, H) if E else None,
+    }
+
+
+@pytest.mark.parametrize("nh,nkv,d,H", [(4, 2, 32, 128), (6, 2, 20, 72), (2, 2, 16, 40)])
+@pytest.mark.parametrize("T", [1, 5, 33])
+@pytest.mark.parametrize("bias,head_norm", [(False, True), (True, False)])
+@pytest.mark.parametrize("E,k,renorm", [(16, 4, True), (60, 6, False), (0, 0, False)])
+def test_decode_layer_matches_per_op_path(nh, nkv, d, H, T, bias, head_norm, E, k, renorm):
+    """The one-call decode layer against the PyTorch per-op path: the residual stream, the normed
+    MoE input, the routing, and the K/V written into the cache, for GQA shapes, head dims that
+    are not multiples of the vector width, a router with E not a multiple of 16, dense layers."""
+    g = torch.Generator().manual_seed(T * 100 + nh + E)
+    block_size = 4
+    seqs = [(int(torch.randint(0, 40, (1,), generator=g)), 1) for _ in range(T)]
+    _, _, k_cache, v_cache, meta = _paged_batch(seqs, nh, nkv, d, block_size, g)
+    w = _decode_layer_weights(H, nh, nkv, d, E, bias, head_norm, g)
+    h = torch.randn(T, H, generator=g)
+    cos, sin = _rope(meta.seq_lens - 1, d)
+    eps, scale = 1e-6, d**-0.5
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    ref = _decode_layer_ref(h, w, cos, sin, kc_ref, vc_ref, meta, eps, scale, nh, nkv, d, k, renorm)
+    layer = cpu_native.DecodeLayer(**w, num_heads=nh, num_kv_heads=nkv, head_dim=d, eps=eps,
+                                   top_k=k, renormalize=renorm)  # fmt: skip
+    h_out = h.clone()
+    x, ids, weights = layer(h_out, cos, sin, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(h_out, ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x, ref[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_cache, kc_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_cache, vc_ref, rtol=1e-5, atol=1e-5)
+    if E:
+        assert torch.equal(ids, ref[2])
+        torch.testing.assert_close(weights, ref[3], rtol=1e-5, atol=1e-6)
+    else:
+        assert ids is None and weights is None
+
+
+def test_decode_layer_refuses_bad_input_before_writing():
+    """Slots or block ids outside the cache, and rows that are not one token per sequence, are a
+    ValueError before the residual stream or the cache is touched."""
+    g = torch.Generator().manual_seed(0)
+    nh, nkv, d, H = 2, 1, 8, 16
+    _, _, k_cache, v_cache, meta = _paged_batch([(3, 1), (6, 1)], nh, nkv, d, 4, g)
+    w = _decode_layer_weights(H, nh, nkv, d, 4, False, False, g)
+    layer = cpu_native.DecodeLayer(**w, num_heads=nh, num_kv_heads=nkv, head_dim=d, eps=1e-6,
+                                   top_k=2, renormalize=True)  # fmt: skip
+    cos, sin = _rope(meta.seq_lens - 1, d)
+    h = torch.randn(2, H, generator=g)
+    kc, vc, h0 = k_cache.clone(), v_cache.clone(), h.clone()
+    bad_slot = dataclasses.replace(meta, slot_mapping=torch.tensor([0, k_cache.numel()]))
+    with pytest.raises(ValueError, match="outside the cache"):
+        layer(h, cos, sin, k_cache, v_cache, bad_slot, 1.0)
+    tables = meta.block_tables.clone()
+    tables[1, 0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the cache"):
+        layer(h, cos, sin, k_cache, v_cache, dataclasses.replace(meta, block_tables=tables), 1.0)
+    with pytest.raises(ValueError, match="one token per sequence"):
+        layer(h[:1], cos[:1], sin[:1], k_cache, v_cache, meta, 1.0)
+    assert torch.equal(h, h0) and torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+    with pytest.raises(ValueError, match="w_qkv"):
+        cpu_native.DecodeLayer(**{**w, "w_qkv": w["w_qkv"][:-1]}, num_heads=nh, num_kv_heads=nkv,
+                               head_dim=d, eps=1e-6, top_k=2, renormalize=True)  # fmt: skip

@@ -73,6 +73,25 @@ static inline void prefetch(const float *p, int64_t n) {
 
 static inline float sum_squares(const float *a, int64_t n) { return dot(a, a, n); }
 
+/* The longest of the sequences' lengths (seq_lens[seq_index[b]], b < num_seqs; seq_index NULL
+ * means b), or -1 if a sequence is longer than its block table row (table_width blocks) or reads
+ * a block id outside 0..num_blocks-1: every block a decode reads must exist. */
+static int64_t check_tables(const int32_t *block_tables, int64_t table_st, int64_t table_width,
+                            int64_t num_blocks, const int64_t *seq_lens, const int64_t *seq_index,
+                            int64_t num_seqs, int64_t block_size) {
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t s = seq_index ? seq_index[b] : b;
+        const int64_t len = seq_lens[s];
+        const int32_t *table = block_tables + s * table_st;
+        if (len < 0 || len > table_width * block_size) return -1;
+        for (int64_t blk = 0; blk * block_size < len; blk++)
+            if (table[blk] < 0 || table[blk] >= num_blocks) return -1;
+        if (len > max_len) max_len = len;
+    }
+    return max_len;
+}
+
 /* Causal attention of one-token queries over a paged KV cache (decode), GQA aware.
  *
  * q[t, h, :] at q + t * q_st + h * q_sh; out likewise with o_st / o_sh (head_dim contiguous).
@@ -92,16 +111,9 @@ int splitmoe_decode_attention_f32(const float *q, int64_t q_st, int64_t q_sh,
                                   int64_t nkv, int64_t d, int64_t block_size, float scale,
                                   float *out, int64_t o_st, int64_t o_sh) {
     const int64_t g = nh / nkv;
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < num_seqs; b++) { /* every block read must exist: -3 otherwise */
-        const int64_t s = seq_index ? seq_index[b] : b;
-        const int64_t len = seq_lens[s];
-        const int32_t *table = block_tables + s * table_st;
-        if (len < 0 || len > table_width * block_size) return -3;
-        for (int64_t blk = 0; blk * block_size < len; blk++)
-            if (table[blk] < 0 || table[blk] >= num_blocks) return -3;
-        if (len > max_len) max_len = len;
-    }
+    const int64_t max_len = check_tables(block_tables, table_st, table_width, num_blocks,
+                                         seq_lens, seq_index, num_seqs, block_size);
+    if (max_len < 0) return -3;
     float *scores = malloc(sizeof(float) * (size_t)(nh * (max_len > 0 ? max_len : 1)));
     if (!scores) return -1;
     const int64_t slot_st = nkv * d;               /* elements per cache slot */
@@ -236,26 +248,28 @@ static inline v16f load16(const float *p) {
 
 static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 
-/* One tile: ROWS rows x TILE_N columns, all of K. */
-#define GEMM_TILE(NAME, ROWS)                                                                    \
+/* One tile: ROWS rows x 16 V columns, all of K. */
+#define GEMM_TILE(NAME, ROWS, V)                                                                 \
     static void NAME(const float *A, int64_t lda, const float *B, int64_t ldb, float *C,         \
                      int64_t ldc, int64_t K) {                                                   \
-        v16f c[ROWS][TILE_V];                                                                    \
+        v16f c[ROWS][V];                                                                         \
         for (int r = 0; r < ROWS; r++)                                                           \
-            for (int v = 0; v < TILE_V; v++) c[r][v] = (v16f){0};                                \
+            for (int v = 0; v < V; v++) c[r][v] = (v16f){0};                                     \
         for (int64_t p = 0; p < K; p++) {                                                        \
-            v16f b[TILE_V];                                                                      \
-            for (int v = 0; v < TILE_V; v++) b[v] = load16(B + p * ldb + 16 * v);                \
+            v16f b[V];                                                                           \
+            for (int v = 0; v < V; v++) b[v] = load16(B + p * ldb + 16 * v);                     \
             for (int r = 0; r < ROWS; r++) {                                                     \
                 const float a = A[r * lda + p];                                                  \
-                for (int v = 0; v < TILE_V; v++) c[r][v] += a * b[v];                            \
+                for (int v = 0; v < V; v++) c[r][v] += a * b[v];                                 \
             }                                                                                    \
         }                                                                                        \
         for (int r = 0; r < ROWS; r++)                                                           \
-            for (int v = 0; v < TILE_V; v++) store16(C + r * ldc + 16 * v, c[r][v]);             \
+            for (int v = 0; v < V; v++) store16(C + r * ldc + 16 * v, c[r][v]);                  \
     }
-GEMM_TILE(gemm_tile4, 4)
-GEMM_TILE(gemm_tile1, 1)
+GEMM_TILE(gemm_tile4, 4, TILE_V)
+GEMM_TILE(gemm_tile1, 1, TILE_V)
+GEMM_TILE(gemm_tile4_16, 4, 1) /* 16-column strips past the last whole tile (a router's E) */
+GEMM_TILE(gemm_tile1_16, 1, 1)
 
 static void gemm(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
                  int64_t M, int64_t N, int64_t K) {
@@ -265,7 +279,13 @@ static void gemm(const float *A, int64_t lda, const float *B, int64_t ldb, float
         for (; i + 4 <= M; i += 4) gemm_tile4(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K);
         for (; i < M; i++) gemm_tile1(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K);
     }
-    for (; j < N; j++) /* columns past the last whole tile */
+    for (; j + 16 <= N; j += 16) {
+        int64_t i = 0;
+        for (; i + 4 <= M; i += 4)
+            gemm_tile4_16(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K);
+        for (; i < M; i++) gemm_tile1_16(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K);
+    }
+    for (; j < N; j++) /* the last < 16 columns */
         for (int64_t i = 0; i < M; i++) {
             float s = 0.0f;
             for (int64_t p = 0; p < K; p++) s += A[i * lda + p] * B[p * ldb + j];
@@ -458,4 +478,68 @@ int64_t splitmoe_route_pack(const int64_t *slots, int64_t T, int64_t k, const in
         }
     free(at);
     return P;
+}
+
+/* ---- a decode layer's attention half -------------------------------------------------------- */
+
+/* The attention half of one decoder layer for T one-token sequences (a decode step), in one
+ * call: the per-op calls it replaces cost more than their arithmetic at decode batch sizes.
+ * In place on the residual stream h [T, H] (contiguous):
+ *   x = RMSNorm(h) * in_norm;  qkv = x Wqkv (+ b_qkv);  q and k heads RMSNormed per head with
+ *   qk_norm_w [nh + nkv, d] (NULL: none) and rotated (cos / sin rows at t * cs_st, as
+ *   splitmoe_norm_rope_f32);  k, v stored at slots[t];  o = decode attention of sequence t
+ *   (seq_lens[t] keys through block_tables row t);  h += o Wo;  x_out = RMSNorm(h) * post_norm;
+ *   with a router (router_t not NULL): top-k of x_out Wr -> ids / weights [T, k], as
+ *   splitmoe_route_f32.
+ * Weights transposed for row-major GEMMs: wqkv_t [H, (nh + 2 nkv) d], wo_t [nh d, H],
+ * router_t [H, E]. The same steps, in the same order, as the per-op kernels.
+ * Returns 0; -1 if scratch memory could not be allocated; -3 for a block table, sequence length
+ * or slot that does not fit the cache, -5 for a bad k / E (nothing written for either). */
+int splitmoe_decode_layer_f32(float *h, int64_t T, int64_t H, const float *in_norm,
+                              const float *post_norm, float eps, const float *wqkv_t,
+                              const float *b_qkv, const float *qk_norm_w, const float *cos_t,
+                              const float *sin_t, int64_t cs_st, float *k_cache, float *v_cache,
+                              int64_t num_blocks, int64_t block_size,
+                              const int32_t *block_tables, int64_t table_st,
+                              int64_t table_width, const int64_t *seq_lens,
+                              const int64_t *slots, int64_t nh, int64_t nkv, int64_t d,
+                              float scale, const float *wo_t, const float *router_t, int64_t E,
+                              int64_t k, int renorm, float *x_out, int64_t *ids,
+                              float *weights) {
+    if (router_t && (k < 1 || k > E || E > 4096)) return -5;
+    if (check_tables(block_tables, table_st, table_width, num_blocks, seq_lens, NULL, T,
+                     block_size) < 0)
+        return -3;
+    const int64_t num_slots = num_blocks * block_size;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -3;
+    const int64_t nq = nh * d, nqkv = (nh + 2 * nkv) * d;
+    float *qkv = malloc(sizeof(float) * (size_t)(T * (nqkv + nq + H + (router_t ? E : 0)) + 1));
+    if (!qkv) return -1;
+    float *o = qkv + T * nqkv, *proj = o + T * nq, *logits = proj + T * H;
+    int rc = 0;
+    splitmoe_rms_norm_f32(h, H, 0, T, 1, H, in_norm, 0, eps, x_out, H, 0);
+    gemm(x_out, H, wqkv_t, nqkv, qkv, nqkv, T, nqkv, H);
+    if (b_qkv)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t c = 0; c < nqkv; c++) qkv[t * nqkv + c] += b_qkv[c];
+    rc = splitmoe_norm_rope_f32(qkv, nqkv, d, T, nh + nkv, d, qk_norm_w, d, eps, cos_t, sin_t,
+                                cs_st);
+    if (rc) goto done;
+    splitmoe_store_kv_f32(qkv + nq, nqkv, qkv + nq + nkv * d, nqkv, k_cache, v_cache, slots, T,
+                          nkv * d, num_slots);
+    rc = splitmoe_decode_attention_f32(qkv, nqkv, d, k_cache, v_cache, block_tables, table_st,
+                                       table_width, num_blocks, seq_lens, NULL, NULL, T, nh, nkv,
+                                       d, block_size, scale, o, nq, d);
+    if (rc) goto done;
+    gemm(o, nq, wo_t, H, proj, H, T, H, nq);
+    for (int64_t i = 0; i < T * H; i++) h[i] += proj[i];
+    splitmoe_rms_norm_f32(h, H, 0, T, 1, H, post_norm, 0, eps, x_out, H, 0);
+    if (router_t) {
+        gemm(x_out, H, router_t, E, logits, E, T, E, H);
+        rc = splitmoe_route_f32(logits, T, E, k, renorm, ids, weights);
+    }
+done:
+    free(qkv);
+    return rc;
 }
