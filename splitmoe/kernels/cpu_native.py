@@ -484,6 +484,22 @@ def fused_moe(
     return out
 
 
+def _step_addresses(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(block_tables, seq_lens, slot_mapping)`` of a step as the native decode layer reads them
+    (int32 rows, contiguous int64), checked once per step rather than in every layer."""
+
+    def build(m: AttentionMetadata):
+        tables = m.block_tables
+        if tables.dtype != torch.int32 or (tables.numel() and tables.stride(1) != 1):
+            raise ValueError("cpu kernels: block_tables must be int32 with contiguous rows")
+        lens, slots = m.seq_lens.contiguous(), m.slot_mapping.contiguous()
+        if lens.dtype != torch.int64 or slots.dtype != torch.int64:
+            raise ValueError("cpu kernels: seq_lens and slot_mapping must be int64")
+        return tables, lens, slots
+
+    return _derived(meta, ("cpu-layer",), build)
+
+
 class DecodeLayer:
     """The attention half of one decoder layer for a step of one-token sequences, in one native
     call (`splitmoe_decode_layer_f32`): input RMSNorm, the qkv projection (+ bias), the per-head
@@ -544,12 +560,13 @@ class DecodeLayer:
         self.hidden, self.heads, self.top_k = H, (nh, nkv, d), top_k
         self.has_router = router is not None
         # GEMM weights as [K, N] for the row-major GEMMs; all in one huge-page arena
-        kept = [input_norm, post_norm, w_qkv.t(), b_qkv, qk_head_norm, o_proj.t(), router]
-        kept[-1] = None if router is None else router.t()
-        present = host_memory.pack([t.contiguous() for t in kept if t is not None])
-        self._keep = [None if t is None else present.pop(0) for t in kept]
-        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        in_n, post_n, wqkv_t, b, qkn, wo_t, router_t = (ptr(t) for t in self._keep)
+        kept = [input_norm, post_norm, w_qkv.t(), b_qkv, qk_head_norm, o_proj.t()]
+        kept.append(None if router is None else router.t())
+        present = iter(host_memory.pack([t.contiguous() for t in kept if t is not None]))
+        self._keep = [None if t is None else next(present) for t in kept]
+        in_n, post_n, wqkv_t, b, qkn, wo_t, router_t = (
+            None if t is None else t.data_ptr() for t in self._keep
+        )
         self._weights = (in_n, post_n, eps, wqkv_t, b, qkn)
         self._tail = (nh, nkv, d)
         self._out_weights = (wo_t, router_t, E, top_k if router is not None else 0, renormalize)
@@ -584,11 +601,7 @@ class DecodeLayer:
             _check_f32(name, t)
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("cpu kernels: k_cache and v_cache must be contiguous")
-        tables, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
-        if tables.dtype != torch.int32 or (tables.numel() and tables.stride(1) != 1):
-            raise ValueError("cpu kernels: block_tables must be int32 with contiguous rows")
-        if lens.dtype != torch.int64 or slots.dtype != torch.int64:
-            raise ValueError("cpu kernels: seq_lens and slot_mapping must be int64")
+        tables, lens, slots = _step_addresses(meta)
         nb, bs = k_cache.shape[:2]
         x = torch.empty(T, H, dtype=torch.float32)
         k = self.top_k if self.has_router else 0
@@ -609,8 +622,8 @@ class DecodeLayer:
             tables.data_ptr(),
             tables.stride(0),
             tables.shape[1],
-            lens.contiguous().data_ptr(),
-            slots.contiguous().data_ptr(),
+            lens.data_ptr(),
+            slots.data_ptr(),
             *self._tail,
             scale,
             *self._out_weights,

@@ -621,13 +621,16 @@ def test_decode_layer_refuses_bad_input_before_writing():
     cos, sin = _rope(meta.seq_lens - 1, d)
     h = torch.randn(2, H, generator=g)
     kc, vc, h0 = k_cache.clone(), v_cache.clone(), h.clone()
-    bad_slot = dataclasses.replace(meta, slot_mapping=torch.tensor([0, k_cache.numel()]))
+    bad_slot = dataclasses.replace(
+        meta, slot_mapping=torch.tensor([0, k_cache.numel()]), derived={}
+    )
     with pytest.raises(ValueError, match="outside the cache"):
         layer(h, cos, sin, k_cache, v_cache, bad_slot, 1.0)
     tables = meta.block_tables.clone()
     tables[1, 0] = k_cache.shape[0]
     with pytest.raises(ValueError, match="outside the cache"):
-        layer(h, cos, sin, k_cache, v_cache, dataclasses.replace(meta, block_tables=tables), 1.0)
+        bad_table = dataclasses.replace(meta, block_tables=tables, derived={})
+        layer(h, cos, sin, k_cache, v_cache, bad_table, 1.0)
     with pytest.raises(ValueError, match="one token per sequence"):
         layer(h[:1], cos[:1], sin[:1], k_cache, v_cache, meta, 1.0)
     assert torch.equal(h, h0) and torch.equal(k_cache, kc) and torch.equal(v_cache, vc)

@@ -157,6 +157,13 @@ static int64_t check_tables(const int32_t *block_tables, int64_t table_st, int64
     return max_len;
 }
 
+static int decode_attention(const float *q, int64_t q_st, int64_t q_sh, const float *k_cache,
+                            const float *v_cache, const int32_t *block_tables, int64_t table_st,
+                            const int64_t *seq_lens, const int64_t *seq_index,
+                            const int64_t *rows, int64_t num_seqs, int64_t max_len, int64_t nh,
+                            int64_t nkv, int64_t d, int64_t block_size, float scale, float *out,
+                            int64_t o_st, int64_t o_sh);
+
 /* Causal attention of one-token queries over a paged KV cache (decode), GQA aware.
  *
  * q[t, h, :] at q + t * q_st + h * q_sh; out likewise with o_st / o_sh (head_dim contiguous).
@@ -175,10 +182,22 @@ int splitmoe_decode_attention_f32(const float *q, int64_t q_st, int64_t q_sh,
                                   const int64_t *rows, int64_t num_seqs, int64_t nh,
                                   int64_t nkv, int64_t d, int64_t block_size, float scale,
                                   float *out, int64_t o_st, int64_t o_sh) {
-    const int64_t g = nh / nkv;
     const int64_t max_len = check_tables(block_tables, table_st, table_width, num_blocks,
                                          seq_lens, seq_index, num_seqs, block_size);
     if (max_len < 0) return -3;
+    return decode_attention(q, q_st, q_sh, k_cache, v_cache, block_tables, table_st, seq_lens,
+                            seq_index, rows, num_seqs, max_len, nh, nkv, d, block_size, scale,
+                            out, o_st, o_sh);
+}
+
+/* splitmoe_decode_attention_f32 on tables already checked (max_len: the longest sequence). */
+static int decode_attention(const float *q, int64_t q_st, int64_t q_sh, const float *k_cache,
+                            const float *v_cache, const int32_t *block_tables, int64_t table_st,
+                            const int64_t *seq_lens, const int64_t *seq_index,
+                            const int64_t *rows, int64_t num_seqs, int64_t max_len, int64_t nh,
+                            int64_t nkv, int64_t d, int64_t block_size, float scale, float *out,
+                            int64_t o_st, int64_t o_sh) {
+    const int64_t g = nh / nkv;
     float *scores = malloc(sizeof(float) * (size_t)(nh * (max_len > 0 ? max_len : 1) + nh * d));
     if (!scores) return -1;
     const int64_t slot_st = nkv * d;               /* elements per cache slot */
@@ -498,15 +517,25 @@ int splitmoe_route_f32(const float *logits, int64_t T, int64_t E, int64_t k, int
 /* Writes this step's keys and values into their cache slots: k[t, :, :] at k + t * k_st (nkv
  * heads of d, contiguous), likewise v; caches [num_slots, nkv, d] contiguous. Returns 0, or -1
  * (nothing written) for a slot outside 0..num_slots-1. */
-int splitmoe_store_kv_f32(const float *k, int64_t k_st, const float *v, int64_t v_st,
-                          float *k_cache, float *v_cache, const int64_t *slots, int64_t T,
-                          int64_t slot_elems, int64_t num_slots) {
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -1; /* nothing written */
+static void store_kv(const float *k, int64_t k_st, const float *v, int64_t v_st, float *k_cache,
+                     float *v_cache, const int64_t *slots, int64_t T, int64_t slot_elems) {
     for (int64_t t = 0; t < T; t++) {
         memcpy(k_cache + slots[t] * slot_elems, k + t * k_st, sizeof(float) * (size_t)slot_elems);
         memcpy(v_cache + slots[t] * slot_elems, v + t * v_st, sizeof(float) * (size_t)slot_elems);
     }
+}
+
+static int slots_fit(const int64_t *slots, int64_t T, int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 0;
+    return 1;
+}
+
+int splitmoe_store_kv_f32(const float *k, int64_t k_st, const float *v, int64_t v_st,
+                          float *k_cache, float *v_cache, const int64_t *slots, int64_t T,
+                          int64_t slot_elems, int64_t num_slots) {
+    if (!slots_fit(slots, T, num_slots)) return -1; /* nothing written */
+    store_kv(k, k_st, v, v_st, k_cache, v_cache, slots, T, slot_elems);
     return 0;
 }
 
@@ -587,12 +616,9 @@ int splitmoe_decode_layer_f32(float *h, int64_t T, int64_t H, const float *in_no
                               int64_t k, int renorm, float *x_out, int64_t *ids,
                               float *weights) {
     if (router_t && (k < 1 || k > E || E > 4096)) return -5;
-    if (check_tables(block_tables, table_st, table_width, num_blocks, seq_lens, NULL, T,
-                     block_size) < 0)
-        return -3;
-    const int64_t num_slots = num_blocks * block_size;
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -3;
+    const int64_t max_len = check_tables(block_tables, table_st, table_width, num_blocks,
+                                         seq_lens, NULL, T, block_size);
+    if (max_len < 0 || !slots_fit(slots, T, num_blocks * block_size)) return -3;
     const int64_t nq = nh * d, nqkv = (nh + 2 * nkv) * d;
     float *qkv = malloc(sizeof(float) * (size_t)(T * (nqkv + nq + H + (router_t ? E : 0)) + 1));
     if (!qkv) return -1;
@@ -606,11 +632,9 @@ int splitmoe_decode_layer_f32(float *h, int64_t T, int64_t H, const float *in_no
     rc = splitmoe_norm_rope_f32(qkv, nqkv, d, T, nh + nkv, d, qk_norm_w, d, eps, cos_t, sin_t,
                                 cs_st);
     if (rc) goto done;
-    splitmoe_store_kv_f32(qkv + nq, nqkv, qkv + nq + nkv * d, nqkv, k_cache, v_cache, slots, T,
-                          nkv * d, num_slots);
-    rc = splitmoe_decode_attention_f32(qkv, nqkv, d, k_cache, v_cache, block_tables, table_st,
-                                       table_width, num_blocks, seq_lens, NULL, NULL, T, nh, nkv,
-                                       d, block_size, scale, o, nq, d);
+    store_kv(qkv + nq, nqkv, qkv + nq + nkv * d, nqkv, k_cache, v_cache, slots, T, nkv * d);
+    rc = decode_attention(qkv, nqkv, d, k_cache, v_cache, block_tables, table_st, seq_lens, NULL,
+                          NULL, T, max_len, nh, nkv, d, block_size, scale, o, nq, d);
     if (rc) goto done;
     gemm(o, nq, wo_t, H, proj, H, T, H, nq);
     for (int64_t i = 0; i < T * H; i++) h[i] += proj[i];
