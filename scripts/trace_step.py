@@ -49,6 +49,7 @@ def main() -> None:
         transport=args.transport,
         device="cpu",
         threads_per_rank=args.threads_per_rank,
+        max_num_seqs=max(64, args.batch),  # the whole batch decodes together
     ) as llm:
         llm.generate(
             prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)

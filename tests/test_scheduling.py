@@ -18,8 +18,9 @@ def test_long_prompt_is_chunked_while_others_keep_decoding(tiny_ckpt, hf_ref):
     ckpt = tiny_ckpt("qwen3_moe")
     short = [prompt_ids(3, seed=50), prompt_ids(4, seed=51)]
     long = prompt_ids(60, seed=52)
-    with LLM(str(ckpt), attention_ranks=1, expert_ranks=1, device="cpu",
-             max_num_batched_tokens=8) as llm:
+    with LLM(
+        str(ckpt), attention_ranks=1, expert_ranks=1, device="cpu", max_num_batched_tokens=8
+    ) as llm:
         llm.reset_metrics()
         rids = llm.submit(short, SamplingParams(max_tokens=40, **GREEDY))
         produced = 0
@@ -49,8 +50,9 @@ def test_small_pool_preempts_and_every_request_completes_exactly(tiny_ckpt, hf_r
     ckpt = tiny_ckpt("qwen2_moe")
     prompts = [prompt_ids(n, seed=60 + n) for n in (5, 9, 13, 7, 3, 11)]
     # 10 blocks x 4 tokens = 40 slots; the six requests need ~100 together, 24 at most alone
-    with LLM(str(ckpt), attention_ranks=1, expert_ranks=2, device="cpu", block_size=4,
-             num_kv_blocks=10) as llm:
+    with LLM(
+        str(ckpt), attention_ranks=1, expert_ranks=2, device="cpu", block_size=4, num_kv_blocks=10
+    ) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
         m = llm.metrics()
     assert m.num_preemptions > 0 and m.kv_usage_max == 1.0

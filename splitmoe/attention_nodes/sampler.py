@@ -32,6 +32,8 @@ def sample(
     if logits.shape[0] == 0:
         return []
     tokens = logits.argmax(dim=-1).tolist()  # greedy rows keep these
+    if all(p.greedy for p in params):
+        return tokens
     for i, (p, g) in enumerate(zip(params, generators)):
         if p.greedy:
             continue

@@ -39,6 +39,18 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # fixed at creation; the step loop reads them once per request and token
+    prompt_len: int = field(init=False)
+    _stop_ids: frozenset[int] = field(init=False, repr=False)
+    _max_num_tokens: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        p = self.spec.params
+        self.prompt_len = len(self.spec.prompt_token_ids)
+        self._stop_ids = frozenset(p.stop_token_ids) | (
+            frozenset() if p.ignore_eos else frozenset(self.eos_token_ids)
+        )
+        self._max_num_tokens = min(self.prompt_len + p.max_tokens, self.max_model_len)
 
     @property
     def request_id(self) -> int:
@@ -49,26 +61,29 @@ class Request:
         return self.spec.params
 
     @property
-    def prompt_len(self) -> int:
-        return len(self.spec.prompt_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         return self.prompt_len + len(self.output_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        prompt = self.spec.prompt_token_ids
-        if end <= len(prompt):
-            return prompt[start:end]
-        return (prompt + self.output_token_ids)[start:end]
+        """Tokens ``start .. end - 1`` of prompt + output."""
+        p = self.prompt_len
+        if end <= p:
+            return self.spec.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.spec.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def token_at(self, i: int) -> int:
+        """Token ``i`` of prompt + output."""
+        p = self.prompt_len
+        return self.output_token_ids[i - p] if i >= p else self.spec.prompt_token_ids[i]
 
     def append_token(self, token: int, now: float) -> None:
         self.output_token_ids.append(token)
         self.token_times.append(now)
-        p = self.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        if token in self._stop_ids:
             self.finish_reason = "stop"
-        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_model_len:
+        elif self.prompt_len + len(self.output_token_ids) >= self._max_num_tokens:
             self.finish_reason = "length"
 
     def metrics(self) -> RequestMetrics:

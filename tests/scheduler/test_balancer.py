@@ -236,6 +236,22 @@ def test_balancer_choose_counts_load_and_folds_it_on_read():
     assert b.load.snapshot()["total"] == b.load.total.tolist()
 
 
+@pytest.mark.parametrize("redundant", [0, 6])
+def test_static_choose_is_assign_and_counts_load(redundant):
+    """`Balancer.choose` looks the static policy's slots up per placement: the same slots as
+    `assign`, on every attention rank, with and without replicas, and the same load counts."""
+    ids = _routing([30, 0, 12])
+    p = Placement.initial(E, RANKS, redundant, (3, 5))
+    for a in range(A):
+        b = Balancer("static", p, a, A, ExpertCost(), torch.device("cpu"))
+        for layer in (3, 5):
+            for x in ids:
+                want = assign("static", b.tables[layer], x, a, ExpertCost(), None)
+                assert torch.equal(b.choose(layer, x), want)
+        total = sum(expert_counts(x, E) for x in ids)
+        assert torch.equal(b.load.total, torch.stack([total, total]))
+
+
 def test_options_are_validated():
     with pytest.raises(ValueError, match="balancer='round_robin'"):
         ParallelConfig(1, 2, balancer="round_robin")
