@@ -8,7 +8,7 @@ passed to `forward` explicitly: local experts in colocated mode, dispatch/combin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -277,7 +277,7 @@ class AttentionModel:
 
     def forward(
         self,
-        mbs: list[MicroBatch],
+        mbs: Sequence[MicroBatch],
         kv_cache: PagedKVCache,
         experts: ExpertExecutor,
         on_done: Callable[[int, torch.Tensor], None] | None = None,
@@ -289,18 +289,24 @@ class AttentionModel:
         micro-batch j+1 runs while the experts work on j. With one micro-batch this is the plain
         sequential forward. ``on_done(j, h_j)`` is called as soon as micro-batch j's output is
         final, so its tokens can be sampled while the experts still work on later micro-batches.
+        ``mbs`` is read in order, micro-batch j first when layer 0 reaches it (`execute` builds
+        each one's inputs then, the later ones while the experts work on the first).
         """
         eps = self.cfg.rms_norm_eps
-        hs = [F.embedding(mb.input_ids, self.embed) for mb in mbs]  # [T_j, H]
-        rope = [self.rope(mb.positions, h.dtype) for mb, h in zip(mbs, hs)]
-        in_flight: list[_MoeInFlight | None] = [None] * len(mbs)
-        # decode micro-batches: each layer's attention half in one native call (h in place)
-        fused = [
-            self.decode_layers is not None and max(mb.meta.query_lens, default=0) == 1 for mb in mbs
-        ]
+        n = len(mbs)
+        hs: list[torch.Tensor] = [None] * n  # [T_j, H]
+        rope: list[tuple[torch.Tensor, torch.Tensor]] = [None] * n
+        fused = [False] * n
+        in_flight: list[_MoeInFlight | None] = [None] * n
         for i, layer in enumerate(self.layers):
             kv = kv_cache.layer(i)
-            for j, mb in enumerate(mbs):
+            for j, mb in enumerate(mbs):  # (a lazy `mbs` builds micro-batch j only now)
+                if i == 0:
+                    hs[j] = F.embedding(mb.input_ids, self.embed)
+                    rope[j] = self.rope(mb.positions, hs[j].dtype)
+                    # decode micro-batches: each layer's attention half in one native call
+                    decode = max(mb.meta.query_lens, default=0) == 1
+                    fused[j] = self.decode_layers is not None and decode
                 h = hs[j]
                 if in_flight[j] is not None:
                     h = h + self.finish_moe(in_flight[j], experts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,23 @@ def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:
         loads[j] += num_tokens[i]
         parts[j].append(i)
     return [sorted(p) for p in parts]
+
+
+class _Lazy(Sequence):
+    """``build(j)`` for j < n, each built once, on first access."""
+
+    def __init__(self, n: int, build: Callable[[int], object]):
+        self._n, self._build, self._items = n, build, {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, j: int):
+        if not 0 <= j < self._n:
+            raise IndexError(j)
+        if j not in self._items:
+            self._items[j] = self._build(j)
+        return self._items[j]
 
 
 class AttentionWorker:
@@ -211,17 +229,20 @@ class AttentionWorker:
         returns the requests' new tokens and a record of the step (None if it had no tokens)."""
         batch = self._batch
         record = self._record(batch)
-        with self.timeline.span("inputs", "compute"):
-            parts = split_micro_batches(batch.num_new_tokens, micro_batches)
-            mbs, rows, to_sample, scheduled = [], [], [], []
-            for part in parts:
-                reqs = [batch.requests[i] for i in part]
-                counts = [batch.num_new_tokens[i] for i in part]
-                mb, sample_rows, sampled = self._inputs(reqs, counts)
-                mbs.append(mb)
-                rows.append(sample_rows)
-                scheduled.append(list(zip(reqs, counts)))
-                to_sample.append(sampled)
+        parts = split_micro_batches(batch.num_new_tokens, micro_batches)
+        rows, to_sample, scheduled = {}, {}, {}
+
+        def build(j: int) -> MicroBatch:
+            # micro-batch j's inputs, when the forward first needs them: those of j > 0 are
+            # packed while the experts work on micro-batch 0
+            with self.timeline.span("inputs", "compute"):
+                reqs = [batch.requests[i] for i in parts[j]]
+                counts = [batch.num_new_tokens[i] for i in parts[j]]
+                mb, rows[j], to_sample[j] = self._inputs(reqs, counts)
+                scheduled[j] = list(zip(reqs, counts))
+                return mb
+
+        mbs = _Lazy(len(parts), build)
         updates: list[RequestUpdate] = []
 
         def done(j: int, h: torch.Tensor) -> None:
