@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+
+import pytest
 from tiny_models import prompt_ids
 
 from splitmoe import LLM, SamplingParams
 from splitmoe.kernels import cpu_native
+from splitmoe.runtime import available_cores, pin_cores
 
 
 def test_stats_from_every_rank(tiny_ckpt):
@@ -28,3 +33,33 @@ def test_stats_from_every_rank(tiny_ckpt):
     native = "cpu" if cpu_native.available() else "torch"
     assert [s["attention_backend"] for s in stats[:2]] == [native] * 2
     assert [s["moe_backend"] for s in stats] == [None, None, native, native]
+    # each rank on a core of its own where the 4 ranks fit side by side; else all share
+    cores = available_cores()
+    if len(cores) >= 4:
+        assert [s["cores"] for s in stats] == [[c] for c in cores[:4]]
+    else:
+        assert all(s["cores"] == cores for s in stats)
+
+
+def _pin_in_child(args, out) -> None:
+    out.put((pin_cores(*args), sorted(os.sched_getaffinity(0))))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity calls")
+def test_pin_cores_fits_ranks_side_by_side_or_leaves_them():
+    cores = available_cores()
+    ctx = mp.get_context("fork")  # (a child: pinning the test process would slow the suite)
+
+    def run(*args):
+        out = ctx.Queue()
+        p = ctx.Process(target=_pin_in_child, args=(args, out))
+        p.start()
+        got = out.get(timeout=30)
+        p.join()
+        return got
+
+    n = len(cores)
+    assert run(n - 1, n, 1) == ([cores[-1]], [cores[-1]])  # last of n one-thread ranks
+    assert run(0, 1, n) == (cores, cores)  # one rank with every core
+    assert run(0, n + 1, 1) == (None, cores)  # more ranks than cores: left to the OS
+    assert run(0, 1, n + 1) == (None, cores)
