@@ -233,9 +233,10 @@ def pin_cores(local_rank: int, local_world_size: int, threads: int) -> list[int]
     """Binds this rank to cores of its own, ``threads`` of them, where the node's ranks fit on
     the available cores side by side; returns them (None: not pinned, the ranks would share).
 
-    Left to the OS, two busy ranks of a 1+1 job on 2 cores were at times scheduled onto one
-    core while the other ran the front end: m=2 decode at batch 256 ranged 19-25 K tok/s
-    between runs, and pinned held 21-27 K. The front end and other processes stay unpinned.
+    Left to the OS, the two busy ranks of a 1+1 job on 2 cores can land on one core for a
+    while: m=2 decode at batch 256 had run medians of 19.4 and 19.9 K tok/s unpinned against
+    24.4, 22.4 and 23.6 K pinned (m=1 gained less). The front end and other processes stay
+    unpinned.
     ``SPLITMOE_PIN_CORES=0`` turns this off (several jobs sharing one host)."""
     cores = available_cores()
     if not hasattr(os, "sched_setaffinity") or local_world_size * threads > len(cores):
