@@ -174,7 +174,7 @@ class AttentionWorker:
                 positions += range(start, end)
                 slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             seqlens.append(end)
-            if end == req.prompt_len + len(req.output_token_ids):
+            if end == req.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 to_sample.append(req)
             tables += table

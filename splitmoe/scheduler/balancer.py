@@ -196,12 +196,6 @@ class LoadStats:
     def add(self, layer: int, counts: torch.Tensor) -> None:
         self._rows[layer].add_(counts)
 
-    def add_pairs(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Counts the experts of ``topk_ids`` (any shape, int64) in, without the ``[E]``
-        intermediate of `expert_counts` + `add`."""
-        key = topk_ids.reshape(-1)
-        self._rows[layer].index_add_(0, key, torch.ones_like(key))
-
     def _fold(self) -> None:
         pending = self._pending.cpu()
         self._window += pending
@@ -264,12 +258,11 @@ class Balancer:
         }
         # ``static``: this rank's slot of each expert, fixed per placement ([E] int64); None
         # where that slot is the expert id itself (one replica each, slots in expert order)
-        a = self.attention_rank
+        experts = torch.arange(placement.num_experts, device=self.device)
         self._static: dict[int, torch.Tensor | None] = {}
         for layer, table in self.tables.items():
-            mine = table.replica_slots.gather(1, (a % table.num_replicas)[:, None])[:, 0]
-            same = torch.equal(mine, torch.arange(mine.numel(), device=mine.device))
-            self._static[layer] = None if same else mine.contiguous()
+            mine = assign("static", table, experts[:, None], self.attention_rank, self.cost, None)
+            self._static[layer] = None if torch.equal(mine[:, 0], experts) else mine[:, 0]
 
     def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts [E]`` of this rank -> ``[A, E]`` of every attention rank (rank order)."""
@@ -286,7 +279,7 @@ class Balancer:
         """``topk_ids [T, k]`` -> ``slots [T, k]`` int64 (collective for ``global``)."""
         if self.policy == "static":  # a fixed lookup (the same as `assign`'s); counts only kept
             ids = topk_ids.long()
-            self.load.add_pairs(layer, ids)
+            self.load.add(layer, expert_counts(ids, self.placement.num_experts))
             mine = self._static[layer]
             return ids if mine is None else mine.take(ids)
         counts = expert_counts(topk_ids, self.placement.num_experts)  # [E]

@@ -83,7 +83,7 @@ class Request:
         self.token_times.append(now)
         if token in self._stop_ids:
             self.finish_reason = "stop"
-        elif self.prompt_len + len(self.output_token_ids) >= self._max_num_tokens:
+        elif self.num_tokens >= self._max_num_tokens:
             self.finish_reason = "length"
 
     def metrics(self) -> RequestMetrics:
