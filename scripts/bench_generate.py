@@ -27,7 +27,7 @@ def make_prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[in
     return torch.randint(1, vocab, (batch, length), generator=g).tolist()
 
 
-def open_splitmoe(args, micro_batches=None, backend="auto") -> LLM:
+def open_splitmoe(args, micro_batches=None, backend="auto", threads=None) -> LLM:
     return LLM(
         args.model,
         attention_ranks=args.attention_ranks,
@@ -36,7 +36,7 @@ def open_splitmoe(args, micro_batches=None, backend="auto") -> LLM:
         transport=args.transport,
         dtype=args.dtype,
         device=args.device,
-        threads_per_rank=args.threads_per_rank,
+        threads_per_rank=threads,
         max_num_seqs=max(64, args.batch),
         shared_memory=not args.no_shared_memory,
         attention_backend=backend,
@@ -63,10 +63,10 @@ def measure_splitmoe(llm: LLM, args, prompts) -> dict:
     )
 
 
-def bench_splitmoe(args, prompts, micro_batches=None, backend="auto") -> dict:
+def bench_splitmoe(args, prompts, micro_batches=None, backend="auto", threads=None) -> dict:
     """One run on a fresh engine (started, warmed up on a small request, measured, closed)."""
     t0 = time.perf_counter()
-    with open_splitmoe(args, micro_batches, backend) as llm:
+    with open_splitmoe(args, micro_batches, backend, threads) as llm:
         startup = time.perf_counter() - t0
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         return dict(measure_splitmoe(llm, args, prompts), startup_s=startup)
@@ -132,7 +132,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--threads-per-rank", type=int, default=None)
+    ap.add_argument(
+        "--threads-per-rank",
+        default="auto",
+        help="CPU threads of each rank; comma-separated counts to compare in one run, e.g. 1,2 "
+        "(auto: the runtime's default)",
+    )
     ap.add_argument("--hf-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--transport", default="flat")
@@ -178,15 +183,25 @@ def main() -> None:
         [None] if args.micro_batches == "auto" else [int(m) for m in args.micro_batches.split(",")]
     )
     backends = args.backend.split(",")
-    if args.repeat < 1 or len(set(counts)) != len(counts) or len(set(backends)) != len(backends):
-        ap.error("--repeat must be >= 1 and --micro-batches / --backend must not repeat")
-    configs = [(b, m) for b in backends for m in counts]
+    threads = (
+        [None]
+        if args.threads_per_rank == "auto"
+        else [int(t) for t in args.threads_per_rank.split(",")]
+    )
+    lists = (counts, backends, threads)
+    if args.repeat < 1 or any(len(set(v)) != len(v) for v in lists):
+        ap.error(
+            "--repeat must be >= 1 and --micro-batches / --backend / --threads-per-rank must "
+            "not repeat"
+        )
+    configs = [(b, m, t) for b in backends for m in counts for t in threads]
 
-    def label(b, m) -> str:
+    def label(b, m, t) -> str:
         return (
             f"splitmoe {topo}"
             + ("" if len(backends) == 1 else f" {b}")
             + ("" if m is None else f" m={m}")
+            + ("" if len(threads) == 1 else f" t={t}")
         )
 
     # Each configuration runs --repeat times, interleaved (m=1, m=2, m=1, m=2, ...), and is
@@ -197,7 +212,7 @@ def main() -> None:
     runs: dict = {name: [] for name in names}
     if args.paired:
         hf = None if args.skip_hf else HFBench(args, prompts)
-        engines = {label(*c): open_splitmoe(args, c[1], c[0]) for c in configs}
+        engines = {label(*c): open_splitmoe(args, c[1], c[0], c[2]) for c in configs}
         try:
             for llm in engines.values():  # warm-up at full size: allocations, page faults
                 measure_splitmoe(llm, args, prompts)
@@ -212,7 +227,7 @@ def main() -> None:
     else:
         for _ in range(args.repeat):
             for c in configs:
-                runs[label(*c)].append(bench_splitmoe(args, prompts, c[1], c[0]))
+                runs[label(*c)].append(bench_splitmoe(args, prompts, c[1], c[0], c[2]))
         if not args.skip_hf:
             runs["HF transformers"].append(HFBench(args, prompts).measure())
     rows = [(name, median_run(runs[name])) for name in names]

@@ -373,15 +373,13 @@ class EngineConfig:
     def backend(self, name: str) -> str:
         """Resolved ``attention_backend`` / ``moe_backend`` (in each rank, after its thread
         count is set): ``auto`` is Triton on CUDA; on CPU, the native kernels for a rank that
-        runs float32 on one thread, where they build (see `kernels.cpu_native`: they are
-        single-threaded, so a rank with several threads keeps the PyTorch paths, which use
-        them), else the PyTorch paths."""
+        runs float32, where they build (`kernels.cpu_native`), else the PyTorch paths."""
         value = getattr(self, name)
         if value != "auto":
             return value
         if self.device_type == "cuda":
             return "triton"
-        if self.native_cpu_eligible and torch.get_num_threads() == 1:
+        if self.native_cpu_eligible:
             from splitmoe.kernels import cpu_native
 
             return "cpu" if cpu_native.available() else "torch"

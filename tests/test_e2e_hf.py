@@ -61,3 +61,26 @@ def test_greedy_matches_hf(ckpt_name, attention_ranks, expert_ranks, backend, ti
                 f"  splitmoe: {got}\n  HF:       {want}"
             )
         assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("attention_ranks,expert_ranks,threads", [(1, 0, 3), (1, 1, 2)])
+def test_kernel_threads_match_hf(attention_ranks, expert_ranks, threads, tiny_ckpt, hf_ref):
+    """Ranks whose native kernels split the decode layer's rows and the experts over several
+    threads (more than this machine's cores, too) still give HF's tokens: 10 sequences decode
+    at once, so the rows are split."""
+    ckpt = tiny_ckpt("qwen3_moe")
+    prompts = [prompt_ids(3 + 2 * i, seed=100 + i) for i in range(10)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(ckpt),
+        attention_ranks=attention_ranks,
+        expert_ranks=expert_ranks,
+        dtype="float32",
+        device="cpu",
+        threads_per_rank=threads,
+    ) as llm:
+        outs = llm.generate(prompts, params)
+        stats = llm.stats()
+    assert [list(o.token_ids) for o in outs] == [hf_ref(ckpt, p, 12) for p in prompts]
+    if stats[0]["attention_backend"] == "cpu":
+        assert all(s["kernel_threads"] == threads for s in stats)

@@ -33,8 +33,15 @@ def test_stats_from_every_rank(tiny_ckpt):
     native = "cpu" if cpu_native.available() else "torch"
     assert [s["attention_backend"] for s in stats[:2]] == [native] * 2
     assert [s["moe_backend"] for s in stats] == [None, None, native, native]
-    # each rank on a core of its own where the 4 ranks fit side by side; else all share
+    # the native kernels get the rank's threads (the node's cores shared by its 4 ranks) and
+    # torch one; else torch gets them, one core kept back for the front end
     cores = available_cores()
+    if native == "cpu":
+        assert all(s["kernel_threads"] == max(1, len(cores) // 4) for s in stats)
+        assert all(s["threads"] == 1 for s in stats)
+    else:
+        assert all(s["threads"] == max(1, len(cores) // 5) for s in stats)
+    # each rank on a core of its own where the 4 ranks fit side by side; else all share
     if len(cores) >= 4:
         assert [s["cores"] for s in stats] == [[c] for c in cores[:4]]
     else:

@@ -9,9 +9,10 @@ GEMMs of a few rows, an RMSNorm is six small ops, and the grouped expert FFN is 
 two grouped GEMMs that loop over experts, and a scatter. ``csrc/cpu_kernels.c`` does each in one
 pass over its data. It is plain C, built on first use with the system C compiler
 (``cc -O3 -march=native``, well under a second) into a cache directory and loaded with ctypes;
-without a compiler `available` is False and ``"auto"`` stays on the PyTorch paths. Every kernel
-is single-threaded. The wrappers check what the C code assumes (dtypes, devices, strides) and
-raise ``ValueError`` naming the problem. The PyTorch references are the oracle in tests
+without a compiler `available` is False and ``"auto"`` stays on the PyTorch paths. The decode
+layer and the fused MoE split their rows over `set_threads` threads (bit-identical results); the
+other kernels are single-threaded. The wrappers check what the C code assumes (dtypes, devices,
+strides) and raise ``ValueError`` naming the problem. The PyTorch references are the oracle in tests
 (tests/kernels/test_cpu_native.py); docs/kernels.md has the figures.
 """
 
@@ -42,6 +43,7 @@ FLAGS = (
     "-std=c11",
     "-ffp-contract=fast",  # FMAs (ISO C mode would turn contraction off)
     "-fPIC",
+    "-pthread",
     "-shared",
     "-Werror=implicit-function-declaration",
 )
@@ -72,6 +74,7 @@ _SIGNATURES = {
         ctypes.c_int,
         [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p],
     ),
+    "splitmoe_set_threads": (ctypes.c_int, [ctypes.c_int]),
     "splitmoe_decode_layer_f32": (
         ctypes.c_int,
         [_p, _i64, _i64, _p, _p, _f32, _p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _p, _i64]
@@ -147,7 +150,28 @@ def library() -> ctypes.CDLL:
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
+    lib.splitmoe_set_threads(_threads)
     return lib
+
+
+_threads = 1
+
+
+def threads() -> int:
+    """The threads the parallel kernels use (`set_threads`)."""
+    return _threads
+
+
+def set_threads(n: int) -> int:
+    """The threads the decode layer and the fused MoE split their work over (the calling thread
+    and n - 1 of the library's own; the results are bit-identical for every n). A rank sets it
+    with torch's (`runtime.set_threads`). Applied now if the kernels are loaded, else when they
+    are; returns the count asked for. Not while a kernel runs."""
+    global _threads
+    _threads = max(1, int(n))
+    if library.cache_info().currsize:
+        library().splitmoe_set_threads(_threads)
+    return _threads
 
 
 @functools.cache

@@ -333,15 +333,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_config_auto_keeps_torch_with_threads(model_cfg):
+def test_config_auto_is_native_with_threads(model_cfg):
+    """The decode layer and the fused MoE split their work over the rank's threads, so "auto"
+    keeps the native kernels for ranks given several."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         cfg = EngineConfig(model=model_cfg, device="cpu", dtype="float32")
-        assert cfg.backend("attention_backend") == "torch"
-        assert cfg.backend("moe_backend") == "torch"
-        forced = EngineConfig(model=model_cfg, attention_backend="cpu", moe_backend="cpu")
-        assert forced.backend("attention_backend") == forced.backend("moe_backend") == "cpu"
+        assert cfg.backend("attention_backend") == cfg.backend("moe_backend") == "cpu"
+        forced = EngineConfig(model=model_cfg, attention_backend="torch", moe_backend="torch")
+        assert forced.backend("attention_backend") == forced.backend("moe_backend") == "torch"
     finally:
         torch.set_num_threads(before)
 
@@ -637,3 +638,58 @@ def test_decode_layer_refuses_bad_input_before_writing():
     with pytest.raises(ValueError, match="w_qkv"):
         cpu_native.DecodeLayer(**{**w, "w_qkv": w["w_qkv"][:-1]}, num_heads=nh, num_kv_heads=nkv,
                                head_dim=d, eps=1e-6, top_k=2, renormalize=True)  # fmt: skip
+
+
+# --- threads ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def native_threads():
+    """Sets the kernels' thread count for a test, back to one thread after it."""
+    yield cpu_native.set_threads
+    cpu_native.set_threads(1)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("tokens,skip", [(1, 0.0), (13, 0.5), (130, 0.0)])
+def test_fused_moe_threads_change_no_bit(native_threads, threads, tokens, skip):
+    """The experts run in parallel and each token's sum is then taken in ascending expert order:
+    the result equals the one-thread one exactly, not only to rounding."""
+    x, w13, w2, ids, w = _moe_case(tokens, 16, 72, 40, 4, skip, seed=tokens)
+    layout = cpu_native.expert_layout(w13, w2)
+    one = cpu_native.fused_moe(x, *layout, ids, w)
+    native_threads(threads)
+    for _ in range(20):  # the claiming of chunks differs from call to call
+        assert torch.equal(cpu_native.fused_moe(x, *layout, ids, w), one)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("T", [3, 33, 70])
+def test_decode_layer_threads_change_no_bit(native_threads, threads, T):
+    """Rows split over threads: the residual stream, the MoE input, the routing and the K/V
+    written equal the one-thread results exactly; bad input is still refused before writing."""
+    g = torch.Generator().manual_seed(T)
+    nh, nkv, d, H, E, k = 4, 2, 32, 128, 16, 4
+    seqs = [(int(torch.randint(0, 60, (1,), generator=g)), 1) for _ in range(T)]
+    _, _, k_cache, v_cache, meta = _paged_batch(seqs, nh, nkv, d, 4, g)
+    w = _decode_layer_weights(H, nh, nkv, d, E, True, True, g)
+    layer = cpu_native.DecodeLayer(**w, num_heads=nh, num_kv_heads=nkv, head_dim=d, eps=1e-6,
+                                   top_k=k, renormalize=True)  # fmt: skip
+    cos, sin = _rope(meta.seq_lens - 1, d)
+    h = torch.randn(T, H, generator=g)
+
+    def run():
+        kc, vc, ho = k_cache.clone(), v_cache.clone(), h.clone()
+        return (ho, *layer(ho, cos, sin, kc, vc, meta, d**-0.5), kc, vc)
+
+    one = run()
+    native_threads(threads)
+    for _ in range(5):
+        assert all(torch.equal(a, b) for a, b in zip(run(), one, strict=True))
+    tables = meta.block_tables.clone()
+    tables[-1, 0] = k_cache.shape[0]
+    bad = dataclasses.replace(meta, block_tables=tables, derived={})
+    h0, kc = h.clone(), k_cache.clone()
+    with pytest.raises(ValueError, match="outside the cache"):
+        layer(h, cos, sin, k_cache, v_cache, bad, 1.0)
+    assert torch.equal(h, h0) and torch.equal(k_cache, kc)

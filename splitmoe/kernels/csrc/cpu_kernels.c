@@ -2,19 +2,171 @@
  *
  * Built on first use by splitmoe/kernels/cpu_native.py with the system C compiler
  * (cc -O3 -march=native) and called through ctypes: plain C, no Python or torch headers, so it
- * compiles in well under a second. Every function is single-threaded (one thread per rank is
- * how ranks share a CPU) and takes raw pointers plus element strides; the Python wrappers check
- * shapes, dtypes, devices and strides before calling.
+ * compiles in well under a second. Every function takes raw pointers plus element strides; the
+ * Python wrappers check shapes, dtypes, devices and strides before calling. The decode layer and
+ * the fused MoE split their work over the rank's threads (splitmoe_set_threads; one thread per
+ * rank is how ranks share a CPU, so most runs are single-threaded) in a way that leaves every
+ * result bit-identical to the one-thread run.
  *
  * Why: on CPU an attention rank's decode layer is dominated by per-op overheads of tiny tensors,
  * not by arithmetic. Decode attention in PyTorch gathers every sequence's K/V blocks into a
  * padded copy and then runs SDPA over [B, kv heads, g, L] in per-(batch, head) GEMMs of a few
  * rows; RMSNorm is six small ops. Here each is one pass over its data.
  */
+#define _GNU_SOURCE /* syscall, clock_gettime, sched_yield under -std=c11 */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+/* ---- thread pool ---------------------------------------------------------------------------- */
+
+/* parallel_for(n, fn, ctx) runs fn(ctx, i, thread) for every chunk i < n on the calling thread
+ * and the pool's workers, and returns when all are done. Chunks are claimed one at a time from
+ * a single atomic word (generation << 32 | n << 16 | next chunk), so a worker that wakes late
+ * finds less or nothing to do and the caller never waits for a worker that claimed nothing:
+ * with no workers (one thread, or a forked child, whose workers did not survive the fork) the
+ * caller runs every chunk itself. Workers spin for SPIN_NS after the last job, then sleep on a
+ * futex: within a decode step the next call follows in microseconds; between steps the core
+ * is free for the other processes. A job's fn / ctx are read only after a chunk of it is
+ * claimed; the job cannot have finished then, so the caller has not replaced them. Jobs from
+ * several caller threads at once do not share the pool: the second runs on its own thread. */
+typedef void (*chunk_fn)(void *ctx, int64_t chunk, int thread);
+
+#define MAX_THREADS 64
+#define SPIN_NS 200000
+
+static struct {
+    _Atomic uint64_t state; /* generation << 32 | chunks << 16 | next unclaimed chunk */
+    _Atomic int64_t done;   /* chunks of the current job finished */
+    _Atomic uint32_t wake;  /* futex word, bumped when a job is posted while a worker sleeps */
+    _Atomic int sleepers;
+    _Atomic int busy; /* a caller thread is running a job */
+    chunk_fn fn;
+    void *ctx;
+    int threads; /* the caller + workers */
+    pthread_mutex_t grow;
+} pool = {.threads = 1, .grow = PTHREAD_MUTEX_INITIALIZER};
+
+#define JOB_CHUNKS(s) ((int64_t)(((s) >> 16) & 0xffff))
+#define JOB_NEXT(s) ((int64_t)((s)&0xffff))
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void futex_wait(_Atomic uint32_t *word, uint32_t value) {
+#ifdef __linux__
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+#else
+    (void)word, (void)value;
+    sched_yield();
+#endif
+}
+
+static void futex_wake_all(_Atomic uint32_t *word) {
+#ifdef __linux__
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
+#else
+    (void)word;
+#endif
+}
+
+/* Claims and runs chunks of the posted job until none is left. */
+static void run_chunks(int thread) {
+    uint64_t s = atomic_load(&pool.state);
+    while (JOB_NEXT(s) < JOB_CHUNKS(s)) {
+        if (!atomic_compare_exchange_weak(&pool.state, &s, s + 1)) continue; /* s reloaded */
+        pool.fn(pool.ctx, JOB_NEXT(s), thread);
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        s = atomic_load(&pool.state);
+    }
+}
+
+static void *pool_worker(void *arg) {
+    const int thread = (int)(intptr_t)arg;
+    for (;;) {
+        const int64_t idle_since = now_ns();
+        uint64_t s;
+        for (int spins = 0;; spins++) {
+            s = atomic_load(&pool.state);
+            if (JOB_NEXT(s) < JOB_CHUNKS(s) && thread < pool.threads) break;
+            if ((spins & 63) || now_ns() - idle_since < SPIN_NS) {
+                cpu_relax();
+                continue;
+            }
+            const uint32_t w = atomic_load(&pool.wake);
+            atomic_fetch_add(&pool.sleepers, 1);
+            s = atomic_load(&pool.state); /* a job posted before the count rose: no wake for it */
+            if (JOB_NEXT(s) >= JOB_CHUNKS(s) || thread >= pool.threads) futex_wait(&pool.wake, w);
+            atomic_fetch_sub(&pool.sleepers, 1);
+        }
+        run_chunks(thread);
+    }
+    return NULL;
+}
+
+/* Sets the threads the parallel kernels use (the caller + n - 1 workers, started on first
+ * need; workers past n are never stopped, only left asleep); returns the count in effect, which
+ * is lower than n if a thread could not be started. Not while a kernel runs: the kernels size
+ * per-thread scratch by it. */
+int splitmoe_set_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    static int started = 1;
+    pthread_mutex_lock(&pool.grow);
+    for (; started < n; started++) {
+        pthread_t tid;
+        if (pthread_create(&tid, NULL, pool_worker, (void *)(intptr_t)started)) break;
+        pthread_detach(tid);
+    }
+    pool.threads = n < started ? n : started;
+    pthread_mutex_unlock(&pool.grow);
+    return pool.threads;
+}
+
+static void parallel_for(int64_t n, chunk_fn fn, void *ctx) {
+    if (n > 0xffff) n = 0xffff; /* callers keep to far fewer chunks */
+    int idle = 0;
+    if (pool.threads < 2 || n < 2 || !atomic_compare_exchange_strong(&pool.busy, &idle, 1)) {
+        for (int64_t i = 0; i < n; i++) fn(ctx, i, 0);
+        return;
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    atomic_store(&pool.done, 0);
+    const uint64_t generation = (atomic_load(&pool.state) >> 32) + 1;
+    atomic_store(&pool.state, generation << 32 | (uint64_t)n << 16);
+    if (atomic_load(&pool.sleepers)) {
+        atomic_fetch_add(&pool.wake, 1);
+        futex_wake_all(&pool.wake);
+    }
+    run_chunks(0);
+    while (atomic_load_explicit(&pool.done, memory_order_acquire) < n) cpu_relax();
+    atomic_store(&pool.busy, 0);
+}
+
+/* How many chunks of `per` rows cover `rows`. */
+static inline int64_t chunks_of(int64_t rows, int64_t per) { return (rows + per - 1) / per; }
 
 /* Dot product in 8-wide vectors (GCC/Clang vector extensions: AVX on x86, NEON pairs on
  * arm64), two independent accumulators, then a fixed pairwise sum of the lanes: no -ffast-math,
@@ -403,72 +555,107 @@ static void silu_mul(const float *gate, const float *up, float *out, int64_t n) 
     }
 }
 
+struct fused_moe {
+    const float *x;
+    int64_t N, H, I, k;
+    const float *w13t, *w2t;
+    const float *weights;
+    const int64_t *start, *order, *pos; /* pairs grouped by expert; pos: each pair's place */
+    const int64_t *experts;             /* the experts with rows, in ascending order */
+    float *y;                           /* [N k, H]: each pair's FFN output, in grouped order */
+    float *scratch;                     /* per thread: [max_rows, H + 3 I] */
+    int64_t scratch_st;
+    float *out;
+};
+
+/* Phase one, one expert per chunk: its rows gathered, FFN_e into their places in y. */
+static void fused_moe_expert(void *ctx, int64_t chunk, int thread) {
+    const struct fused_moe *m = ctx;
+    const int64_t H = m->H, I = m->I, e = m->experts[chunk];
+    const int64_t rows = m->start[e + 1] - m->start[e];
+    const int64_t *pairs = m->order + m->start[e];
+    float *a = m->scratch + thread * m->scratch_st;
+    float *h = a + rows * H;         /* [rows, 2I]: gate | up */
+    float *act = h + rows * 2 * I;   /* [rows, I] */
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(a + r * H, m->x + pairs[r] / m->k * H, sizeof(float) * (size_t)H);
+    gemm(a, H, m->w13t + e * H * 2 * I, 2 * I, h, 2 * I, rows, 2 * I, H);
+    for (int64_t r = 0; r < rows; r++) silu_mul(h + r * 2 * I, h + r * 2 * I + I, act + r * I, I);
+    gemm(act, I, m->w2t + e * I * H, H, m->y + m->start[e] * H, H, rows, H, I);
+}
+
+#define MOE_TOKENS_PER_CHUNK 8
+
+/* Phase two, 8 tokens per chunk: out[t] += w * y of t's pairs in ascending expert order (their
+ * places in y ascend so), as the one-thread sum. */
+static void fused_moe_sum(void *ctx, int64_t chunk, int thread) {
+    (void)thread;
+    const struct fused_moe *m = ctx;
+    const int64_t H = m->H, k = m->k, t0 = chunk * MOE_TOKENS_PER_CHUNK;
+    const int64_t t1 = t0 + MOE_TOKENS_PER_CHUNK < m->N ? t0 + MOE_TOKENS_PER_CHUNK : m->N;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t q[64]; /* this token's places in y, ascending; -1: slot served elsewhere */
+        int64_t n = 0;
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t p = m->pos[t * k + j];
+            if (p < 0) continue;
+            int64_t i = n++;
+            for (; i > 0 && q[i - 1] > p; i--) q[i] = q[i - 1];
+            q[i] = p;
+        }
+        float *o = m->out + t * H;
+        for (int64_t i = 0; i < n; i++) {
+            const float w = m->weights[m->order[q[i]]];
+            const float *y = m->y + q[i] * H;
+            for (int64_t c = 0; c < H; c++) o[c] += y[c] * w;
+        }
+    }
+}
+
 /* Routed experts of one MoE layer: out[t] = sum_j weights[t, j] * FFN_e(x[t]) over the slots j
  * with e = expert_ids[t, j] in [0, E) (-1: served elsewhere, skipped), where
  * FFN_e(v) = (silu(v W1_e) * (v W3_e)) W2_e. Weights pre-transposed for row-major GEMMs:
  * w13t [E, H, 2I] (gate columns, then up), w2t [E, I, H]. x [N, H], out [N, H] contiguous.
- * Pairs are grouped by expert (counting sort, stable), each expert's rows gathered, and its
- * output rows added into out in ascending expert order (fused_moe_ref's order of the sums).
- * out must hold zeros. Returns 0; -1 if scratch memory could not be allocated; -2 for an
- * expert id >= E. */
+ * Pairs are grouped by expert (counting sort, stable); the experts run in parallel, each on its
+ * gathered rows, and then each token's outputs are added into out in ascending expert order
+ * (fused_moe_ref's order of the sums), so the threads do not change a bit of the result.
+ * out must hold zeros. k <= 64. Returns 0; -1 if scratch memory could not be allocated; -2 for
+ * an expert id >= E. */
 int splitmoe_fused_moe_f32(const float *x, int64_t N, int64_t H, const float *w13t,
                            const float *w2t, int64_t E, int64_t I, const int64_t *expert_ids,
                            const float *weights, int64_t k, float *out) {
-    int64_t *start = calloc((size_t)E + 1, sizeof(int64_t));
-    int64_t *order = malloc(sizeof(int64_t) * (size_t)(N * k + 1));
-    if (!start || !order) {
-        free(start);
-        free(order);
-        return -1;
-    }
-    for (int64_t p = 0; p < N * k; p++) {
-        const int64_t e = expert_ids[p];
-        if (e >= E) {
-            free(start);
-            free(order);
-            return -2;
-        }
-        if (e >= 0) start[e + 1]++;
-    }
-    int64_t max_rows = 0;
+    for (int64_t p = 0; p < N * k; p++)
+        if (expert_ids[p] >= E) return -2;
+    const int64_t threads = pool.threads;
+    int64_t *index = calloc((size_t)(E + 1 + E + 2 * N * k + E + 1), sizeof(int64_t));
+    if (!index) return -1;
+    int64_t *start = index, *fill = start + E + 1, *order = fill + E, *pos = order + N * k;
+    int64_t *experts = pos + N * k;
+    for (int64_t p = 0; p < N * k; p++)
+        if (expert_ids[p] >= 0) start[expert_ids[p] + 1]++;
+    int64_t max_rows = 0, active = 0;
     for (int64_t e = 0; e < E; e++) {
         if (start[e + 1] > max_rows) max_rows = start[e + 1];
+        if (start[e + 1]) experts[active++] = e;
         start[e + 1] += start[e];
     }
-    int64_t *fill = malloc(sizeof(int64_t) * (size_t)(E + 1));
-    float *a = malloc(sizeof(float) * (size_t)(max_rows * (H + 3 * I) + 1));
-    if (!fill || !a) {
-        free(start);
-        free(order);
-        free(fill);
-        free(a);
+    memcpy(fill, start, sizeof(int64_t) * (size_t)E);
+    for (int64_t p = 0; p < N * k; p++) {
+        pos[p] = expert_ids[p] >= 0 ? fill[expert_ids[p]]++ : -1;
+        if (pos[p] >= 0) order[pos[p]] = p;
+    }
+    const int64_t scratch_st = max_rows * (H + 3 * I);
+    float *y = malloc(sizeof(float) * (size_t)(start[E] * H + threads * scratch_st + 1));
+    if (!y) {
+        free(index);
         return -1;
     }
-    memcpy(fill, start, sizeof(int64_t) * (size_t)E);
-    for (int64_t p = 0; p < N * k; p++)
-        if (expert_ids[p] >= 0) order[fill[expert_ids[p]]++] = p;
-    float *h = a + max_rows * H;  /* [rows, 2I]: gate | up */
-    float *act = h + max_rows * 2 * I; /* [rows, I]; the down projection reuses a */
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t rows = start[e + 1] - start[e];
-        if (!rows) continue;
-        const int64_t *pairs = order + start[e];
-        for (int64_t r = 0; r < rows; r++)
-            memcpy(a + r * H, x + pairs[r] / k * H, sizeof(float) * (size_t)H);
-        gemm(a, H, w13t + e * H * 2 * I, 2 * I, h, 2 * I, rows, 2 * I, H);
-        for (int64_t r = 0; r < rows; r++)
-            silu_mul(h + r * 2 * I, h + r * 2 * I + I, act + r * I, I);
-        gemm(act, I, w2t + e * I * H, H, a, H, rows, H, I);
-        for (int64_t r = 0; r < rows; r++) {
-            const float w = weights[pairs[r]];
-            float *o = out + pairs[r] / k * H;
-            for (int64_t c = 0; c < H; c++) o[c] += a[r * H + c] * w;
-        }
-    }
-    free(start);
-    free(order);
-    free(fill);
-    free(a);
+    struct fused_moe m = {x,     N,       H,     I,     k,     w13t,   w2t, weights, start,
+                          order, pos,     experts, y,   y + start[E] * H, scratch_st, out};
+    parallel_for(active, fused_moe_expert, &m);
+    parallel_for(chunks_of(N, MOE_TOKENS_PER_CHUNK), fused_moe_sum, &m);
+    free(index);
+    free(y);
     return 0;
 }
 
@@ -604,6 +791,76 @@ int64_t splitmoe_route_pack(const int64_t *slots, int64_t T, int64_t k, const in
  * router_t [H, E]. The same steps, in the same order, as the per-op kernels.
  * Returns 0; -1 if scratch memory could not be allocated; -3 for a block table, sequence length
  * or slot that does not fit the cache, -5 for a bad k / E (nothing written for either). */
+struct decode_layer {
+    float *h;
+    int64_t H;
+    const float *in_norm, *post_norm;
+    float eps;
+    const float *wqkv_t, *b_qkv, *qk_norm_w, *cos_t, *sin_t;
+    int64_t cs_st;
+    float *k_cache, *v_cache;
+    int64_t block_size;
+    const int32_t *block_tables;
+    int64_t table_st;
+    const int64_t *seq_lens, *slots;
+    int64_t max_len, nh, nkv, d;
+    float scale;
+    const float *wo_t, *router_t;
+    int64_t E, k;
+    int renorm;
+    float *x_out;
+    int64_t *ids;
+    float *weights;
+    int64_t rows_per_chunk, T_rows;
+    _Atomic int rc; /* the first chunk's error */
+};
+
+/* The layer for rows r0 .. r0 + T - 1 (tables already checked). Each row's arithmetic is the
+ * same whichever rows share the call: the GEMM tiles compute every element in the same order. */
+static int decode_layer_rows(const struct decode_layer *a, int64_t r0, int64_t T) {
+    const int64_t H = a->H, d = a->d, nh = a->nh, nkv = a->nkv, E = a->router_t ? a->E : 0;
+    const int64_t nq = nh * d, nqkv = (nh + 2 * nkv) * d;
+    float *h = a->h + r0 * H, *x_out = a->x_out + r0 * H;
+    float *qkv = malloc(sizeof(float) * (size_t)(T * (nqkv + nq + H + E) + 1));
+    if (!qkv) return -1;
+    float *o = qkv + T * nqkv, *proj = o + T * nq, *logits = proj + T * H;
+    int rc = 0;
+    splitmoe_rms_norm_f32(h, H, 0, T, 1, H, a->in_norm, 0, a->eps, x_out, H, 0);
+    gemm(x_out, H, a->wqkv_t, nqkv, qkv, nqkv, T, nqkv, H);
+    if (a->b_qkv)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t c = 0; c < nqkv; c++) qkv[t * nqkv + c] += a->b_qkv[c];
+    rc = splitmoe_norm_rope_f32(qkv, nqkv, d, T, nh + nkv, d, a->qk_norm_w, d, a->eps,
+                                a->cos_t + r0 * a->cs_st, a->sin_t + r0 * a->cs_st, a->cs_st);
+    if (rc) goto done;
+    store_kv(qkv + nq, nqkv, qkv + nq + nkv * d, nqkv, a->k_cache, a->v_cache, a->slots + r0, T,
+             nkv * d);
+    rc = decode_attention(qkv, nqkv, d, a->k_cache, a->v_cache, a->block_tables + r0 * a->table_st,
+                          a->table_st, a->seq_lens + r0, NULL, NULL, T, a->max_len, nh, nkv, d,
+                          a->block_size, a->scale, o, nq, d);
+    if (rc) goto done;
+    gemm(o, nq, a->wo_t, H, proj, H, T, H, nq);
+    for (int64_t i = 0; i < T * H; i++) h[i] += proj[i];
+    splitmoe_rms_norm_f32(h, H, 0, T, 1, H, a->post_norm, 0, a->eps, x_out, H, 0);
+    if (a->router_t) {
+        gemm(x_out, H, a->router_t, E, logits, E, T, E, H);
+        rc = splitmoe_route_f32(logits, T, E, a->k, a->renorm, a->ids + r0 * a->k,
+                                a->weights + r0 * a->k);
+    }
+done:
+    free(qkv);
+    return rc;
+}
+
+static void decode_layer_chunk(void *ctx, int64_t chunk, int thread) {
+    (void)thread;
+    struct decode_layer *a = ctx;
+    const int64_t r0 = chunk * a->rows_per_chunk, rows = a->rows_per_chunk;
+    const int rc = decode_layer_rows(a, r0, rows < a->T_rows - r0 ? rows : a->T_rows - r0);
+    int ok = 0;
+    if (rc) atomic_compare_exchange_strong(&a->rc, &ok, rc);
+}
+
 int splitmoe_decode_layer_f32(float *h, int64_t T, int64_t H, const float *in_norm,
                               const float *post_norm, float eps, const float *wqkv_t,
                               const float *b_qkv, const float *qk_norm_w, const float *cos_t,
@@ -619,31 +876,12 @@ int splitmoe_decode_layer_f32(float *h, int64_t T, int64_t H, const float *in_no
     const int64_t max_len = check_tables(block_tables, table_st, table_width, num_blocks,
                                          seq_lens, NULL, T, block_size);
     if (max_len < 0 || !slots_fit(slots, T, num_blocks * block_size)) return -3;
-    const int64_t nq = nh * d, nqkv = (nh + 2 * nkv) * d;
-    float *qkv = malloc(sizeof(float) * (size_t)(T * (nqkv + nq + H + (router_t ? E : 0)) + 1));
-    if (!qkv) return -1;
-    float *o = qkv + T * nqkv, *proj = o + T * nq, *logits = proj + T * H;
-    int rc = 0;
-    splitmoe_rms_norm_f32(h, H, 0, T, 1, H, in_norm, 0, eps, x_out, H, 0);
-    gemm(x_out, H, wqkv_t, nqkv, qkv, nqkv, T, nqkv, H);
-    if (b_qkv)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t c = 0; c < nqkv; c++) qkv[t * nqkv + c] += b_qkv[c];
-    rc = splitmoe_norm_rope_f32(qkv, nqkv, d, T, nh + nkv, d, qk_norm_w, d, eps, cos_t, sin_t,
-                                cs_st);
-    if (rc) goto done;
-    store_kv(qkv + nq, nqkv, qkv + nq + nkv * d, nqkv, k_cache, v_cache, slots, T, nkv * d);
-    rc = decode_attention(qkv, nqkv, d, k_cache, v_cache, block_tables, table_st, seq_lens, NULL,
-                          NULL, T, max_len, nh, nkv, d, block_size, scale, o, nq, d);
-    if (rc) goto done;
-    gemm(o, nq, wo_t, H, proj, H, T, H, nq);
-    for (int64_t i = 0; i < T * H; i++) h[i] += proj[i];
-    splitmoe_rms_norm_f32(h, H, 0, T, 1, H, post_norm, 0, eps, x_out, H, 0);
-    if (router_t) {
-        gemm(x_out, H, router_t, E, logits, E, T, E, H);
-        rc = splitmoe_route_f32(logits, T, E, k, renorm, ids, weights);
-    }
-done:
-    free(qkv);
-    return rc;
+    /* chunks of 8 rows (4 below 32 rows): two GEMM tiles of rows each, several chunks per
+     * thread so that sequences of unequal lengths even out */
+    struct decode_layer a = {
+        h, H, in_norm, post_norm, eps, wqkv_t, b_qkv, qk_norm_w, cos_t, sin_t, cs_st, k_cache,
+        v_cache, block_size, block_tables, table_st, seq_lens, slots, max_len, nh, nkv, d, scale,
+        wo_t, router_t, E, k, renorm, x_out, ids, weights, T < 32 ? 4 : 8, T, 0};
+    parallel_for(chunks_of(T, a.rows_per_chunk), decode_layer_chunk, &a);
+    return a.rc;
 }
