@@ -11,9 +11,11 @@ import os
 import time
 
 import pytest
+import torch
 from tiny_models import EOS_ID, make_tiny_checkpoint, prompt_ids
 
 from splitmoe import LLM, SamplingParams
+from splitmoe.attention_nodes.sampler import sample
 
 CKPT = "qwen3_moe"
 N_SAMPLED = 32
@@ -257,3 +259,13 @@ def test_request_metrics(llm):
             assert v >= 0.0, f"{name} = {v}"
         assert 0.0 < m.ttft <= m.e2e_latency <= wall + 1e-3
         assert 0.0 < m.tpot <= m.e2e_latency
+
+
+def test_greedy_rows_take_the_first_of_equal_maxima():
+    """Greedy rows are torch's argmax (HF's greedy choice), ties to the lowest token id."""
+    ties = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -3.0, -1.0, -2.0]])
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    assert sample(ties, greedy, [None] * 3) == [1, 0, 0]
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(0))
+    logits[::3, 7] = logits[::3, 11] = logits.max() + 1  # tied maxima in every third row
+    assert sample(logits, [greedy[0]] * 64, [None] * 64) == logits.argmax(-1).tolist()

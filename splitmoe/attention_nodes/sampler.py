@@ -31,7 +31,12 @@ def sample(
     """``logits [B, V]`` float32 -> one token id per row."""
     if logits.shape[0] == 0:
         return []
-    tokens = logits.argmax(dim=-1).tolist()  # greedy rows keep these
+    # greedy rows keep these (the first of equal maxima, as torch's argmax); on CPU numpy's
+    # argmax, ~10x faster than torch's on one thread (128 x 512 logits: 6 vs 65 us)
+    if logits.is_cpu:
+        tokens = logits.numpy().argmax(-1).tolist()
+    else:
+        tokens = logits.argmax(dim=-1).tolist()
     if all(p.greedy for p in params):
         return tokens
     for i, (p, g) in enumerate(zip(params, generators)):
