@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from tiny_models import prompt_ids
 
@@ -16,6 +18,27 @@ def test_split_balances_tokens_and_keeps_batch_order():
     assert split_micro_batches([5, 1, 1, 1, 4], 2) == [[0, 2], [1, 3, 4]]  # 6 and 6 tokens
     assert split_micro_batches([3], 3) == [[0], [], []]
     assert split_micro_batches([], 2) == [[], []]
+    assert split_micro_batches([1] * 7, 3) == [[0, 3, 6], [1, 4], [2, 5]]  # decode: round robin
+
+
+def _split_by_definition(num_tokens, m):
+    """Longest request first onto the lightest micro-batch, ties to the lowest index."""
+    loads, parts = [0] * m, [[] for _ in range(m)]
+    for i in sorted(range(len(num_tokens)), key=lambda i: (-num_tokens[i], i)):
+        j = min(range(m), key=lambda j: (loads[j], j))
+        loads[j] += num_tokens[i]
+        parts[j].append(i)
+    return [sorted(p) for p in parts]
+
+
+def test_split_follows_its_definition():
+    rng = random.Random(0)
+    for _ in range(300):
+        n, m = rng.randrange(0, 40), rng.randrange(1, 5)
+        tokens = [rng.choice((1, 1, 1, 2, 5, 16, 16, 40)) for _ in range(n)]
+        if rng.random() < 0.3:
+            tokens = [rng.choice((1, 3))] * n
+        assert split_micro_batches(tokens, m) == _split_by_definition(tokens, m), (tokens, m)
 
 
 def test_automatic_count_is_shared_by_all_ranks():

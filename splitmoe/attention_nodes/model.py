@@ -113,6 +113,16 @@ def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tor
     return F.linear(F.silu(h[:, :inter]) * h[:, inter:], down)
 
 
+def rope_rows(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [T, d]`` float32 of ``positions`` (``inv_freq [d/2]``), ``sin``'s first half
+    negated (`AttentionModel.rope`)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]  # [T, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
+    sin = emb.sin()
+    sin[:, : sin.shape[-1] // 2].neg_()
+    return emb.cos(), sin
+
+
 class AttentionModel:
     def __init__(
         self,
@@ -163,6 +173,7 @@ class AttentionModel:
         self.inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
         )  # [d/2]
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, 1, d] (rope)
         self.scale = d**-0.5
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
@@ -184,13 +195,23 @@ class AttentionModel:
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin [T, 1, d]`` for `apply_rope`; ``sin``'s first half is negated, so that
-        rotating by half a head (a roll) gives HF's ``rotate_half(x) * sin`` exactly."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, d/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
-        sin = emb.sin()
-        half = sin.shape[-1] // 2
-        sin[:, :half].neg_()
-        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        rotating by half a head (a roll) gives HF's ``rotate_half(x) * sin`` exactly.
+
+        On CPU, rows of a table of every position so far (grown by doubling), gathered: the
+        same values (elementwise ops; sin and cos do not depend on where a value sits in the
+        tensor), ~8x cheaper per step than computing them (162 -> ~20 us per step at batch 256,
+        two micro-batches)."""
+        if positions.is_cpu and positions.numel():
+            top = int(positions.max())
+            if self._rope_table is None or top >= self._rope_table[0].shape[0]:
+                n = max(2 * (top + 1), 1024)
+                cos, sin = rope_rows(self.inv_freq, torch.arange(n))
+                self._rope_table = (cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :])
+            cos, sin = self._rope_table
+            if cos.dtype == dtype:
+                return cos.index_select(0, positions), sin.index_select(0, positions)
+        cos, sin = rope_rows(self.inv_freq, positions)
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     @staticmethod
     def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,11 +62,15 @@ def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:
     """Indices of the requests in each of ``m`` micro-batches, balanced by token count (longest
     first onto the lightest micro-batch; ties to the lowest index), each in batch order. Some may
     be empty: every micro-batch still takes part in the collectives."""
-    loads = [0] * m
+    n = len(num_tokens)
+    if n and min(num_tokens) == max(num_tokens):  # (decode steps) this is round robin
+        return [list(range(j, n, m)) for j in range(m)]
+    loads = [(0, j) for j in range(m)]  # a heap of (tokens, micro-batch)
     parts: list[list[int]] = [[] for _ in range(m)]
-    for i in sorted(range(len(num_tokens)), key=lambda i: (-num_tokens[i], i)):
-        j = min(range(m), key=lambda j: (loads[j], j))
-        loads[j] += num_tokens[i]
+    # longest first; sorted's stability keeps equal lengths in index order
+    for i in sorted(range(n), key=num_tokens.__getitem__, reverse=True):
+        load, j = loads[0]
+        heapq.heapreplace(loads, (load + num_tokens[i], j))
         parts[j].append(i)
     return [sorted(p) for p in parts]
 

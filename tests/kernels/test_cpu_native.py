@@ -5,14 +5,13 @@ norm + RoPE, the wrappers' input checks, the build cache, and the config that se
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 from small_default import write_small_model
 
 import splitmoe.kernels.paged_attention as pa
-from splitmoe.attention_nodes.model import AttentionModel, rms_norm
+from splitmoe.attention_nodes.model import AttentionModel, rms_norm, rope_rows
 from splitmoe.config import EngineConfig, ModelConfig
 from splitmoe.kernels import cpu_native
 from splitmoe.kernels.fused_moe import fused_moe_ref
@@ -74,9 +73,10 @@ def _strided_out(T, nh, d):
 
 
 def _rope(positions, d, theta=10000.0):
-    """``cos, sin [T, 1, d]`` from `AttentionModel.rope` (sin's first half negated)."""
+    """``cos, sin [T, 1, d]`` as `AttentionModel.rope` (sin's first half negated)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    return AttentionModel.rope(SimpleNamespace(inv_freq=inv_freq), positions, torch.float32)
+    cos, sin = rope_rows(inv_freq, positions)
+    return cos[:, None, :], sin[:, None, :]
 
 
 # --- decode attention -------------------------------------------------------------------------
