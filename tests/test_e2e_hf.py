@@ -9,9 +9,9 @@ prompts is exercised too.
 from __future__ import annotations
 
 import pytest
-from tiny_models import FAMILIES, prompt_ids
+from tiny_models import FAMILIES, cpu_llm, prompt_ids
 
-from splitmoe import LLM, SamplingParams
+from splitmoe import SamplingParams
 
 MAX_TOKENS = 24
 PROMPT_LENGTHS = (1, 5, 17, 33)
@@ -38,14 +38,7 @@ def test_greedy_matches_hf(ckpt_name, attention_ranks, expert_ranks, backend, ti
     expected = [hf_ref(ckpt, p, MAX_TOKENS) for p in PROMPTS]
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(
-        str(ckpt),
-        attention_ranks=attention_ranks,
-        expert_ranks=expert_ranks,
-        dtype="float32",
-        device="cpu",
-        attention_backend=backend,
-    ) as llm:
+    with cpu_llm(ckpt, attention_ranks, expert_ranks, attention_backend=backend) as llm:
         outs = llm.generate(PROMPTS, params)
 
     assert len(outs) == len(PROMPTS)
@@ -71,14 +64,7 @@ def test_kernel_threads_match_hf(attention_ranks, expert_ranks, threads, tiny_ck
     ckpt = tiny_ckpt("qwen3_moe")
     prompts = [prompt_ids(3 + 2 * i, seed=100 + i) for i in range(10)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with LLM(
-        str(ckpt),
-        attention_ranks=attention_ranks,
-        expert_ranks=expert_ranks,
-        dtype="float32",
-        device="cpu",
-        threads_per_rank=threads,
-    ) as llm:
+    with cpu_llm(ckpt, attention_ranks, expert_ranks, threads_per_rank=threads) as llm:
         outs = llm.generate(prompts, params)
         stats = llm.stats()
     assert [list(o.token_ids) for o in outs] == [hf_ref(ckpt, p, 12) for p in prompts]

@@ -12,25 +12,15 @@ import time
 
 import pytest
 import torch
-from tiny_models import EOS_ID, make_tiny_checkpoint, prompt_ids
+from tiny_models import EOS_ID, cpu_llm, make_tiny_checkpoint, prompt_ids
 
-from splitmoe import LLM, SamplingParams
+from splitmoe import SamplingParams
 from splitmoe.attention_nodes.sampler import sample
 
 CKPT = "qwen3_moe"
 N_SAMPLED = 32
 SEEDED = dict(temperature=0.8, top_k=20, top_p=0.9, seed=123)
 PROMPTS = [prompt_ids(4, seed=201), prompt_ids(11, seed=202), prompt_ids(1, seed=203)]
-
-
-def _llm(ckpt, attention_ranks, expert_ranks):
-    return LLM(
-        str(ckpt),
-        attention_ranks=attention_ranks,
-        expert_ranks=expert_ranks,
-        dtype="float32",
-        device="cpu",
-    )
 
 
 def _seeded(seed=SEEDED["seed"], **kw):
@@ -44,7 +34,7 @@ def ckpt(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    with _llm(ckpt, 1, 1) as llm:
+    with cpu_llm(ckpt, 1, 1) as llm:
         yield llm
 
 
@@ -124,7 +114,7 @@ _HELPERS = ("resource_tracker", "semaphore_tracker", "forkserver")
 @pytest.mark.parametrize("topology", [(1, 0), (2, 2)], ids=["1+0", "2+2"])
 def test_seeded_sampling_same_across_topologies(topology, ckpt, seeded_ref):
     before = set(_descendants())
-    with _llm(ckpt, *topology) as other:
+    with cpu_llm(ckpt, *topology) as other:
         outs = other.generate(PROMPTS, _seeded())
     assert [list(o.token_ids) for o in outs] == seeded_ref
 
@@ -208,7 +198,7 @@ def test_eos_from_checkpoint_stops_unless_ignored(ckpt, hf_ref, tmp_path_factory
         CKPT, tmp_path_factory.mktemp(f"eos{t}"), eos_token_id=t, with_tokenizer=False
     )
     assert hf_ref(eos_ckpt, p, 24) == greedy  # test setup: same weights
-    with _llm(eos_ckpt, 1, 1) as llm:
+    with cpu_llm(eos_ckpt, 1, 1) as llm:
         stop, run_on = llm.generate(
             [p, p],
             [

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from splitmoe import LLM
+
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 VOCAB = 128
@@ -239,3 +241,15 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     """A deterministic prompt of ``length`` non-special token ids."""
     g = torch.Generator().manual_seed(10_000 + seed)
     return torch.randint(len(SPECIAL_TOKENS), VOCAB, (length,), generator=g).tolist()
+
+
+def cpu_llm(ckpt_dir, attention_ranks: int, expert_ranks: int, **options):
+    """An `LLM` on a tiny checkpoint, float32 on CPU (HF's exact tokens are the oracle)."""
+    return LLM(
+        str(ckpt_dir),
+        attention_ranks=attention_ranks,
+        expert_ranks=expert_ranks,
+        dtype="float32",
+        device="cpu",
+        **options,
+    )
