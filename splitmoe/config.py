@@ -371,9 +371,9 @@ class EngineConfig:
         return resolve_dtype(self.dtype, self.model.checkpoint_dtype, self.device_type)
 
     def backend(self, name: str) -> str:
-        """Resolved ``attention_backend`` / ``moe_backend`` (in each rank, after its thread
-        count is set): ``auto`` is Triton on CUDA; on CPU, the native kernels for a rank that
-        runs float32, where they build (`kernels.cpu_native`), else the PyTorch paths."""
+        """Resolved ``attention_backend`` / ``moe_backend``: ``auto`` is Triton on CUDA; on CPU,
+        the native kernels for a rank that runs float32, where they build
+        (`kernels.cpu_native`), else the PyTorch paths."""
         value = getattr(self, name)
         if value != "auto":
             return value

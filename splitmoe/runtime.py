@@ -215,8 +215,8 @@ def set_threads(cfg: EngineConfig, topo: Topology) -> None:
     A rank whose kernels are all native (`cpu_native`) gives its threads to them: their pool
     splits the decode layer and the fused MoE, and torch runs one thread, because torch's
     OpenMP workers spin between ops and take the cores the pool needs (colocated at batch 32 on
-    2 cores, 2 threads with torch's also at 2 decoded 0.84x as fast as 1 thread; with torch at
-    1, 1.2x). By default it takes the node's cores shared among its ranks. Other ranks give
+    2 cores, 2 threads with torch's also at 2 decoded 0.8-0.9x as fast as 1 thread; with torch
+    at 1, 1.1-1.3x). By default it takes the node's cores shared among its ranks. Other ranks give
     their threads to torch and by default keep one core back for the front end and the
     communication threads (on 2 cores, 1 thread per rank decoded a small model ~1.4x faster
     than 2 competing threads: 5.3 vs 7.4 ms per step at batch 32)."""

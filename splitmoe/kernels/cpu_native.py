@@ -12,8 +12,8 @@ pass over its data. It is plain C, built on first use with the system C compiler
 without a compiler `available` is False and ``"auto"`` stays on the PyTorch paths. The decode
 layer and the fused MoE split their rows over `set_threads` threads (bit-identical results); the
 other kernels are single-threaded. The wrappers check what the C code assumes (dtypes, devices,
-strides) and raise ``ValueError`` naming the problem. The PyTorch references are the oracle in tests
-(tests/kernels/test_cpu_native.py); docs/kernels.md has the figures.
+strides) and raise ``ValueError`` naming the problem. The PyTorch references are the oracle in
+tests (tests/kernels/test_cpu_native.py); docs/kernels.md has the figures.
 """
 
 from __future__ import annotations
@@ -164,9 +164,9 @@ def threads() -> int:
 
 def set_threads(n: int) -> int:
     """The threads the decode layer and the fused MoE split their work over (the calling thread
-    and n - 1 of the library's own; the results are bit-identical for every n). A rank sets it
-    with torch's (`runtime.set_threads`). Applied now if the kernels are loaded, else when they
-    are; returns the count asked for. Not while a kernel runs."""
+    and n - 1 of the library's own; the results are bit-identical for every n). A rank on these
+    kernels gives them its threads (`runtime.set_threads`). Applied now if the kernels are
+    loaded, else when they are; returns the count asked for. Not while a kernel runs."""
     global _threads
     _threads = max(1, int(n))
     if library.cache_info().currsize:
@@ -503,6 +503,11 @@ def fused_moe(
     )
     if rc == -2:
         raise ValueError(f"cpu kernels: fused_moe got an expert id >= {E} (the experts held here)")
+    if rc == -5:
+        raise ValueError(
+            f"cpu kernels: fused_moe takes up to 64 experts per token, got {ids.shape[1]}; use "
+            "moe_backend='torch'"
+        )
     if rc != 0:
         raise MemoryError("cpu kernels: fused_moe could not allocate its scratch rows")
     return out

@@ -412,6 +412,8 @@ def test_fused_moe_rejects_bad_input():
         cpu_native.fused_moe(x, w13t, w2t, ids[:, :1], w)
     with pytest.raises(ValueError, match="expert id >= 8"):
         cpu_native.fused_moe(x, w13t, w2t, torch.full_like(ids, 8), w)
+    with pytest.raises(ValueError, match="up to 64 experts per token"):
+        cpu_native.fused_moe(x, w13t, w2t, torch.zeros(5, 65, dtype=torch.int64), torch.ones(5, 65))
 
 
 # --- router and KV store ----------------------------------------------------------------------

@@ -619,11 +619,12 @@ static void fused_moe_sum(void *ctx, int64_t chunk, int thread) {
  * Pairs are grouped by expert (counting sort, stable); the experts run in parallel, each on its
  * gathered rows, and then each token's outputs are added into out in ascending expert order
  * (fused_moe_ref's order of the sums), so the threads do not change a bit of the result.
- * out must hold zeros. k <= 64. Returns 0; -1 if scratch memory could not be allocated; -2 for
- * an expert id >= E. */
+ * out must hold zeros. Returns 0; -1 if scratch memory could not be allocated; -2 for an expert
+ * id >= E; -5 for k > 64 (nothing computed for either). */
 int splitmoe_fused_moe_f32(const float *x, int64_t N, int64_t H, const float *w13t,
                            const float *w2t, int64_t E, int64_t I, const int64_t *expert_ids,
                            const float *weights, int64_t k, float *out) {
+    if (k > 64) return -5;
     for (int64_t p = 0; p < N * k; p++)
         if (expert_ids[p] >= E) return -2;
     const int64_t threads = pool.threads;
