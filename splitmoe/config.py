@@ -317,8 +317,8 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
     threads_per_rank: int | None = None
-    # "auto" (triton on CUDA; on CPU the native "cpu" kernels for one-thread float32 ranks when
-    # they build, else torch) | "torch" | "triton" | "cpu"
+    # "auto" (triton on CUDA; on CPU the native "cpu" kernels for float32 ranks where they
+    # build, else torch) | "torch" | "triton" | "cpu"
     attention_backend: str = "auto"
     moe_backend: str = "auto"
 

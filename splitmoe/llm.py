@@ -189,13 +189,14 @@ class LLM:
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         block_size, num_kv_blocks, kv_cache_memory_gb: paged KV cache (see `CacheConfig`).
         max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits per attention rank.
-        threads_per_rank: CPU threads per rank (default: cores / ranks).
+        threads_per_rank: CPU threads per rank. A rank on the native CPU kernels gives them its
+            threads (default: the host's cores shared by its ranks) and runs torch on one; other
+            ranks give them to torch (default: cores / (ranks + 1)). See `runtime.set_threads`.
         timeout_s: how long a collective, a step or start-up may take before the job is failed
             (a hung rank is detected within this bound; a dead one at once).
         attention_backend, moe_backend: ``"auto"`` (Triton on CUDA; on CPU the native ``"cpu"``
-            kernels for ranks running float32 on one thread, where a C compiler builds them,
-            else PyTorch), ``"torch"``, ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``),
-            or ``"cpu"``.
+            kernels for ranks running float32, where a C compiler builds them, else PyTorch),
+            ``"torch"``, ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``), or ``"cpu"``.
         seed: seeds the random streams of sampled requests that carry no seed of their own, so
             a `generate` call is reproducible.
         redundant_experts: extra expert slots per MoE layer on the expert ranks, holding

@@ -143,14 +143,17 @@ class AttentionModel:
         # kernels (float32).
         self.native = None
         self.norm = rms_norm
-        # With them, a decode micro-batch runs each layer's attention half in one native call.
+        # Where q/k are normed per head (or not) and not clipped, the heads are normed and rotated
+        # natively, and a decode micro-batch runs each layer's attention half in one native call.
+        self.native_heads = False
         self.decode_layers = None
         if attention_backend == "cpu":
             from splitmoe.kernels import cpu_native
 
             self.native = cpu_native
             self.norm = cpu_native.rms_norm
-            if cfg.qk_norm != "full" and cfg.clip_qkv is None:
+            self.native_heads = cfg.qk_norm != "full" and cfg.clip_qkv is None
+            if self.native_heads:
                 self.decode_layers = [
                     cpu_native.DecodeLayer(
                         layer.input_norm,
@@ -242,7 +245,7 @@ class AttentionModel:
         T = x.shape[0]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = F.linear(x, layer.w_qkv, layer.b_qkv)  # [T, (nh + 2 nkv) d]
-        if self.native is not None and cfg.qk_norm != "full" and cfg.clip_qkv is None:
+        if self.native_heads:
             # q and k heads normed (per head) and rotated in place, in one pass
             qkv = qkv.view(T, nh + 2 * nkv, d)
             w = layer.qk_head_norm if cfg.qk_norm == "head" else None

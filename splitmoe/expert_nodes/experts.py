@@ -8,8 +8,7 @@ import torch
 
 from splitmoe import host_memory
 from splitmoe.config import ModelConfig
-from splitmoe.kernels import cpu_native
-from splitmoe.kernels.fused_moe import fused_moe
+from splitmoe.kernels.fused_moe import fused_moe, weight_layout
 from splitmoe.models.loader import load_expert_weights
 
 
@@ -40,7 +39,7 @@ class LocalExperts:
         # Per MoE layer (w13, w2) in the layout the backend computes with: the loader's
         # [n, 2I, H] / [n, H, I], or transposed for the native CPU kernel.
         weights = {
-            layer: self._layout(*w)
+            layer: weight_layout(*w, backend)
             for layer, w in load_expert_weights(cfg, self.layer_experts, dtype, str(device)).items()
         }
         # On CPU, every layer's experts in one huge-page arena (see host_memory)
@@ -72,7 +71,7 @@ class LocalExperts:
         for layer, slots in changed.items():
             w13, w2 = self.weights[layer]
             idx = torch.tensor(slots, device=w13.device)
-            new13, new2 = self._layout(*fresh[layer])
+            new13, new2 = weight_layout(*fresh[layer], self.backend)
             w13[idx] = new13
             w2[idx] = new2
             self.layer_experts[layer] = list(expert_ids[layer])
@@ -85,12 +84,7 @@ class LocalExperts:
     ) -> torch.Tensor:
         """``x [N, H]``, ``local_ids / weights [N, k]`` (-1: not here) -> sums ``[N, H]``."""
         w13, w2 = self.weights[layer]
-        if self.backend == "cpu":
-            return cpu_native.fused_moe(x, w13, w2, local_ids, weights)
         return fused_moe(x, w13, w2, local_ids, weights, self.backend)
-
-    def _layout(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return cpu_native.expert_layout(w13, w2) if self.backend == "cpu" else (w13, w2)
 
     def measure_cost(self, pairs: int = 64, repeats: int = 15) -> tuple[float, float]:
         """Seconds this rank's expert compute costs per distinct expert it runs and per (token,

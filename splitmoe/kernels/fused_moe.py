@@ -319,6 +319,19 @@ def _faster_path(x, w13, w2, expert_ids, weights) -> str:
     return path
 
 
+def weight_layout(
+    w13: torch.Tensor, w2: torch.Tensor, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loader's expert weights ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` in the form `fused_moe`
+    takes them with ``backend``: as they are, or transposed for ``"cpu"``
+    (`cpu_native.expert_layout`)."""
+    if backend != "cpu":
+        return w13, w2
+    from splitmoe.kernels import cpu_native
+
+    return cpu_native.expert_layout(w13, w2)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -331,15 +344,22 @@ def fused_moe(
 
     x ``[N, H]``; w13 ``[E, 2I, H]`` (gate rows, then up rows); w2 ``[E, H, I]``; expert_ids
     ``[N, k]`` local expert ids (-1: the slot is served by another rank); weights ``[N, k]``
-    router weights (float32, or x's dtype). ``backend``: ``"torch"`` or ``"triton"``.
+    router weights (float32, or x's dtype). ``backend``: ``"torch"``, ``"triton"`` or ``"cpu"``
+    (the native kernel, float32 on CPU, which takes the weights in `weight_layout`'s form).
     """
+    if backend == "cpu":
+        from splitmoe.kernels import cpu_native
+
+        return cpu_native.fused_moe(x, w13, w2, expert_ids, weights)
     if backend == "torch":
         _check_shapes(x, w13, w2, expert_ids, weights)
         if x.device.type == "cpu" and x.shape[0]:
             return fused_moe_cpu(x, w13, w2, expert_ids, weights)
         return fused_moe_ref(x, w13, w2, expert_ids, weights)
     if backend != "triton":
-        raise ValueError(f"moe backend {backend!r} is not available; use 'torch' or 'triton'")
+        raise ValueError(
+            f"moe backend {backend!r} is not available; use 'torch', 'triton' or 'cpu'"
+        )
     from splitmoe.kernels.triton_utils import require_triton
 
     require_triton("moe_backend", x.device)

@@ -47,6 +47,33 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    @classmethod
+    def from_lists(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int] | torch.Tensor,
+        device: torch.device | str | None = None,
+    ) -> AttentionMetadata:
+        """The metadata of a step given as Python lists (block table rows of any lengths,
+        padded with block 0, which is never read)."""
+        width = max(map(len, block_tables), default=0)
+        loc = [0]
+        for n in query_lens:
+            loc.append(loc[-1] + n)
+        tables = [t + [0] * (width - len(t)) for t in block_tables]
+        return cls(
+            query_start_loc=torch.tensor(loc, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device).view(
+                len(tables), width
+            ),
+            slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.int64, device=device),
+            query_lens=list(query_lens),
+            seq_lens_list=list(seq_lens),
+        )
+
 
 @dataclass(frozen=True)
 class DecodePlan:
@@ -368,7 +395,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of the packed queries ``q [T, num_heads, head_dim]`` over the paged cache
     ``k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]``; returns ``[T, num_heads,
-    head_dim]`` in q's dtype. ``backend``: ``"torch"`` (reference) or ``"triton"``."""
+    head_dim]`` in q's dtype. ``backend``: ``"torch"`` (reference), ``"triton"`` or ``"cpu"``
+    (see the module doc)."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"paged_attention: q must be [T, H, D] and caches [blocks, block_size, KVH, D]; got "

@@ -81,20 +81,13 @@ def _decode_meta(batch: int, context: int, block_size: int, query_len: int = 1):
     from splitmoe.kernels.paged_attention import AttentionMetadata
 
     nblk = -(-context // block_size)
-    tables = torch.arange(batch * nblk, dtype=torch.int32).view(batch, nblk)
-    slots, loc = [], [0]
-    for i in range(batch):
-        for p in range(context - query_len, context):
-            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
-        loc.append(loc[-1] + query_len)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(loc, dtype=torch.int64),
-        seq_lens=torch.full((batch,), context, dtype=torch.int64),
-        block_tables=tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_lens=[query_len] * batch,
-        seq_lens_list=[context] * batch,
-    )
+    tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(batch)]
+    slots = [
+        table[p // block_size] * block_size + p % block_size
+        for table in tables
+        for p in range(context - query_len, context)
+    ]
+    meta = AttentionMetadata.from_lists([query_len] * batch, [context] * batch, tables, slots)
     positions = torch.arange(context - query_len, context).repeat(batch)
     return meta, positions, batch * nblk
 

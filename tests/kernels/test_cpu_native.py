@@ -52,15 +52,8 @@ def _paged_batch(seqs, nh, nkv, d, block_size, g, num_blocks=None):
     T = sum(n for _, n in seqs)
     qkv = torch.randn(T, (nh + 2 * nkv) * d, generator=g)
     q = qkv.view(T, nh + 2 * nkv, d)[:, :nh]
-    width = max(map(len, tables))
-    qlens = [n for _, n in seqs]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist()),
-        seq_lens=torch.tensor([c + n for c, n in seqs]),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.cat(slots),
-        query_lens=qlens,
-        seq_lens_list=[c + n for c, n in seqs],
+    meta = AttentionMetadata.from_lists(
+        [n for _, n in seqs], [c + n for c, n in seqs], tables, torch.cat(slots)
     )
     return qkv, q, k_cache, v_cache, meta
 
@@ -521,14 +514,7 @@ def test_out_of_range_cache_addresses_are_refused():
     q, out = torch.randn(1, 2, 8), torch.zeros(1, 2, 8)
 
     def meta(table, seq_len):
-        return AttentionMetadata(
-            query_start_loc=torch.tensor([0, 1]),
-            seq_lens=torch.tensor([seq_len]),
-            block_tables=torch.tensor([table], dtype=torch.int32),
-            slot_mapping=torch.tensor([0]),
-            query_lens=[1],
-            seq_lens_list=[seq_len],
-        )
+        return AttentionMetadata.from_lists([1], [seq_len], [table], [0])
 
     with pytest.raises(ValueError, match="block id"):
         cpu_native.decode_attention(q, k_cache, v_cache, meta([0, 4], 3), 1.0, out)

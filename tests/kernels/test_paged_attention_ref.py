@@ -58,15 +58,8 @@ def test_mixed_batch_matches_dense(nh, nkv, d, block_size, batched, monkeypatch)
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs)])
     slot_mapping = torch.cat(slots)
     store_kv(new_k, new_v, k_cache, v_cache, slot_mapping)
-    width = max(map(len, tables))
-    qlens = [n for _, n in seqs]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist()),
-        seq_lens=torch.tensor([c + n for c, n in seqs]),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=slot_mapping,
-        query_lens=qlens,
-        seq_lens_list=[c + n for c, n in seqs],
+    meta = AttentionMetadata.from_lists(
+        [n for _, n in seqs], [c + n for c, n in seqs], tables, slot_mapping
     )
     scale = d**-0.5
     out = paged_attention(q, k_cache, v_cache, meta, scale)
@@ -78,13 +71,6 @@ def test_mixed_batch_matches_dense(nh, nkv, d, block_size, batched, monkeypatch)
 def test_rejects_mismatched_heads():
     q = torch.zeros(2, 3, 8)
     cache = torch.zeros(4, 4, 2, 8)
-    meta = AttentionMetadata(
-        torch.tensor([0, 2]),
-        torch.tensor([2]),
-        torch.zeros(1, 1, dtype=torch.int32),
-        torch.tensor([0, 1]),
-        [2],
-        [2],
-    )
+    meta = AttentionMetadata.from_lists([2], [2], [[0]], [0, 1])
     with pytest.raises(ValueError, match="query heads"):
         paged_attention(q, cache, cache, meta, 1.0)

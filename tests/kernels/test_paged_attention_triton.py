@@ -37,19 +37,10 @@ def _batch(seqs, nh, nkv, d, block_size, dtype, seed=0):
     v_cache = torch.randn(num_blocks, block_size, nkv, d, generator=g)
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
-    width = max(map(len, tables))
     qlens = [n for _, n in seqs]
     q = torch.randn(sum(qlens), nh, d, generator=g)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), device=DEVICE),
-        seq_lens=torch.tensor(lens, device=DEVICE),
-        block_tables=torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE
-        ),
-        slot_mapping=torch.zeros(sum(qlens), dtype=torch.int64, device=DEVICE),  # K/V in place
-        query_lens=qlens,
-        seq_lens_list=lens,
-    )
+    # K/V already in place: the slots are not written
+    meta = AttentionMetadata.from_lists(qlens, lens, tables, [0] * sum(qlens), device=DEVICE)
     return [t.to(DEVICE, dtype) for t in (q, k_cache, v_cache)], meta
 
 
@@ -111,14 +102,7 @@ def test_empty_step():
     """Idle lockstep steps carry no sequences at all."""
     q = torch.zeros(0, 4, 64, device=DEVICE)
     cache = torch.zeros(2, 4, 2, 64, device=DEVICE)
-    meta = AttentionMetadata(
-        torch.zeros(1, dtype=torch.int64, device=DEVICE),
-        torch.zeros(0, dtype=torch.int64, device=DEVICE),
-        torch.zeros(0, 0, dtype=torch.int32, device=DEVICE),
-        torch.zeros(0, dtype=torch.int64, device=DEVICE),
-        [],
-        [],
-    )
+    meta = AttentionMetadata.from_lists([], [], [], [], device=DEVICE)
     assert paged_attention(q, cache, cache, meta, 1.0, backend="triton").shape == (0, 4, 64)
 
 
