@@ -75,11 +75,15 @@ def _rope(positions, d, theta=10000.0):
 # --- decode attention -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nh,nkv,d", [(4, 4, 16), (4, 2, 32), (8, 1, 64), (6, 2, 20)])
+@pytest.mark.parametrize(
+    "nh,nkv,d", [(4, 4, 16), (16, 1, 16), (4, 2, 32), (8, 1, 64), (4, 2, 128), (6, 2, 20)]
+)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_decode_matches_ref(nh, nkv, d, block_size):
     """A pure decode step: context lengths 1, a block multiple, one past it, and others; q is a
-    strided view of qkv and out a strided view with padding, which the kernel must not touch."""
+    strided view of qkv and out a strided view with padding, which the kernel must not touch.
+    Head dims 16-128 take the 16-lane path (more query heads per KV head than it keeps in
+    registers at once: 16 of 16, 8 of 64), 20 the general one."""
     g = torch.Generator().manual_seed(nh * 1000 + d * 10 + block_size)
     lens = [1, 2 * block_size, 2 * block_size + 1, 37, 5, 3 * block_size - 1]
     qkv, q, k_cache, v_cache, meta = _paged_batch(

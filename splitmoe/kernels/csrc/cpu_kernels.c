@@ -247,6 +247,65 @@ static inline void dot8(const float *q, const float *const k[8], int64_t n, floa
 }
 
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+/* Lanes of a where mask is set, else of b. */
+static inline v16f select16(v16i mask, v16f a, v16f b) {
+    return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
+}
+
+/* exp_nonpositive on 16 lanes: the same reduction and polynomial, n rounded to nearest (the
+ * scalar form rounds halves up: either is a valid reduction) so that every step is a vector op. */
+static inline v16f exp_nonpositive16(v16f x) {
+    const v16f lo = (v16f){0} - 87.3f;
+    x = select16(x < lo, lo, x);
+    const v16f round = (v16f){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const v16f n = (x * 1.44269504f + round) - round;
+    const v16f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    v16f p = (v16f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return p * (v16f)bits;
+}
+
+/* r[j] = the sum of a[j]'s 16 lanes, j < 16: a transposing tree of 15 shuffle-adds (~3
+ * operations per sum). */
+static inline v16f sum_lanes16(const v16f a[16]) {
+    v16f b[8], c[4], e[2];
+    for (int j = 0; j < 8; j++)
+        b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24,
+                                       10, 26, 12, 28, 14, 30) +
+               __builtin_shufflevector(a[2 * j], a[2 * j + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25,
+                                       11, 27, 13, 29, 15, 31);
+    for (int j = 0; j < 4; j++)
+        c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
+                                       24, 25, 12, 13, 28, 29) +
+               __builtin_shufflevector(b[2 * j], b[2 * j + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
+                                       26, 27, 14, 15, 30, 31);
+    for (int j = 0; j < 2; j++)
+        e[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9,
+                                       10, 11, 24, 25, 26, 27) +
+               __builtin_shufflevector(c[2 * j], c[2 * j + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
+                                       14, 15, 28, 29, 30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
+                                   23) +
+           __builtin_shufflevector(e[0], e[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                   29, 30, 31);
+}
 
 /* The largest of x[0..n-1] (NaN-free input), 8 lanes at a time. */
 static inline float max_of(const float *x, int64_t n) {
@@ -342,6 +401,166 @@ int splitmoe_decode_attention_f32(const float *q, int64_t q_st, int64_t q_sh,
                             out, o_st, o_sh);
 }
 
+/* One sequence of decode attention, any head_dim: query heads qt + h * q_sh, output heads
+ * ot + h * o_sh, len keys through table; scores: scratch of nh * len + nh * d floats. */
+static void attend_seq_any(const float *qt, int64_t q_sh, const float *k_cache,
+                           const float *v_cache, const int32_t *table, int64_t len, int64_t nh,
+                           int64_t nkv, int64_t d, int64_t block_size, float scale, float *ot,
+                           int64_t o_sh, float *scores) {
+    const int64_t g = nh / nkv;
+    const int64_t slot_st = nkv * d;               /* elements per cache slot */
+    const int64_t block_st = block_size * slot_st; /* elements per cache block */
+    const int64_t nblk = (len + block_size - 1) / block_size;
+    /* scores[h * len + l] = q_h . k_l * scale, 8 keys at a time (keys past the end repeat
+     * the last one); the 8 keys' rows stay in L1 across the heads */
+    for (int64_t l0 = 0; l0 < len; l0 += 8) {
+        const int64_t ahead = (l0 + 8) / block_size + 1; /* the block after the next chunk's */
+        if (l0 / block_size != (l0 + 8) / block_size && ahead < nblk)
+            prefetch(k_cache + (int64_t)table[ahead] * block_st, block_st);
+        const float *kp[8];
+        for (int64_t j = 0; j < 8; j++) {
+            const int64_t l = l0 + j < len ? l0 + j : len - 1;
+            kp[j] = k_cache + (int64_t)table[l / block_size] * block_st + l % block_size * slot_st;
+        }
+        for (int64_t h = 0; h < nh; h++) {
+            const float *kh[8];
+            float r[8];
+            for (int j = 0; j < 8; j++) kh[j] = kp[j] + h / g * d;
+            dot8(qt + h * q_sh, kh, d, r);
+            for (int64_t j = 0; j < 8 && l0 + j < len; j++) scores[h * len + l0 + j] = r[j] * scale;
+        }
+    }
+    /* softmax of each head's row, normalised in place */
+    for (int64_t h = 0; h < nh; h++) {
+        float *sc = scores + h * len;
+        const float inv = 1.0f / exp_sum(sc, len, max_of(sc, len));
+        for (int64_t l = 0; l < len; l++) sc[l] *= inv;
+    }
+    /* the heads' outputs accumulate in scratch that nothing else points to, so the
+     * compiler keeps the d-long updates in vector registers */
+    float *restrict acc = scores + nh * len;
+    memset(acc, 0, sizeof(float) * (size_t)(nh * d));
+    /* out_h = sum_l p_hl v_l, a block at a time, the next one prefetched */
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const float *vb = v_cache + (int64_t)table[blk] * block_st;
+        if (blk + 1 < nblk) prefetch(v_cache + (int64_t)table[blk + 1] * block_st, block_st);
+        const int64_t l0 = blk * block_size;
+        const int64_t n = len - l0 < block_size ? len - l0 : block_size;
+        for (int64_t i = 0; i < n; i++) {
+            const float *v = vb + i * slot_st;
+            for (int64_t h = 0; h < nh; h++) {
+                const float p = scores[h * len + l0 + i];
+                const float *vh = v + h / g * d;
+                float *restrict o = acc + h * d;
+                for (int64_t e = 0; e < d; e++) o[e] += p * vh[e];
+            }
+        }
+    }
+    for (int64_t h = 0; h < nh; h++) memcpy(ot + h * o_sh, acc + h * d, sizeof(float) * (size_t)d);
+}
+
+/* attend_seq_any for head_dim = 16 D16 (a constant where it is inlined), a KV head's query
+ * heads HG at a time: the scores of 16 keys per head in 16 lanes (sum_lanes16), the softmax 16
+ * lanes wide (exp_nonpositive16), and the heads' outputs kept in HG x D16 registers while each
+ * V row is read once for all of them. 3-4x faster than attend_seq_any at head_dim 32 (batch
+ * 32, ~66 keys, 4 heads / 2 KV heads). scores: HG rows of len rounded up to 16. */
+#define ATT_HEADS(D16) ((D16) <= 2 ? 8 : 16 / (D16))
+static inline __attribute__((always_inline)) void
+attend_seq16(const float *qt, int64_t q_sh, const float *k_cache, const float *v_cache,
+             const int32_t *table, int64_t len, int64_t nh, int64_t nkv, int64_t block_size,
+             float scale, float *ot, int64_t o_sh, float *scores, int64_t *offs,
+             const int D16) {
+    const int HG = ATT_HEADS(D16);
+    const int64_t d = 16 * D16, g = nh / nkv, lp = (len + 15) / 16 * 16;
+    const int64_t slot_st = nkv * d, block_st = block_size * slot_st;
+    const int64_t nblk = (len + block_size - 1) / block_size;
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    /* offs[l]: key l's slot in either cache (the keys past the end: the last key's), counted
+     * along the table rather than divided out per key */
+    for (int64_t l = 0, blk = 0, i = 0; l < lp; l++) {
+        offs[l] = (int64_t)table[blk] * block_st + i * slot_st;
+        if (l + 1 < len && ++i == block_size) {
+            blk++;
+            i = 0;
+        }
+    }
+    for (int64_t kh = 0; kh < nkv; kh++) {
+        for (int64_t h0 = kh * g; h0 < (kh + 1) * g; h0 += HG) {
+            const int64_t hg = (kh + 1) * g - h0 < HG ? (kh + 1) * g - h0 : HG;
+            /* scores[hh * lp + l] = q . k_l * scale, 16 keys at a time (keys past the end
+             * repeat the last one) */
+            for (int64_t l0 = 0; l0 < len; l0 += 16) {
+                const int64_t ahead = (l0 + 16) / block_size + 1;
+                if (kh == 0 && l0 / block_size != (l0 + 16) / block_size && ahead < nblk)
+                    prefetch(k_cache + (int64_t)table[ahead] * block_st, block_st);
+                const float *kp[16];
+                for (int64_t j = 0; j < 16; j++) kp[j] = k_cache + offs[l0 + j] + kh * d;
+                for (int hh = 0; hh < HG; hh++) {
+                    if (hh >= hg) break;
+                    const float *qh = qt + (h0 + hh) * q_sh;
+                    v16f acc[16];
+                    for (int j = 0; j < 16; j++) {
+                        acc[j] = load16(qh) * load16(kp[j]);
+                        for (int c = 1; c < D16; c++) acc[j] += load16(qh + 16 * c) * load16(kp[j] + 16 * c);
+                    }
+                    store16(scores + hh * lp + l0, sum_lanes16(acc) * scale);
+                }
+            }
+            /* softmax of each head's row (the padding lanes repeat the last key's score, so
+             * they do not change the max; their exponentials are zeroed), normalised */
+            for (int64_t hh = 0; hh < hg; hh++) {
+                float *sc = scores + hh * lp;
+                v16f mv = load16(sc);
+                for (int64_t i = 16; i < lp; i += 16) {
+                    const v16f v = load16(sc + i);
+                    mv = select16(v > mv, v, mv);
+                }
+                float m = mv[0];
+                for (int j = 1; j < 16; j++) m = mv[j] > m ? mv[j] : m;
+                v16f sum = {0};
+                for (int64_t i = 0; i < lp; i += 16) {
+                    v16f e = exp_nonpositive16(load16(sc + i) - m);
+                    if (i + 16 > len) e = select16(lane < (v16i){0} + (int32_t)(len - i), e, (v16f){0});
+                    store16(sc + i, e);
+                    sum += e;
+                }
+                const v16f s8 = __builtin_shufflevector(sum, sum, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2,
+                                                        3, 4, 5, 6, 7) +
+                                __builtin_shufflevector(sum, sum, 8, 9, 10, 11, 12, 13, 14, 15, 8,
+                                                        9, 10, 11, 12, 13, 14, 15);
+                const float total =
+                    ((s8[0] + s8[4]) + (s8[2] + s8[6])) + ((s8[1] + s8[5]) + (s8[3] + s8[7]));
+                const float inv = 1.0f / total;
+                for (int64_t i = 0; i < lp; i += 16) store16(sc + i, load16(sc + i) * inv);
+            }
+            /* out_h = sum_l p_hl v_l: each V row read once for the HG heads */
+            v16f acc[HG][D16];
+            for (int hh = 0; hh < HG; hh++)
+                for (int c = 0; c < D16; c++) acc[hh][c] = (v16f){0};
+            for (int64_t blk = 0; blk < nblk; blk++) {
+                if (kh == 0 && blk + 1 < nblk)
+                    prefetch(v_cache + (int64_t)table[blk + 1] * block_st, block_st);
+                const int64_t l0 = blk * block_size;
+                const int64_t n = len - l0 < block_size ? len - l0 : block_size;
+                for (int64_t i = 0; i < n; i++) {
+                    const float *v = v_cache + offs[l0 + i] + kh * d;
+                    v16f vr[D16];
+                    for (int c = 0; c < D16; c++) vr[c] = load16(v + 16 * c);
+                    for (int hh = 0; hh < HG; hh++) {
+                        if (hh >= hg) break;
+                        const float p = scores[hh * lp + l0 + i];
+                        for (int c = 0; c < D16; c++) acc[hh][c] += p * vr[c];
+                    }
+                }
+            }
+            for (int hh = 0; hh < HG; hh++) {
+                if (hh >= hg) break;
+                for (int c = 0; c < D16; c++) store16(ot + (h0 + hh) * o_sh + 16 * c, acc[hh][c]);
+            }
+        }
+    }
+}
+
 /* splitmoe_decode_attention_f32 on tables already checked (max_len: the longest sequence). */
 static int decode_attention(const float *q, int64_t q_st, int64_t q_sh, const float *k_cache,
                             const float *v_cache, const int32_t *block_tables, int64_t table_st,
@@ -349,16 +568,15 @@ static int decode_attention(const float *q, int64_t q_st, int64_t q_sh, const fl
                             const int64_t *rows, int64_t num_seqs, int64_t max_len, int64_t nh,
                             int64_t nkv, int64_t d, int64_t block_size, float scale, float *out,
                             int64_t o_st, int64_t o_sh) {
-    const int64_t g = nh / nkv;
-    float *scores = malloc(sizeof(float) * (size_t)(nh * (max_len > 0 ? max_len : 1) + nh * d));
-    if (!scores) return -1;
-    const int64_t slot_st = nkv * d;               /* elements per cache slot */
-    const int64_t block_st = block_size * slot_st; /* elements per cache block */
+    const int64_t lp = (max_len > 0 ? max_len : 1) + 16;
+    int64_t *offs = malloc(sizeof(int64_t) * (size_t)lp + sizeof(float) * (size_t)(nh * lp + nh * d));
+    if (!offs) return -1;
+    float *scores = (float *)(offs + lp);
+    const int64_t block_st = block_size * nkv * d; /* elements per cache block */
     for (int64_t b = 0; b < num_seqs; b++) {
         const int64_t s = seq_index ? seq_index[b] : b;
         const int64_t len = seq_lens[s];
         const int32_t *table = block_tables + s * table_st;
-        const int64_t nblk = (len + block_size - 1) / block_size;
         /* The next sequence's K and V blocks are asked into L2 while this one computes, and
          * each next block into L1: blocks are scattered pages, and a sequence at a time
          * otherwise waits on one cache miss after another. Cold-cache batch 128 x 80 keys:
@@ -377,54 +595,33 @@ static int decode_attention(const float *q, int64_t q_st, int64_t q_sh, const fl
         }
         const float *qt = q + (rows ? rows[b] : b) * q_st;
         float *ot = out + (rows ? rows[b] : b) * o_st;
-        /* scores[h * len + l] = q_h . k_l * scale, 8 keys at a time (keys past the end repeat
-         * the last one); the 8 keys' rows stay in L1 across the heads */
-        for (int64_t l0 = 0; l0 < len; l0 += 8) {
-            const int64_t ahead = (l0 + 8) / block_size + 1; /* the block after the next chunk's */
-            if (l0 / block_size != (l0 + 8) / block_size && ahead < nblk)
-                prefetch(k_cache + (int64_t)table[ahead] * block_st, block_st);
-            const float *kp[8];
-            for (int64_t j = 0; j < 8; j++) {
-                const int64_t l = l0 + j < len ? l0 + j : len - 1;
-                kp[j] = k_cache + (int64_t)table[l / block_size] * block_st + l % block_size * slot_st;
-            }
-            for (int64_t h = 0; h < nh; h++) {
-                const float *kh[8];
-                float r[8];
-                for (int j = 0; j < 8; j++) kh[j] = kp[j] + h / g * d;
-                dot8(qt + h * q_sh, kh, d, r);
-                for (int64_t j = 0; j < 8 && l0 + j < len; j++) scores[h * len + l0 + j] = r[j] * scale;
-            }
+        if (len == 0) {
+            for (int64_t h = 0; h < nh; h++) memset(ot + h * o_sh, 0, sizeof(float) * (size_t)d);
+            continue;
         }
-        /* softmax of each head's row, normalised in place */
-        for (int64_t h = 0; h < nh; h++) {
-            float *sc = scores + h * len;
-            const float inv = 1.0f / exp_sum(sc, len, max_of(sc, len));
-            for (int64_t l = 0; l < len; l++) sc[l] *= inv;
+        switch (d) {
+        case 16:
+            attend_seq16(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, block_size, scale, ot,
+                         o_sh, scores, offs, 1);
+            break;
+        case 32:
+            attend_seq16(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, block_size, scale, ot,
+                         o_sh, scores, offs, 2);
+            break;
+        case 64:
+            attend_seq16(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, block_size, scale, ot,
+                         o_sh, scores, offs, 4);
+            break;
+        case 128:
+            attend_seq16(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, block_size, scale, ot,
+                         o_sh, scores, offs, 8);
+            break;
+        default:
+            attend_seq_any(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, d, block_size, scale,
+                           ot, o_sh, scores);
         }
-        /* the heads' outputs accumulate in scratch that nothing else points to, so the
-         * compiler keeps the d-long updates in vector registers */
-        float *restrict acc = scores + nh * max_len;
-        memset(acc, 0, sizeof(float) * (size_t)(nh * d));
-        /* out_h = sum_l p_hl v_l, a block at a time, the next one prefetched */
-        for (int64_t blk = 0; blk < nblk; blk++) {
-            const float *vb = v_cache + (int64_t)table[blk] * block_st;
-            if (blk + 1 < nblk) prefetch(v_cache + (int64_t)table[blk + 1] * block_st, block_st);
-            const int64_t l0 = blk * block_size;
-            const int64_t n = len - l0 < block_size ? len - l0 : block_size;
-            for (int64_t i = 0; i < n; i++) {
-                const float *v = vb + i * slot_st;
-                for (int64_t h = 0; h < nh; h++) {
-                    const float p = scores[h * len + l0 + i];
-                    const float *vh = v + h / g * d;
-                    float *restrict o = acc + h * d;
-                    for (int64_t e = 0; e < d; e++) o[e] += p * vh[e];
-                }
-            }
-        }
-        for (int64_t h = 0; h < nh; h++) memcpy(ot + h * o_sh, acc + h * d, sizeof(float) * (size_t)d);
     }
-    free(scores);
+    free(offs);
     return 0;
 }
 
@@ -483,21 +680,12 @@ int splitmoe_norm_rope_f32(float *x, int64_t x_st, int64_t x_sh, int64_t rows, i
 /* C[M, N] = A[M, K] @ B[K, N] (row-major, leading dims lda / ldb / ldc), in register tiles of
  * 4 rows x TILE_N columns: per step of K, TILE_N / 16 vectors of B and 4 broadcasts of A feed
  * 4 x TILE_N / 16 FMAs. The compiler keeps the tile in registers (AVX-512: 16 of 32). */
-typedef float v16f __attribute__((vector_size(64)));
 #ifdef __AVX512F__
 #define TILE_V 4
 #else
 #define TILE_V 2
 #endif
 #define TILE_N (16 * TILE_V)
-
-static inline v16f load16(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 
 /* One tile: ROWS rows x 16 V columns, all of K. */
 #define GEMM_TILE(NAME, ROWS, V)                                                                 \
