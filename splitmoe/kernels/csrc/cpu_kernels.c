@@ -459,18 +459,16 @@ static void attend_seq_any(const float *qt, int64_t q_sh, const float *k_cache,
     for (int64_t h = 0; h < nh; h++) memcpy(ot + h * o_sh, acc + h * d, sizeof(float) * (size_t)d);
 }
 
-/* attend_seq_any for head_dim = 16 D16 (a constant where it is inlined), a KV head's query
- * heads HG at a time: the scores of 16 keys per head in 16 lanes (sum_lanes16), the softmax 16
- * lanes wide (exp_nonpositive16), and the heads' outputs kept in HG x D16 registers while each
- * V row is read once for all of them. 3-4x faster than attend_seq_any at head_dim 32 (batch
- * 32, ~66 keys, 4 heads / 2 KV heads). scores: HG rows of len rounded up to 16. */
-#define ATT_HEADS(D16) ((D16) <= 2 ? 8 : 16 / (D16))
+/* attend_seq_any for head_dim = 16 D16, a KV head's query heads HG at a time (D16 and HG
+ * constants where it is inlined; HG divides the heads per KV head): the scores of 16 keys per
+ * head in 16 lanes (sum_lanes16), the softmax 16 lanes wide (exp_nonpositive16), and the heads'
+ * outputs kept in HG x D16 registers while each V row is read once for all of them. scores: HG
+ * rows of len rounded up to 16; offs: as many int64. */
 static inline __attribute__((always_inline)) void
 attend_seq16(const float *qt, int64_t q_sh, const float *k_cache, const float *v_cache,
              const int32_t *table, int64_t len, int64_t nh, int64_t nkv, int64_t block_size,
-             float scale, float *ot, int64_t o_sh, float *scores, int64_t *offs,
-             const int D16) {
-    const int HG = ATT_HEADS(D16);
+             float scale, float *ot, int64_t o_sh, float *scores, int64_t *offs, const int D16,
+             const int HG) {
     const int64_t d = 16 * D16, g = nh / nkv, lp = (len + 15) / 16 * 16;
     const int64_t slot_st = nkv * d, block_st = block_size * slot_st;
     const int64_t nblk = (len + block_size - 1) / block_size;
@@ -486,7 +484,6 @@ attend_seq16(const float *qt, int64_t q_sh, const float *k_cache, const float *v
     }
     for (int64_t kh = 0; kh < nkv; kh++) {
         for (int64_t h0 = kh * g; h0 < (kh + 1) * g; h0 += HG) {
-            const int64_t hg = (kh + 1) * g - h0 < HG ? (kh + 1) * g - h0 : HG;
             /* scores[hh * lp + l] = q . k_l * scale, 16 keys at a time (keys past the end
              * repeat the last one) */
             for (int64_t l0 = 0; l0 < len; l0 += 16) {
@@ -495,8 +492,8 @@ attend_seq16(const float *qt, int64_t q_sh, const float *k_cache, const float *v
                     prefetch(k_cache + (int64_t)table[ahead] * block_st, block_st);
                 const float *kp[16];
                 for (int64_t j = 0; j < 16; j++) kp[j] = k_cache + offs[l0 + j] + kh * d;
+#pragma GCC unroll 1 /* one head's 16 accumulators at a time: unrolled, they spill */
                 for (int hh = 0; hh < HG; hh++) {
-                    if (hh >= hg) break;
                     const float *qh = qt + (h0 + hh) * q_sh;
                     v16f acc[16];
                     for (int j = 0; j < 16; j++) {
@@ -508,7 +505,7 @@ attend_seq16(const float *qt, int64_t q_sh, const float *k_cache, const float *v
             }
             /* softmax of each head's row (the padding lanes repeat the last key's score, so
              * they do not change the max; their exponentials are zeroed), normalised */
-            for (int64_t hh = 0; hh < hg; hh++) {
+            for (int hh = 0; hh < HG; hh++) {
                 float *sc = scores + hh * lp;
                 v16f mv = load16(sc);
                 for (int64_t i = 16; i < lp; i += 16) {
@@ -534,9 +531,8 @@ attend_seq16(const float *qt, int64_t q_sh, const float *k_cache, const float *v
                 for (int64_t i = 0; i < lp; i += 16) store16(sc + i, load16(sc + i) * inv);
             }
             /* out_h = sum_l p_hl v_l: each V row read once for the HG heads */
-            v16f acc[HG][D16];
-            for (int hh = 0; hh < HG; hh++)
-                for (int c = 0; c < D16; c++) acc[hh][c] = (v16f){0};
+            v16f acc[16]; /* [HG][D16]: fixed-size arrays (not VLAs), so they live in registers */
+            for (int i = 0; i < HG * D16; i++) acc[i] = (v16f){0};
             for (int64_t blk = 0; blk < nblk; blk++) {
                 if (kh == 0 && blk + 1 < nblk)
                     prefetch(v_cache + (int64_t)table[blk + 1] * block_st, block_st);
@@ -544,20 +540,50 @@ attend_seq16(const float *qt, int64_t q_sh, const float *k_cache, const float *v
                 const int64_t n = len - l0 < block_size ? len - l0 : block_size;
                 for (int64_t i = 0; i < n; i++) {
                     const float *v = v_cache + offs[l0 + i] + kh * d;
-                    v16f vr[D16];
+                    v16f vr[8];
                     for (int c = 0; c < D16; c++) vr[c] = load16(v + 16 * c);
                     for (int hh = 0; hh < HG; hh++) {
-                        if (hh >= hg) break;
                         const float p = scores[hh * lp + l0 + i];
-                        for (int c = 0; c < D16; c++) acc[hh][c] += p * vr[c];
+                        for (int c = 0; c < D16; c++) acc[hh * D16 + c] += p * vr[c];
                     }
                 }
             }
             for (int hh = 0; hh < HG; hh++) {
-                if (hh >= hg) break;
-                for (int c = 0; c < D16; c++) store16(ot + (h0 + hh) * o_sh + 16 * c, acc[hh][c]);
+                for (int c = 0; c < D16; c++) store16(ot + (h0 + hh) * o_sh + 16 * c, acc[hh * D16 + c]);
             }
         }
+    }
+}
+
+/* attend_seq16 for head_dim 16, 32, 64 or 128, with the most query heads per pass (8, 4, 2 or
+ * 1) that divides the heads per KV head and keeps HG x D16 <= 16 accumulators; returns 0
+ * (nothing done) for other head dims. */
+#define ATTEND16(D16, HG)                                                                        \
+    attend_seq16(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, block_size, scale, ot, o_sh,   \
+                 scores, offs, D16, HG)
+#define ATTEND16_HEADS(D16)                                                                      \
+    do {                                                                                         \
+        if ((D16) <= 2 && g % 8 == 0)                                                            \
+            ATTEND16(D16, (D16) <= 2 ? 8 : 1);                                                   \
+        else if ((D16) <= 4 && g % 4 == 0)                                                       \
+            ATTEND16(D16, (D16) <= 4 ? 4 : 1);                                                   \
+        else if (g % 2 == 0)                                                                     \
+            ATTEND16(D16, 2);                                                                    \
+        else                                                                                     \
+            ATTEND16(D16, 1);                                                                    \
+    } while (0)
+static int attend_seq_16_lanes(const float *qt, int64_t q_sh, const float *k_cache,
+                               const float *v_cache, const int32_t *table, int64_t len,
+                               int64_t nh, int64_t nkv, int64_t d, int64_t block_size,
+                               float scale, float *ot, int64_t o_sh, float *scores,
+                               int64_t *offs) {
+    const int64_t g = nh / nkv;
+    switch (d) {
+    case 16: ATTEND16_HEADS(1); return 1;
+    case 32: ATTEND16_HEADS(2); return 1;
+    case 64: ATTEND16_HEADS(4); return 1;
+    case 128: ATTEND16_HEADS(8); return 1;
+    default: return 0;
     }
 }
 
@@ -599,27 +625,10 @@ static int decode_attention(const float *q, int64_t q_st, int64_t q_sh, const fl
             for (int64_t h = 0; h < nh; h++) memset(ot + h * o_sh, 0, sizeof(float) * (size_t)d);
             continue;
         }
-        switch (d) {
-        case 16:
-            attend_seq16(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, block_size, scale, ot,
-                         o_sh, scores, offs, 1);
-            break;
-        case 32:
-            attend_seq16(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, block_size, scale, ot,
-                         o_sh, scores, offs, 2);
-            break;
-        case 64:
-            attend_seq16(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, block_size, scale, ot,
-                         o_sh, scores, offs, 4);
-            break;
-        case 128:
-            attend_seq16(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, block_size, scale, ot,
-                         o_sh, scores, offs, 8);
-            break;
-        default:
+        if (!attend_seq_16_lanes(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, d, block_size,
+                                 scale, ot, o_sh, scores, offs))
             attend_seq_any(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, d, block_size, scale,
                            ot, o_sh, scores);
-        }
     }
     free(offs);
     return 0;
