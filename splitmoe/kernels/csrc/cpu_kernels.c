@@ -557,7 +557,8 @@ attend_seq16(const float *qt, int64_t q_sh, const float *k_cache, const float *v
 
 /* attend_seq16 for head_dim 16, 32, 64 or 128, with the most query heads per pass (8, 4, 2 or
  * 1) that divides the heads per KV head and keeps HG x D16 <= 16 accumulators; returns 0
- * (nothing done) for other head dims. */
+ * (nothing done) for other head dims. (A branch that a head dim cannot take is compiled with
+ * HG = 1 rather than with an accumulator set too large for the registers.) */
 #define ATTEND16(D16, HG)                                                                        \
     attend_seq16(qt, q_sh, k_cache, v_cache, table, len, nh, nkv, block_size, scale, ot, o_sh,   \
                  scores, offs, D16, HG)
