@@ -201,17 +201,18 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * x = n ln2 + r and Cephes' degree-6 polynomial for e^r, within ~2 ulp of expf; below -87.3
  * (where e^x is under float's normal range) it returns ~1e-38 instead of a denormal. Scalar
  * libm expf made softmax ~30% of decode attention. */
+/* e^r of the reduction (x - n ln2, ln2 in two parts) and the polynomial, for a float or a
+ * vector of floats (exp_nonpositive16) */
+#define EXP_REDUCE(x, n) (((x) - (n) * 0.693359375f) + (n) * 2.12194440e-4f)
+#define EXP_POLY(r)                                                                              \
+    ((((((1.9875691500e-4f * (r) + 1.3981999507e-3f) * (r) + 8.3334519073e-3f) * (r) +          \
+        4.1665795894e-2f) * (r) + 1.6666665459e-1f) * (r) + 5.0000001201e-1f) * (r) * (r) +     \
+     (r) + 1.0f)
 static inline float exp_nonpositive(float x) {
     x = x < -87.3f ? -87.3f : x;
     const float n = floorf(x * 1.44269504f + 0.5f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const float r = EXP_REDUCE(x, n);
+    const float p = EXP_POLY(r);
     const int32_t bits = ((int32_t)n + 127) << 23;
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
@@ -270,14 +271,8 @@ static inline v16f exp_nonpositive16(v16f x) {
     x = select16(x < lo, lo, x);
     const v16f round = (v16f){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
     const v16f n = (x * 1.44269504f + round) - round;
-    const v16f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    v16f p = (v16f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const v16f r = EXP_REDUCE(x, n);
+    const v16f p = EXP_POLY(r);
     const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
     return p * (v16f)bits;
 }
