@@ -84,11 +84,15 @@ _SCRIPT = textwrap.dedent(
 def test_interrupted_or_killed_front_end_takes_ranks_down(ckpt, tmp_path, sig):
     script = tmp_path / "serve.py"
     script.write_text(_SCRIPT)
+    # The front end as started from a terminal, where Ctrl-C is live: a run started in the
+    # background by a non-interactive shell (`cmd &`) ignores SIGINT, the child would inherit
+    # that and never see the signal.
     proc = subprocess.Popen(
         [sys.executable, str(script), str(ckpt)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
