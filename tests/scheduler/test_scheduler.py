@@ -36,7 +36,9 @@ def test_block_manager_exact_ids_and_reuse():
     assert b == [2] and bm.num_free == 1
     bm.free(a)
     assert a == [] and bm.num_free == 3
-    assert bm.grow(b, 12) and b == [2, 3, 0]
+    assert bm.grow(b, 12) and b == [2, 0, 1]  # a's blocks first, in a's order, then fresh ones
+    bm.free(b)
+    assert bm.grow(a, 16) and a == [2, 0, 1, 3]
 
 
 def test_decodes_first_then_prompt_chunks_under_budget():
