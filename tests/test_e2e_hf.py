@@ -70,3 +70,5 @@ def test_kernel_threads_match_hf(attention_ranks, expert_ranks, threads, tiny_ck
     assert [list(o.token_ids) for o in outs] == [hf_ref(ckpt, p, 12) for p in prompts]
     if stats[0]["attention_backend"] == "cpu":
         assert all(s["kernel_threads"] == threads for s in stats)
+        # colocated: each decode step is one native call (layers, experts and LM head)
+        assert stats[0]["fused_decode_step"] == (expert_ranks == 0)

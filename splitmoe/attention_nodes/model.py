@@ -172,6 +172,8 @@ class AttentionModel:
                     )
                     for layer in self.layers
                 ]
+        # A whole decode step in one native call, where `fuse_experts` finds the experts here.
+        self.decode_step = None
         d = cfg.head_dim
         self.inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
@@ -180,6 +182,39 @@ class AttentionModel:
         self.scale = d**-0.5
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
+
+    def fuse_experts(self, experts) -> bool:
+        """Colocated on the native kernels: runs each decode step of this model as one native
+        call (`cpu_native.DecodeStep`, then `decode_logits`) where every layer is a MoE layer
+        without a shared expert and ``experts`` (a `LocalExperts`) holds every expert on the
+        native backend. Returns whether it does."""
+        E = self.cfg.num_experts
+        fits = (
+            self.decode_layers is not None
+            and getattr(experts, "backend", None) == "cpu"
+            and all(layer.router is not None and layer.mlp_gate_up is None for layer in self.layers)
+            and all(experts.layer_experts.get(i) == list(range(E)) for i in range(len(self.layers)))
+            and self.cfg.top_k <= 64
+        )
+        if fits:
+            from splitmoe.kernels import cpu_native
+
+            self.decode_step = cpu_native.DecodeStep(
+                self.decode_layers,
+                [experts.weights[i] for i in range(len(self.layers))],
+                self.embed,
+                self.final_norm,
+                self.lm_head,
+                self.cfg.rms_norm_eps,
+            )
+        return fits
+
+    def decode_logits(self, mb: MicroBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """Logits ``[T, V]`` of a micro-batch of one-token sequences through `decode_step`:
+        the same as `forward` then `logits` (bit-identical hidden states; the LM head agrees to
+        rounding), and the same K / V stored."""
+        cos, sin = self.rope(mb.positions, torch.float32)
+        return self.decode_step(mb.input_ids, cos, sin, kv_cache.pool, mb.meta, self.scale)
 
     def _pack_weights(self) -> None:
         """On CPU, every weight of this rank in one huge-page arena (see host_memory)."""

@@ -123,6 +123,8 @@ class AttentionWorker:
         )
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, m.eos_token_ids, cfg.max_model_len)
+        if transport is None:  # colocated: where it can, a decode step is one native call
+            self.model.fuse_experts(self.experts)
         self.generators: dict[int, torch.Generator | None] = {}
         self._batch = ScheduledBatch()
 
@@ -140,6 +142,7 @@ class AttentionWorker:
             "preemptions": s.num_preemptions,
             "attention_backend": self.model.attention_backend,
             "moe_backend": getattr(self.experts, "backend", None),  # None: experts elsewhere
+            "fused_decode_step": self.model.decode_step is not None,  # (colocated, native)
         }
 
     def add_request(self, spec: RequestSpec) -> None:
@@ -234,6 +237,8 @@ class AttentionWorker:
         returns the requests' new tokens and a record of the step (None if it had no tokens)."""
         batch = self._batch
         record = self._record(batch)
+        if self.model.decode_step is not None and max(batch.num_new_tokens, default=0) == 1:
+            return self._decode_step(batch), record  # (colocated: micro-batches overlap nothing)
         parts = split_micro_batches(batch.num_new_tokens, micro_batches)
         rows, to_sample, scheduled = {}, {}, {}
 
@@ -262,12 +267,29 @@ class AttentionWorker:
             self.model.forward(mbs, self.kv_cache, self.experts, on_done=done)
         return updates, record
 
+    def _decode_step(self, batch: ScheduledBatch) -> list[RequestUpdate]:
+        """A step of one-token sequences through the model's `decode_step` (one native call)."""
+        with self.timeline.span("inputs", "compute"):
+            mb, rows, to_sample = self._inputs(batch.requests, batch.num_new_tokens)
+        with self.timeline.span("forward m=1", "compute"):
+            logits = self.model.decode_logits(mb, self.kv_cache)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+        if not to_sample:
+            return []
+        with self.timeline.span("sample", "compute"):
+            if len(rows) < logits.shape[0]:
+                logits = logits[rows]
+            return self._sample_logits(logits, to_sample)
+
     def _sample(self, h: torch.Tensor, rows: list[int], to_sample: list) -> list[RequestUpdate]:
         """Next tokens of the requests whose prompt is done (``rows``: their rows in their
         micro-batch's final hidden states ``h``), appended to them, as the front end's updates."""
         if len(rows) < h.shape[0]:  # (rows ascend: all of them is every row, in order)
             h = h[rows]
-        logits = self.model.logits(h)  # [B, V]
+        return self._sample_logits(self.model.logits(h), to_sample)  # [B, V]
+
+    def _sample_logits(self, logits: torch.Tensor, to_sample: list) -> list[RequestUpdate]:
         tokens = sample(
             logits,
             [r.params for r in to_sample],

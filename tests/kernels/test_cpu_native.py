@@ -685,3 +685,104 @@ def test_decode_layer_threads_change_no_bit(native_threads, threads, T):
     with pytest.raises(ValueError, match="outside the cache"):
         layer(h, cos, sin, k_cache, v_cache, bad, 1.0)
     assert torch.equal(h, h0) and torch.equal(k_cache, kc)
+
+
+# --- a whole decode step in one call ------------------------------------------------------------
+
+
+def _decode_step_case(T, H, nh, nkv, d, E, k, I, V, L, g):
+    """The layers, experts and globals of an L-layer MoE model, a paged pool [L, 2, ...] with
+    random K/V everywhere, and a step of T one-token sequences over it."""
+    seqs = [(int(torch.randint(0, 40, (1,), generator=g)), 1) for _ in range(T)]
+    _, _, k_cache, _, meta = _paged_batch(seqs, nh, nkv, d, 4, g)
+    pool = torch.randn(L, 2, *k_cache.shape, generator=g)
+    layers, experts = [], []
+    for _ in range(L):
+        w = _decode_layer_weights(H, nh, nkv, d, E, False, True, g)
+        layers.append(
+            cpu_native.DecodeLayer(
+                **w, num_heads=nh, num_kv_heads=nkv, head_dim=d, eps=1e-6, top_k=k, renormalize=True
+            )  # fmt: skip
+        )
+        _, w13, w2, _, _ = _moe_case(1, E, H, I, k, 0.0, seed=len(experts))
+        experts.append(cpu_native.expert_layout(w13, w2))
+    embed = torch.randn(V, H, generator=g)
+    final_norm = 1 + 0.1 * torch.randn(H, generator=g)
+    lm_head = torch.randn(V, H, generator=g) / H**0.5
+    ids = torch.randint(0, V, (T,), generator=g)
+    cos, sin = _rope(meta.seq_lens - 1, d)
+    step = cpu_native.DecodeStep(layers, experts, embed, final_norm, lm_head, 1e-6)
+    return step, (layers, experts, embed, final_norm, lm_head), ids, cos, sin, pool, meta
+
+
+def _decode_step_per_layer(parts, ids, cos, sin, pool, meta, scale):
+    """The same step as the per-layer calls `AttentionModel.forward` makes, and its LM head."""
+    layers, experts, embed, final_norm, lm_head = parts
+    h = embed[ids]
+    for i, (layer, (w13t, w2t)) in enumerate(zip(layers, experts)):
+        x, top, weights = layer(h, cos, sin, pool[i, 0], pool[i, 1], meta, scale)
+        h = h + cpu_native.fused_moe(x, w13t, w2t, top, weights)
+    hn = cpu_native.rms_norm(h, final_norm, 1e-6)
+    return hn, torch.nn.functional.linear(hn, lm_head)
+
+
+@pytest.mark.parametrize(
+    "H,nh,nkv,d,E,k,I,V",
+    [(128, 4, 2, 32, 16, 4, 64, 512), (40, 2, 2, 16, 6, 2, 24, 67), (72, 6, 2, 20, 8, 3, 40, 130)],
+)
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_decode_step_matches_per_layer_calls(T, H, nh, nkv, d, E, k, I, V):
+    """The one-call decode step against the per-layer calls it replaces: every layer's K/V
+    written into the pool bit for bit (so every layer's input was too), and the logits of its
+    own LM head against ``F.linear`` to rounding, for hidden sizes and vocabularies that are not
+    multiples of its 16-lane and 4 x 4 tiles, and batches that are not multiples of 4."""
+    g = torch.Generator().manual_seed(T * 10 + H)
+    step, parts, ids, cos, sin, pool, meta = _decode_step_case(T, H, nh, nkv, d, E, k, I, V, 3, g)
+    pool_ref = pool.clone()
+    hn, want = _decode_step_per_layer(parts, ids, cos, sin, pool_ref, meta, d**-0.5)
+    got = step(ids, cos, sin, pool, meta, d**-0.5)
+    assert torch.equal(pool, pool_ref)
+    assert got.shape == (T, V) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    exact = (hn.double() @ parts[4].double().T).float()
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_decode_step_threads_change_no_bit(native_threads, threads):
+    g = torch.Generator().manual_seed(threads)
+    step, _, ids, cos, sin, pool, meta = _decode_step_case(37, 72, 6, 2, 20, 8, 3, 40, 130, 2, g)
+
+    def run():
+        p = pool.clone()
+        return step(ids, cos, sin, p, meta, 0.2), p
+
+    one = run()
+    native_threads(threads)
+    for _ in range(5):
+        assert all(torch.equal(a, b) for a, b in zip(run(), one, strict=True))
+
+
+def test_decode_step_refuses_bad_input_before_writing():
+    """A token id outside the vocabulary, a block id outside the cache and rows that are not one
+    token per sequence are a ValueError before the cache is touched; mismatched weights are
+    refused when the step is built."""
+    g = torch.Generator().manual_seed(0)
+    step, parts, ids, cos, sin, pool, meta = _decode_step_case(4, 40, 2, 2, 16, 6, 2, 24, 67, 2, g)
+    before = pool.clone()
+    with pytest.raises(ValueError, match="token id outside 0..66"):
+        step(torch.tensor([0, 1, 67, 2]), cos, sin, pool, meta, 0.25)
+    tables = meta.block_tables.clone()
+    tables[-1, 0] = pool.shape[2]
+    with pytest.raises(ValueError, match="outside the cache"):
+        step(ids, cos, sin, pool, dataclasses.replace(meta, block_tables=tables, derived={}), 0.25)
+    with pytest.raises(ValueError, match="one per sequence"):
+        step(ids[:3], cos, sin, pool, meta, 0.25)
+    with pytest.raises(ValueError, match="kv_pool"):
+        step(ids, cos, sin, pool[:1], meta, 0.25)
+    assert torch.equal(pool, before)
+    layers, experts, embed, final_norm, lm_head = parts
+    with pytest.raises(ValueError, match="lm_head"):
+        cpu_native.DecodeStep(layers, experts, embed, final_norm, lm_head[:, :-1], 1e-6)
+    with pytest.raises(ValueError, match="one expert pair per layer"):
+        cpu_native.DecodeStep(layers, experts[:1], embed, final_norm, lm_head, 1e-6)

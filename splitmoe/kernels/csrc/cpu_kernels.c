@@ -1079,3 +1079,128 @@ int splitmoe_decode_layer_f32(float *h, int64_t T, int64_t H, const float *in_no
     parallel_for(chunks_of(T, a.rows_per_chunk), decode_layer_chunk, &a);
     return a.rc;
 }
+
+/* ---- a whole decode step (colocated) -------------------------------------------------------- */
+
+/* logits[t, v] = x[t, :] . w[v, :] for x [T, H], w [V, H] (an LM head as stored, [vocab, hidden];
+ * all contiguous): 16 dot products at a time, 4 rows x 4 vocab rows, each in 16 lanes (H % 16
+ * zero-padded) reduced by sum_lanes16. A tile past the last row or vocab row repeats its last
+ * one and stores only the real ones, so each element is computed the same way wherever it falls
+ * and whatever the thread count. Chunks of LM_HEAD_VOCAB vocab rows; within a chunk the 4 vocab
+ * rows of a tile stay in L1 while the rows of x stream past (w is read from memory once). */
+#define LM_HEAD_VOCAB 64
+
+struct lm_head {
+    const float *x, *w;
+    float *logits;
+    int64_t T, V, H;
+};
+
+static void lm_head_chunk(void *ctx, int64_t chunk, int thread) {
+    (void)thread;
+    const struct lm_head *a = ctx;
+    const int64_t T = a->T, V = a->V, H = a->H, v1 = (chunk + 1) * LM_HEAD_VOCAB;
+    for (int64_t v0 = chunk * LM_HEAD_VOCAB; v0 < (v1 < V ? v1 : V); v0 += 4) {
+        const float *w[4];
+        for (int j = 0; j < 4; j++) w[j] = a->w + (v0 + j < V ? v0 + j : V - 1) * H;
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {
+            const float *x[4];
+            for (int i = 0; i < 4; i++) x[i] = a->x + (t0 + i < T ? t0 + i : T - 1) * H;
+            v16f acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = (v16f){0};
+            int64_t p = 0;
+            for (; p + 16 <= H; p += 16) {
+                v16f wv[4];
+                for (int j = 0; j < 4; j++) wv[j] = load16(w[j] + p);
+                for (int i = 0; i < 4; i++) {
+                    const v16f xv = load16(x[i] + p);
+                    for (int j = 0; j < 4; j++) acc[4 * i + j] += xv * wv[j];
+                }
+            }
+            if (p < H) { /* the last H % 16, zero-padded */
+                float pad[8][16] = {{0}};
+                for (int j = 0; j < 4; j++) memcpy(pad[j], w[j] + p, sizeof(float) * (size_t)(H - p));
+                for (int i = 0; i < 4; i++)
+                    memcpy(pad[4 + i], x[i] + p, sizeof(float) * (size_t)(H - p));
+                for (int i = 0; i < 4; i++)
+                    for (int j = 0; j < 4; j++) acc[4 * i + j] += load16(pad[4 + i]) * load16(pad[j]);
+            }
+            float out[16];
+            store16(out, sum_lanes16(acc));
+            for (int i = 0; i < 4 && t0 + i < T; i++)
+                for (int j = 0; j < 4 && v0 + j < V; j++)
+                    a->logits[(t0 + i) * V + v0 + j] = out[4 * i + j];
+        }
+    }
+}
+
+/* The addresses of one MoE decoder layer's weights, in the layouts of splitmoe_decode_layer_f32
+ * (b_qkv and qk_norm_w may be NULL) and splitmoe_fused_moe_f32. The Python side passes a table
+ * of them as int64 [L, 9]. */
+struct step_layer {
+    const float *in_norm, *post_norm, *wqkv_t, *b_qkv, *qk_norm_w, *wo_t, *router_t, *w13t, *w2t;
+};
+_Static_assert(sizeof(struct step_layer) == 9 * sizeof(int64_t), "a step layer is 9 addresses");
+
+/* A whole decode step of T one-token sequences of a model whose L layers are all MoE layers
+ * with every expert here (colocated), in one call: the per-layer calls, their wrappers and the
+ * LM head in PyTorch cost as much as the layers' arithmetic at decode batch sizes.
+ *   h = embed[input_ids];  per layer l: splitmoe_decode_layer_f32 (the attention half and the
+ *   router; K / V of layer l at kv + l * kv_layer_st, V at + kv_v_off), then
+ *   h += splitmoe_fused_moe_f32 (the routed experts);  logits [T, V] = RMSNorm(h) * final_norm
+ *   times lm_head [V, H] transposed.
+ * The same kernels in the same order as those calls, so h is bit-identical to theirs; the LM
+ * head is its own (see lm_head_chunk). Block tables and slots are checked once for all layers.
+ * Returns 0; -1 if scratch memory could not be allocated; -2 for a token id outside 0..V-1;
+ * -3 for a block table, sequence length or slot that does not fit the cache; -5 for a bad
+ * k / E (nothing written for -2, -3, -5). */
+int splitmoe_decode_step_f32(const int64_t *input_ids, int64_t T, const float *embed, int64_t V,
+                             int64_t H, const struct step_layer *layers, int64_t L, float eps,
+                             const float *cos_t, const float *sin_t, int64_t cs_st, float *kv,
+                             int64_t kv_layer_st, int64_t kv_v_off, int64_t num_blocks,
+                             int64_t block_size, const int32_t *block_tables, int64_t table_st,
+                             int64_t table_width, const int64_t *seq_lens, const int64_t *slots,
+                             int64_t nh, int64_t nkv, int64_t d, float scale, int64_t E,
+                             int64_t k, int renorm, int64_t I, const float *final_norm,
+                             const float *lm_head, float *logits) {
+    if (k < 1 || k > E || E > 4096 || k > 64) return -5;
+    for (int64_t t = 0; t < T; t++)
+        if (input_ids[t] < 0 || input_ids[t] >= V) return -2;
+    const int64_t max_len = check_tables(block_tables, table_st, table_width, num_blocks,
+                                         seq_lens, NULL, T, block_size);
+    if (max_len < 0 || !slots_fit(slots, T, num_blocks * block_size)) return -3;
+    float *h = malloc(sizeof(float) * (size_t)(3 * T * H + T * k + 1));
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(T * k + 1));
+    if (!h || !ids) {
+        free(h);
+        free(ids);
+        return -1;
+    }
+    float *x = h + T * H, *moe = x + T * H, *weights = moe + T * H;
+    for (int64_t t = 0; t < T; t++)
+        memcpy(h + t * H, embed + input_ids[t] * H, sizeof(float) * (size_t)H);
+    int rc = 0;
+    for (int64_t l = 0; l < L && !rc; l++) {
+        const struct step_layer *w = &layers[l];
+        float *k_cache = kv + l * kv_layer_st;
+        struct decode_layer a = {
+            h, H, w->in_norm, w->post_norm, eps, w->wqkv_t, w->b_qkv, w->qk_norm_w, cos_t, sin_t,
+            cs_st, k_cache, k_cache + kv_v_off, block_size, block_tables, table_st, seq_lens,
+            slots, max_len, nh, nkv, d, scale, w->wo_t, w->router_t, E, k, renorm, x, ids,
+            weights, T < 32 ? 4 : 8, T, 0};
+        parallel_for(chunks_of(T, a.rows_per_chunk), decode_layer_chunk, &a);
+        rc = a.rc;
+        if (rc) break;
+        memset(moe, 0, sizeof(float) * (size_t)(T * H));
+        rc = splitmoe_fused_moe_f32(x, T, H, w->w13t, w->w2t, E, I, ids, weights, k, moe);
+        for (int64_t i = 0; i < T * H; i++) h[i] += moe[i];
+    }
+    if (!rc) {
+        splitmoe_rms_norm_f32(h, H, 0, T, 1, H, final_norm, 0, eps, x, H, 0);
+        struct lm_head m = {x, lm_head, logits, T, V, H};
+        parallel_for(chunks_of(V, LM_HEAD_VOCAB), lm_head_chunk, &m);
+    }
+    free(h);
+    free(ids);
+    return rc;
+}
