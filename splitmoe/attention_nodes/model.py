@@ -395,4 +395,8 @@ class AttentionModel:
         return hs
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head).float()  # [B, V]
+        """``[B, V]`` float32. On the native backend its LM head, the one `decode_step` runs, so
+        a request's logits do not depend on which path computed its step."""
+        if self.native is not None and h.dtype == torch.float32:
+            return self.native.lm_head(h.contiguous(), self.lm_head)
+        return F.linear(h, self.lm_head).float()

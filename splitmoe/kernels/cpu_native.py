@@ -80,6 +80,7 @@ _SIGNATURES = {
         [_p, _i64, _i64, _p, _p, _f32, _p, _p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _p, _i64]
         + [_i64, _p, _p, _i64, _i64, _i64, _f32, _p, _p, _i64, _i64, ctypes.c_int, _p, _p, _p],
     ),
+    "splitmoe_lm_head_f32": (None, [_p, _i64, _i64, _p, _i64, _p]),
     "splitmoe_decode_step_f32": (
         ctypes.c_int,
         [_p, _i64, _p, _i64, _i64, _p, _i64, _f32, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _p]
@@ -304,6 +305,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         0,
     )
     return out
+
+
+def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits ``[T, V]`` float32 of ``x [T, H]`` times an LM head ``weight [V, H]`` (as stored)
+    transposed: ``F.linear`` to rounding, on the kernels' threads (bit-identical for every
+    thread count). At decode batch sizes ~2-4x faster than MKL on one thread (CPU)."""
+    for name, t in (("x", x), ("weight", weight)):
+        _check_f32(name, t)
+        if t.dim() != 2 or not t.is_contiguous():
+            raise ValueError(f"cpu kernels: lm_head {name} must be a contiguous matrix")
+    T, H = x.shape
+    if weight.shape[1] != H:
+        raise ValueError(
+            f"cpu kernels: lm_head weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}"
+        )
+    logits = torch.empty(T, weight.shape[0], dtype=torch.float32)
+    if T:
+        library().splitmoe_lm_head_f32(
+            x.data_ptr(), T, H, weight.data_ptr(), weight.shape[0], logits.data_ptr()
+        )
+    return logits
 
 
 def norm_rope_(

@@ -690,6 +690,24 @@ def test_decode_layer_threads_change_no_bit(native_threads, threads, T):
 # --- a whole decode step in one call ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("T", [0, 1, 5, 33])
+@pytest.mark.parametrize("H,V", [(128, 512), (40, 67), (16, 3)])
+def test_lm_head_matches_linear(T, H, V, native_threads):
+    """4 x 4 tiles of 16-lane dot products: batches, vocabularies and hidden sizes that are not
+    multiples of them; every thread count gives the same bits."""
+    g = torch.Generator().manual_seed(T + H + V)
+    x, w = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g)
+    got = cpu_native.lm_head(x, w)
+    assert got.shape == (T, V)
+    torch.testing.assert_close(got, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
+    native_threads(3)
+    assert torch.equal(cpu_native.lm_head(x, w), got)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.lm_head(x, w[:, 1:].contiguous())
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_native.lm_head(x, w.t())
+
+
 def _decode_step_case(T, H, nh, nkv, d, E, k, I, V, L, g):
     """The layers, experts and globals of an L-layer MoE model, a paged pool [L, 2, ...] with
     random K/V everywhere, and a step of T one-token sequences over it."""
@@ -743,6 +761,9 @@ def test_decode_step_matches_per_layer_calls(T, H, nh, nkv, d, E, k, I, V):
     got = step(ids, cos, sin, pool, meta, d**-0.5)
     assert torch.equal(pool, pool_ref)
     assert got.shape == (T, V) and got.dtype == torch.float32
+    # the final hidden states were the per-layer calls' bit for bit: so are the logits of the
+    # same LM head on them
+    assert torch.equal(got, cpu_native.lm_head(hn, parts[4]))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     exact = (hn.double() @ parts[4].double().T).float()
     torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)

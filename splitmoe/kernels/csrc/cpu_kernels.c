@@ -1134,6 +1134,14 @@ static void lm_head_chunk(void *ctx, int64_t chunk, int thread) {
     }
 }
 
+/* logits [T, V] = x [T, H] times w [V, H] transposed (see lm_head_chunk), on the pool's threads;
+ * bit-identical for every thread count. */
+void splitmoe_lm_head_f32(const float *x, int64_t T, int64_t H, const float *w, int64_t V,
+                          float *logits) {
+    struct lm_head m = {x, w, logits, T, V, H};
+    parallel_for(chunks_of(V, LM_HEAD_VOCAB), lm_head_chunk, &m);
+}
+
 /* The addresses of one MoE decoder layer's weights, in the layouts of splitmoe_decode_layer_f32
  * (b_qkv and qk_norm_w may be NULL) and splitmoe_fused_moe_f32. The Python side passes a table
  * of them as int64 [L, 9]. */
@@ -1197,8 +1205,7 @@ int splitmoe_decode_step_f32(const int64_t *input_ids, int64_t T, const float *e
     }
     if (!rc) {
         splitmoe_rms_norm_f32(h, H, 0, T, 1, H, final_norm, 0, eps, x, H, 0);
-        struct lm_head m = {x, lm_head, logits, T, V, H};
-        parallel_for(chunks_of(V, LM_HEAD_VOCAB), lm_head_chunk, &m);
+        splitmoe_lm_head_f32(x, T, H, lm_head, V, logits);
     }
     free(h);
     free(ids);
