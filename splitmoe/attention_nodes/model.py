@@ -211,8 +211,8 @@ class AttentionModel:
 
     def decode_logits(self, mb: MicroBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """Logits ``[T, V]`` of a micro-batch of one-token sequences through `decode_step`:
-        the same as `forward` then `logits` (bit-identical hidden states; the LM head agrees to
-        rounding), and the same K / V stored."""
+        bit-identical to `forward` then `logits` on the native backend, and the same K / V
+        stored."""
         cos, sin = self.rope(mb.positions, torch.float32)
         return self.decode_step(mb.input_ids, cos, sin, kv_cache.pool, mb.meta, self.scale)
 

@@ -556,6 +556,28 @@ def _step_addresses(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor
     return _derived(meta, ("cpu-layer",), build)
 
 
+def _cache_args(meta: AttentionMetadata, cache: torch.Tensor) -> tuple:
+    """The paged-cache arguments of the decode layer and the decode step: blocks and block size
+    of ``cache`` (``[.., blocks, block_size, nkv, d]``), then the step's block tables (address,
+    row stride, width), sequence lengths and slots (kept alive by ``meta``)."""
+    tables, lens, slots = _step_addresses(meta)
+    nb, bs = cache.shape[-4:-2]
+    return (nb, bs, tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
+            slots.data_ptr())  # fmt: skip
+
+
+def _raise_step_error(rc: int, what: str, cache: torch.Tensor) -> None:
+    """The errors of the decode layer and the decode step (-3: bad cache addresses)."""
+    if rc == -3:
+        nb, bs = cache.shape[-4:-2]
+        raise ValueError(
+            f"cpu kernels: {what}: a sequence is longer than its block table row, or a block id "
+            f"or slot is outside the cache ({nb} blocks of {bs})"
+        )
+    if rc != 0:
+        raise MemoryError(f"cpu kernels: {what} could not allocate its scratch")
+
+
 class DecodeLayer:
     """The attention half of one decoder layer for a step of one-token sequences, in one native
     call (`splitmoe_decode_layer_f32`): input RMSNorm, the qkv projection (+ bias), the per-head
@@ -657,8 +679,6 @@ class DecodeLayer:
             _check_f32(name, t)
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("cpu kernels: k_cache and v_cache must be contiguous")
-        tables, lens, slots = _step_addresses(meta)
-        nb, bs = k_cache.shape[:2]
         x = torch.empty(T, H, dtype=torch.float32)
         k = self.top_k if self.has_router else 0
         ids = torch.empty(T, k, dtype=torch.int64) if k else None
@@ -673,13 +693,7 @@ class DecodeLayer:
             cos.stride(0),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            nb,
-            bs,
-            tables.data_ptr(),
-            tables.stride(0),
-            tables.shape[1],
-            lens.data_ptr(),
-            slots.data_ptr(),
+            *_cache_args(meta, k_cache),
             *self._tail,
             scale,
             *self._out_weights,
@@ -687,13 +701,7 @@ class DecodeLayer:
             None if ids is None else ids.data_ptr(),
             None if weights is None else weights.data_ptr(),
         )
-        if rc == -3:
-            raise ValueError(
-                f"cpu kernels: decode layer: a sequence is longer than its block table row, or a "
-                f"block id or slot is outside the cache ({nb} blocks of {bs})"
-            )
-        if rc != 0:
-            raise MemoryError("cpu kernels: decode layer could not allocate its scratch")
+        _raise_step_error(rc, "decode layer", k_cache)
         return x, ids, weights
 
 
@@ -805,8 +813,6 @@ class DecodeStep:
             )
         if kv_pool.shape[4:] != (nkv, d) or not kv_pool.is_contiguous():
             raise ValueError("cpu kernels: decode step kv_pool must be contiguous [.., nkv, d]")
-        tables, lens, slots = _step_addresses(meta)
-        nb, bs = kv_pool.shape[2:4]
         logits = torch.empty(T, self.vocab, dtype=torch.float32)
         rc = library().splitmoe_decode_step_f32(
             input_ids.data_ptr(),
@@ -818,13 +824,7 @@ class DecodeStep:
             kv_pool.data_ptr(),
             kv_pool.stride(0),
             kv_pool.stride(1),
-            nb,
-            bs,
-            tables.data_ptr(),
-            tables.stride(0),
-            tables.shape[1],
-            lens.data_ptr(),
-            slots.data_ptr(),
+            *_cache_args(meta, kv_pool),
             *self._tail,
             scale,
             *self._moe,
@@ -832,11 +832,5 @@ class DecodeStep:
         )
         if rc == -2:
             raise ValueError(f"cpu kernels: decode step got a token id outside 0..{self.vocab - 1}")
-        if rc == -3:
-            raise ValueError(
-                f"cpu kernels: decode step: a sequence is longer than its block table row, or a "
-                f"block id or slot is outside the cache ({nb} blocks of {bs})"
-            )
-        if rc != 0:
-            raise MemoryError("cpu kernels: decode step could not allocate its scratch")
+        _raise_step_error(rc, "decode step", kv_pool)
         return logits
