@@ -194,18 +194,15 @@ class AttentionModel:
             and getattr(experts, "backend", None) == "cpu"
             and all(layer.router is not None and layer.mlp_gate_up is None for layer in self.layers)
             and all(experts.layer_experts.get(i) == list(range(E)) for i in range(len(self.layers)))
-            and self.cfg.top_k <= 64
+            and self.cfg.top_k <= self.native.MAX_TOP_K
         )
         if fits:
-            from splitmoe.kernels import cpu_native
-
-            self.decode_step = cpu_native.DecodeStep(
+            self.decode_step = self.native.DecodeStep(
                 self.decode_layers,
                 [experts.weights[i] for i in range(len(self.layers))],
                 self.embed,
                 self.final_norm,
                 self.lm_head,
-                self.cfg.rms_norm_eps,
             )
         return fits
 

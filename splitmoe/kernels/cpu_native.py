@@ -50,6 +50,7 @@ FLAGS = (
 MAX_HEAD_DIM = 1024  # the fused norm + RoPE kernel keeps one head in a stack buffer
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+MAX_TOP_K = 64  # experts per token the fused MoE and the decode step take (their C limit)
 _SIGNATURES = {
     "splitmoe_decode_attention_f32": (
         ctypes.c_int,
@@ -532,7 +533,8 @@ def fused_moe(
         raise ValueError(f"cpu kernels: fused_moe got an expert id >= {E} (the experts held here)")
     if rc == -5:
         raise ValueError(
-            f"cpu kernels: fused_moe takes up to 64 experts per token, got {ids.shape[1]}; use "
+            f"cpu kernels: fused_moe takes up to {MAX_TOP_K} experts per token, got "
+            f"{ids.shape[1]}; use "
             "moe_backend='torch'"
         )
     if rc != 0:
@@ -648,6 +650,10 @@ class DecodeLayer:
         self._weights = (in_n, post_n, eps, wqkv_t, b, qkn)
         self._tail = (nh, nkv, d)
         self._out_weights = (wo_t, router_t, E, top_k if router is not None else 0, renormalize)
+        # for `DecodeStep`: what its layers must share, and the weights' addresses in the order
+        # of the C `struct step_layer` (0: none)
+        self.shape = (H, nh, nkv, d, eps, E, top_k, bool(renormalize))
+        self.addresses = [a or 0 for a in (in_n, post_n, wqkv_t, b, qkn, wo_t, router_t)]
 
     def __call__(
         self,
@@ -718,7 +724,8 @@ class DecodeStep:
 
     Built once from the model's `DecodeLayer`s (every one with a router), each layer's experts
     in `expert_layout` (``w13t [E, H, 2I]``, ``w2t [E, I, H]``), ``embed [V, H]``,
-    ``final_norm [H]`` and ``lm_head [V, H]``, all float32 and contiguous. Holds the layers and
+    ``final_norm [H]`` and ``lm_head [V, H]``, all float32 and contiguous (the final norm's eps is
+    the layers'). Holds the layers and
     tensors (not copies) and calls with their addresses: weights changed in place (an expert
     reloaded into its slot) are seen by the next step."""
 
@@ -729,25 +736,17 @@ class DecodeStep:
         embed: torch.Tensor,
         final_norm: torch.Tensor,
         lm_head: torch.Tensor,
-        eps: float,
     ):
         if not layers or len(experts) != len(layers):
             raise ValueError(
                 f"cpu kernels: decode step takes one expert pair per layer; got {len(layers)} "
                 f"layers and {len(experts)} expert pairs"
             )
-        first = layers[0]
-        H, (nh, nkv, d), k = first.hidden, first.heads, first.top_k
-        E, renorm = first._out_weights[2], first._out_weights[4]
-        for layer in layers:
-            if not layer.has_router or (layer.hidden, layer.heads, layer.top_k) != (
-                H,
-                (nh, nkv, d),
-                k,
-            ):
-                raise ValueError("cpu kernels: decode step layers must all be alike MoE layers")
-            if layer._out_weights[2:] != first._out_weights[2:]:
-                raise ValueError("cpu kernels: decode step layers must route alike")
+        H, nh, nkv, d, eps, E, k, renorm = layers[0].shape
+        if any(not layer.has_router or layer.shape != layers[0].shape for layer in layers):
+            raise ValueError("cpu kernels: decode step layers must all be alike MoE layers")
+        if k > MAX_TOP_K:
+            raise ValueError(f"cpu kernels: decode step takes top_k <= {MAX_TOP_K}, got {k}")
         V = embed.shape[0]
         named = {"embed": embed, "final_norm": final_norm, "lm_head": lm_head}
         want = {"embed": (V, H), "final_norm": (H,), "lm_head": (V, H)}
@@ -763,15 +762,12 @@ class DecodeStep:
                     f"contiguous"
                 )
         self._keep = [list(layers), embed, final_norm, lm_head, *(t for p in experts for t in p)]
-        rows = []
-        for layer, (w13t, w2t) in zip(layers, experts):
-            in_n, post_n, _, wqkv_t, b, qkn = layer._weights
-            wo_t, router_t = layer._out_weights[:2]
-            rows.append(
-                [in_n, post_n, wqkv_t, b, qkn, wo_t, router_t, w13t.data_ptr(), w2t.data_ptr()]
-            )
-        self._layers = torch.tensor([[a or 0 for a in row] for row in rows], dtype=torch.int64)
-        self.eps, self.hidden, self.vocab, self.heads = first._weights[2], H, V, (nh, nkv, d)
+        self._layers = torch.tensor(
+            [layer.addresses + [w13t.data_ptr(), w2t.data_ptr()]
+             for layer, (w13t, w2t) in zip(layers, experts)],
+            dtype=torch.int64,
+        )  # fmt: skip
+        self.vocab, self.heads = V, (nh, nkv, d)
         self._model = (embed.data_ptr(), V, H, self._layers.data_ptr(), len(layers), eps)
         self._tail = (nh, nkv, d)
         self._moe = (E, k, int(renorm), I, final_norm.data_ptr(), lm_head.data_ptr())

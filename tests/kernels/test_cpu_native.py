@@ -729,7 +729,7 @@ def _decode_step_case(T, H, nh, nkv, d, E, k, I, V, L, g):
     lm_head = torch.randn(V, H, generator=g) / H**0.5
     ids = torch.randint(0, V, (T,), generator=g)
     cos, sin = _rope(meta.seq_lens - 1, d)
-    step = cpu_native.DecodeStep(layers, experts, embed, final_norm, lm_head, 1e-6)
+    step = cpu_native.DecodeStep(layers, experts, embed, final_norm, lm_head)
     return step, (layers, experts, embed, final_norm, lm_head), ids, cos, sin, pool, meta
 
 
@@ -804,6 +804,6 @@ def test_decode_step_refuses_bad_input_before_writing():
     assert torch.equal(pool, before)
     layers, experts, embed, final_norm, lm_head = parts
     with pytest.raises(ValueError, match="lm_head"):
-        cpu_native.DecodeStep(layers, experts, embed, final_norm, lm_head[:, :-1], 1e-6)
+        cpu_native.DecodeStep(layers, experts, embed, final_norm, lm_head[:, :-1])
     with pytest.raises(ValueError, match="one expert pair per layer"):
-        cpu_native.DecodeStep(layers, experts[:1], embed, final_norm, lm_head, 1e-6)
+        cpu_native.DecodeStep(layers, experts[:1], embed, final_norm, lm_head)
