@@ -492,6 +492,10 @@ class FlatTransport(Transport):
         nothing = torch.empty(0, self.hidden_size, dtype=self.dtype)
         zeros = [0] * self.topo.world_size
         partial = self.all_to_all(nothing, zeros, handle.send_counts, handle.layer, "combine")
+        if partial.shape[0] == handle.num_tokens and max(handle.send_counts) == partial.shape[0]:
+            # every token went to one expert rank, the same one (1+1, or all routed to one
+            # rank): its rows are each token's sum already, in token order
+            return partial
         out = torch.zeros(handle.num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
         out.index_add_(0, handle.token_index, partial)
         return out

@@ -190,11 +190,24 @@ class LoadStats:
         self.num_experts = num_experts
         self._pending = torch.zeros(len(layers), num_experts, dtype=torch.int64, device=device)
         self._rows = {layer: self._pending[i] for i, layer in enumerate(self.layers)}
+        # on the CPU, `count` adds numpy's bincount into these views of the same memory
+        cpu = self._pending.device.type == "cpu"
+        self._rows_np = {k: v.numpy() for k, v in self._rows.items()} if cpu else None
         self._window = torch.zeros(len(layers), num_experts, dtype=torch.int64)
         self._total = torch.zeros_like(self._window)
 
     def add(self, layer: int, counts: torch.Tensor) -> None:
         self._rows[layer].add_(counts)
+
+    def count(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Adds the pairs of ``topk_ids [T, k]`` (expert ids) to ``layer``'s counts. On the CPU
+        one numpy ``bincount`` (~3 us against ~15 us for `count_keys` and ``add_`` at 16 x 4
+        pairs: the static policy pays only this per layer and micro-batch)."""
+        if self._rows_np is None:
+            self.add(layer, count_keys(topk_ids.long(), self.num_experts))
+        else:
+            flat = topk_ids.numpy().reshape(-1)
+            self._rows_np[layer] += np.bincount(flat, minlength=self.num_experts)
 
     def _fold(self) -> None:
         pending = self._pending.cpu()
@@ -278,10 +291,9 @@ class Balancer:
     def choose(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """``topk_ids [T, k]`` -> ``slots [T, k]`` int64 (collective for ``global``)."""
         if self.policy == "static":  # a fixed lookup (the same as `assign`'s); counts only kept
-            ids = topk_ids.long()
-            self.load.add(layer, expert_counts(ids, self.placement.num_experts))
+            self.load.count(layer, topk_ids)
             mine = self._static[layer]
-            return ids if mine is None else mine.take(ids)
+            return topk_ids.long() if mine is None else mine.take(topk_ids.long())
         counts = expert_counts(topk_ids, self.placement.num_experts)  # [E]
         self.load.add(layer, counts)
         all_counts = self.gather_counts(counts) if self.policy == "global" else None
