@@ -101,9 +101,11 @@ def init_groups(
     local_world_size: int,
     timeout: timedelta,
     shared_memory: bool = True,
+    spin_s: float = 0.0,
 ) -> Groups:
     """Joins the job. NCCL only when every rank of a node has a GPU of its own; a shared-memory
-    hub when the data plane is on the CPU and ``shared_memory`` allows it."""
+    hub when the data plane is on the CPU and ``shared_memory`` allows it (``spin_s``: its
+    waits' polling, see `ShmHub`)."""
     use_nccl = device.type == "cuda" and local_world_size <= torch.cuda.device_count()
     backend = "nccl" if use_nccl else "gloo"
     kwargs = {"device_id": device} if use_nccl else {}
@@ -118,7 +120,7 @@ def init_groups(
     data = dist.group.WORLD
     cpu = dist.new_group(backend="gloo", timeout=timeout) if use_nccl else data
     comm_device = device if use_nccl else torch.device("cpu")
-    hub = ShmHub(rank, world_size, cpu, timeout) if shared_memory and not use_nccl else None
+    hub = ShmHub(rank, world_size, cpu, timeout, spin_s) if shared_memory and not use_nccl else None
     return Groups(data=data, cpu=cpu, comm_device=comm_device, hub=hub)
 
 

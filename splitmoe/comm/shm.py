@@ -22,8 +22,12 @@ buffers while it waits, so two ranks sending each other more than a ring holds c
 (the progress rule of MPI implementations). Waiting spins ~20 us, then sleeps on a futex on
 the position the peer will move (a send always wakes its ring's futex; a reader wakes a writer
 that sleeps on a full ring), so a waiting rank leaves its core to the ranks doing the work: on
-this 2-core VM a spinning waiter slowed the expert rank's compute by ~1.3x. A peer whose process
-has exited, or that sent nothing for ``timeout``, ends the wait with an error naming it.
+this 2-core VM, with ranks sharing cores, a spinning waiter slowed the expert rank's compute by
+~1.3x. A rank that has cores of its own (the runtime pinned it: ``spin_s``, `OWN_CORE_SPIN_S`)
+keeps polling for up to ``spin_s`` before it sleeps, as MPI's busy polling does: waking a
+sleeping process costs on the order of 100 us in this VM, twice per layer when attention and
+experts take turns. A peer whose process has exited, or that sent nothing for ``timeout``, ends
+the wait with an error naming it.
 
 The files are unlinked as soon as every member has mapped them, so nothing is left in
 ``/dev/shm`` however the job ends. Ordering relies on x86's total store order (data bytes are
@@ -53,6 +57,10 @@ DATA_CAPACITY = 4 << 20  # bytes per ring on data lanes: several decode-step mes
 CONTROL_CAPACITY = 4 << 10  # bytes per ring on control lanes (a few int64 per step)
 COUNTS_CAPACITY = 256 << 10  # per-expert counts of every (layer, micro-batch) of a step
 SPIN = 64  # polls (~20 us) before a waiting rank goes to sleep on a futex
+# How long a rank with cores of its own polls before it sleeps. 1+1 ranks on 2 cores, batch 32,
+# ten alternated rounds: m=1 decoded 1.29x and m=2 1.09x as fast as with 0 (batch 128: 1.09x
+# both). An idle job's expert rank spends this much of each idle poll (`IDLE_POLL_S`) polling.
+OWN_CORE_SPIN_S = 0.005
 SLEEP_S = (0.001, 0.01)  # futex sleeps: the first 10 ms of a wait, then
 LIVENESS_S = 0.5  # how often a long wait checks that the peer's process still exists
 _SYS_FUTEX = 202  # x86-64
@@ -144,9 +152,19 @@ class ShmHub:
     for naming inbox files. Built collectively (every world rank, same order) over ``group``;
     then `lane` builds the shared-memory collective of any group whose members share a host."""
 
-    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup, timeout: timedelta):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup,
+        timeout: timedelta,
+        spin_s: float = 0.0,
+    ):
+        """``spin_s``: how long a wait polls before it sleeps (beyond the first `SPIN` polls);
+        more than 0 only for a rank that has its cores to itself."""
         self.rank = rank
         self.timeout_s = timeout.total_seconds()
+        self.spin_s = spin_s
         key = [secrets.token_hex(6) if rank == 0 else None]
         dist.broadcast_object_list(key, src=0, group=group)
         self.key = key[0]
@@ -274,9 +292,10 @@ class ShmLane:
             )
 
     class _Waiter:
-        """An unsuccessful wait for one peer: spins `SPIN` polls, then sleeps on the futex word
-        the peer will change (woken at once when it does), draining every ring of this rank
-        between sleeps (the progress rule) and checking the peer's liveness and the timeout."""
+        """An unsuccessful wait for one peer: spins `SPIN` polls (and on for the hub's
+        ``spin_s``), then sleeps on the futex word the peer will change (woken at once when it
+        does), draining every ring of this rank between polls past the first `SPIN` and between
+        sleeps (the progress rule) and checking the peer's liveness and the timeout."""
 
         __slots__ = ("lane", "rank", "what", "polls", "start", "next_check")
 
@@ -295,9 +314,11 @@ class ShmLane:
             if self.polls == SPIN:
                 self.start = now
                 self.next_check = now + LIVENESS_S
-            self.lane.hub.progress()
-            sleep = _SLEEPS[0] if now - self.start < 0.01 else _SLEEPS[1]
-            _futex_wait(addr, expected, sleep)
+            hub = self.lane.hub
+            hub.progress()
+            waited = now - self.start
+            if waited >= hub.spin_s:  # (before that, a rank with a core of its own polls on)
+                _futex_wait(addr, expected, _SLEEPS[0] if waited < 0.01 else _SLEEPS[1])
             if now > self.next_check:
                 self.next_check = now + LIVENESS_S
                 self.lane._check_wait(self.rank, self.start + self.lane.hub.timeout_s, self.what)

@@ -129,6 +129,9 @@ def _collectives_job(rank: int, world: int) -> dict:
     a, b = hub.lane(everyone), hub.lane(everyone)
     tiny = hub.lane(everyone, capacity=TINY)
     tiny01 = hub.lane([0, 1], capacity=TINY)  # rank 2 is not a member
+    # a hub whose waits poll for SPIN_S before they sleep (ranks with cores of their own)
+    spinning = ShmHub(rank, world, gloo, timedelta(seconds=20), spin_s=SPIN_S)
+    spin_lane, spin_tiny = spinning.lane(everyone), spinning.lane(everyone, capacity=TINY)
     dist.barrier()  # every member has unlinked its inbox
     res: dict = {
         "lane_types": [type(x).__name__ for x in (a, b, tiny, tiny01)],
@@ -170,6 +173,14 @@ def _collectives_job(rank: int, world: int) -> dict:
                 return _exchange(c, seed, split, rank, dtype, row)
 
             check(f"a2a tiny ring it{it} {dtype}", fn, tiny)
+    # The same through a spinning hub's lanes: waits that poll, then drain, then sleep.
+    for it in range(3):
+        split = _split_matrix(600 + it, world, 120 if it else 6)
+
+        def fn(c, seed=1900 + it, split=split):
+            return _exchange(c, seed, split, rank, torch.float32, (3,))
+
+        check(f"spinning a2a it{it}", fn, spin_tiny if it else spin_lane)
     # all_gather_single: StepSync's [3] int64 rows, float rows, and through a tiny ring.
     for it, (dtype, row) in enumerate([(torch.int64, (3,)), (torch.float32, (5,))]):
         for lane in (a, b, tiny):
@@ -258,6 +269,7 @@ def _collectives_job(rank: int, world: int) -> dict:
     )
 
     hub.close()
+    spinning.close()
     res["files_at_end"] = _own_files(hub)
     return res
 
@@ -289,6 +301,12 @@ def test_messages_larger_than_the_ring(collectives):
         checked, bad = _mismatches(collectives, prefix)
         assert checked, prefix
         assert not bad, "\n".join(bad[:5])
+
+
+def test_spinning_hub_matches_gloo(collectives):
+    checked, bad = _mismatches(collectives, "spinning a2a")
+    assert checked == WORLD * 3
+    assert not bad, "\n".join(bad[:5])
 
 
 def test_all_gather_matches_gloo(collectives):
@@ -332,6 +350,7 @@ def test_lanes_only_between_ranks_sharing_a_host(collectives):
 
 # ---- one job: peers that diverge, stay silent or exit ------------------------------------------
 BRIEF_S = 2.0  # the timeout of the hub whose peers are expected to time out
+SPIN_S = 0.02  # the spinning hubs' polling before a wait sleeps
 STEADY_BYTES = 64 << 10
 
 
@@ -368,11 +387,14 @@ def _failure_job(rank: int, world: int) -> dict:
     brief = ShmHub(rank, world, gloo, timedelta(seconds=BRIEF_S))
     brisk = ShmHub(rank, world, gloo, timedelta(seconds=1))
     patient = ShmHub(rank, world, gloo, timedelta(seconds=60))
+    spinning = ShmHub(rank, world, gloo, timedelta(seconds=BRIEF_S), spin_s=SPIN_S)
     silent = brief.lane([0, 1])
     unreaped = brief.lane([0, 2])
     steady = brisk.lane([0, 1], capacity=TINY)
     diverging = patient.lane([0, 1])
     leaving = patient.lane([0, 1])
+    silent_spinning = spinning.lane([0, 2])
+    leaving_spinning = spinning.lane([0, 1])
     res: dict = {}
     dist.barrier()
 
@@ -380,6 +402,8 @@ def _failure_job(rank: int, world: int) -> dict:
     # is swapped for that of a process that has exited but is not reaped yet (a zombie).
     if rank == 1:
         res["silent"] = _error(lambda: _recv_from(silent, 0, 8))
+    if rank == 2:  # the same, polling before it sleeps
+        res["silent spinning"] = _error(lambda: _recv_from(silent_spinning, 0, 8))
     if rank == 0:
         child = _zombie()
         real, brief.pids[2] = brief.pids[2], child.pid
@@ -418,6 +442,7 @@ def _failure_job(rank: int, world: int) -> dict:
         for path in res["left behind"]:
             os.unlink(path)
         res["exited"] = _error(lambda: _recv_from(leaving, 1, 8))
+        res["exited spinning"] = _error(lambda: _recv_from(leaving_spinning, 1, 8))
     return res
 
 
@@ -471,6 +496,15 @@ def test_exited_peer_raises_naming_it(failures):
     assert kind == "RuntimeError"
     assert "rank 2" in msg and "exited" in msg
     assert seconds < 15  # includes rank 2's own exit
+
+
+def test_spinning_waits_still_time_out_and_see_exits(failures):
+    kind, msg, seconds = failures[2]["silent spinning"]
+    assert kind == "TimeoutError" and "rank 0 did not send its data" in msg
+    assert BRIEF_S <= seconds < BRIEF_S + 3
+    kind, msg, seconds = failures[0]["exited spinning"]
+    assert kind == "RuntimeError" and "rank 1" in msg and "exited" in msg
+    assert seconds < 5
 
 
 def test_no_file_left_when_building_a_lane_fails(failures):
