@@ -103,3 +103,25 @@ def test_interrupted_or_killed_front_end_takes_ranks_down(ckpt, tmp_path, sig):
         assert _wait_gone(pids) == []
     finally:
         proc.kill()
+
+
+def test_ranks_keep_stepping_while_the_front_end_does_not_read(ckpt):
+    """A rank never waits for the front end: its messages wait in a backlog (here several pipe
+    buffers' worth) until the front end reads them, and none is lost."""
+    n, max_tokens = 96, 56
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(4)] for i in range(n)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with LLM(str(ckpt), attention_ranks=1, expert_ranks=1, device="cpu") as llm:
+        rids = llm.submit(prompts, params)
+        time.sleep(4.0)  # the front end reads nothing meanwhile
+        woke = time.time()
+        done = {}
+        while len(done) < n:
+            for out, _ in llm.poll():
+                if out.finish_reason is not None:
+                    done[out.request_id] = out
+    assert sorted(done) == sorted(rids)
+    assert all(len(o.token_ids) == max_tokens for o in done.values())
+    # every token was sampled before the front end read anything (the ranks did not wait)
+    last = max(o.metrics.arrival_time + o.metrics.e2e_latency for o in done.values())
+    assert last < woke
