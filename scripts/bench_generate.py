@@ -149,7 +149,8 @@ def main() -> None:
     ap.add_argument(
         "--micro-batches",
         default="auto",
-        help="comma-separated counts to compare in one run, e.g. 1,2 (auto: chosen per step)",
+        help="comma-separated counts to compare in one run, e.g. 1,2 or auto,1,2 (auto: chosen "
+        "per step)",
     )
     ap.add_argument(
         "--backend",
@@ -179,9 +180,7 @@ def main() -> None:
     cfg = ModelConfig.from_hf(args.model)
     prompts = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed)
     topo = f"{args.attention_ranks}+{args.expert_ranks}"
-    counts = (
-        [None] if args.micro_batches == "auto" else [int(m) for m in args.micro_batches.split(",")]
-    )
+    counts = [None if m == "auto" else int(m) for m in args.micro_batches.split(",")]
     backends = args.backend.split(",")
     threads = (
         [None]
@@ -200,7 +199,7 @@ def main() -> None:
         return (
             f"splitmoe {topo}"
             + ("" if len(backends) == 1 else f" {b}")
-            + ("" if m is None else f" m={m}")
+            + ("" if counts == [None] else f" m={'auto' if m is None else m}")
             + ("" if len(threads) == 1 else f" t={t}")
         )
 

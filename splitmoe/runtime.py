@@ -350,7 +350,9 @@ def run_rank(
     gc.freeze()
     channel.ready(topo)
     logger.info("%s ready on %s", topo.describe(), device)
-    _loop(topo, worker, channel, sync, transport, cfg, balance)
+    # GPU ranks that exchange through the host share their GPUs (see `init_groups`)
+    shared_gpu = device.type == "cuda" and groups.comm_device.type != "cuda"
+    _loop(topo, worker, channel, sync, transport, cfg, balance, shared_gpu)
     return RankContext(topo=topo, groups=groups)
 
 
@@ -362,6 +364,7 @@ def _loop(
     transport,
     cfg: EngineConfig,
     balance: ExpertBalance | None = None,
+    shared_gpu: bool = False,
 ) -> None:
     busy = False
     rebalance_asked = False  # this rank's channel asked; answered once done
@@ -400,7 +403,7 @@ def _loop(
         if not busy:
             continue
         worker.timeline.step += 1
-        m = cfg.parallel.micro_batches_for(decision.tokens[: topo.num_attention])
+        m = cfg.parallel.micro_batches_for(decision.tokens[: topo.num_attention], shared_gpu)
         if topo.is_attention:
             updates, record = worker.execute(m)
             if record is not None:

@@ -47,6 +47,9 @@ def test_automatic_count_is_shared_by_all_ranks():
     assert p.micro_batches_for((0, 40)) == 2
     assert ParallelConfig(1, 0).micro_batches_for((100,)) == 1  # colocated: nothing to overlap
     assert ParallelConfig(1, 1, micro_batches=3).micro_batches_for((1,)) == 3
+    # ranks sharing one GPU take turns on it: nothing to overlap, unless asked for
+    assert p.micro_batches_for((0, 40), shared_gpu=True) == 1
+    assert ParallelConfig(1, 1, micro_batches=2).micro_batches_for((40,), shared_gpu=True) == 2
     with pytest.raises(ValueError, match="micro_batches=0"):
         ParallelConfig(1, 1, micro_batches=0)
 
