@@ -23,7 +23,12 @@ import torch.distributed as dist
 from splitmoe.attention_nodes.worker import AttentionWorker, RequestUpdate
 from splitmoe.comm.control import StepSync
 from splitmoe.comm.distributed import Groups, init_groups, new_collective, rank_device
-from splitmoe.comm.shm import CONTROL_CAPACITY, COUNTS_CAPACITY, OWN_CORE_SPIN_S
+from splitmoe.comm.shm import (
+    CONTROL_CAPACITY,
+    CONTROL_SPIN_S,
+    COUNTS_CAPACITY,
+    OWN_CORE_SPIN_S,
+)
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import TRANSPORTS
 from splitmoe.config import EngineConfig
@@ -340,7 +345,14 @@ def run_rank(
     if balance is not None and par.balancer == "global":
         balance.calibrate(worker)
     world = range(topo.world_size)
-    control = new_collective(world, groups.hub, par.timeout, CONTROL_CAPACITY, group=groups.cpu)
+    control = new_collective(
+        world,
+        groups.hub,
+        par.timeout,
+        CONTROL_CAPACITY,
+        group=groups.cpu,
+        max_spin_s=CONTROL_SPIN_S,
+    )
     sync = StepSync(control, topo.world_size)
     sync.warm_up(groups.data, groups.comm_device)
     # Everything built so far (torch, the model, the groups) lives as long as the rank: moved out

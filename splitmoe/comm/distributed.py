@@ -75,13 +75,15 @@ def new_collective(
     timeout: timedelta,
     capacity: int = DATA_CAPACITY,
     group: dist.ProcessGroup | None = None,
+    max_spin_s: float | None = None,
 ) -> Collective | None:
     """The collective of ``ranks`` for this rank (None if it is not a member): over shared memory
-    when ``hub`` says they share a host, else over a ``torch.distributed`` group (``group``, or a
-    new one). Every world rank calls it, in the same order, like ``dist.new_group``."""
+    when ``hub`` says they share a host (``max_spin_s``: see `ShmHub.lane`), else over a
+    ``torch.distributed`` group (``group``, or a new one). Every world rank calls it, in the
+    same order, like ``dist.new_group``."""
     if group is None:
         group = dist.new_group(list(ranks), timeout=timeout)
-    lane = hub.lane(ranks, capacity) if hub is not None else None
+    lane = hub.lane(ranks, capacity, max_spin_s) if hub is not None else None
     if lane is not None:
         return lane
     return DistGroup(group, ranks) if dist.get_rank() in ranks else None

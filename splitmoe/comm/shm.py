@@ -59,8 +59,12 @@ COUNTS_CAPACITY = 256 << 10  # per-expert counts of every (layer, micro-batch) o
 SPIN = 64  # polls (~20 us) before a waiting rank goes to sleep on a futex
 # How long a rank with cores of its own polls before it sleeps. 1+1 ranks on 2 cores, batch 32,
 # ten alternated rounds: m=1 decoded 1.29x and m=2 1.09x as fast as with 0 (batch 128: 1.09x
-# both). An idle job's expert rank spends this much of each idle poll (`IDLE_POLL_S`) polling.
+# both).
 OWN_CORE_SPIN_S = 0.005
+# The control lane's cap: a step-boundary wait longer than this sleeps (one wake-up per step; at
+# batch 32 the expert rank's waited 0.3-1 ms), so an idle job's expert rank polls ~4% of its
+# core rather than ~7% at the full 5 ms.
+CONTROL_SPIN_S = 0.002
 SLEEP_S = (0.001, 0.01)  # futex sleeps: the first 10 ms of a wait, then
 LIVENESS_S = 0.5  # how often a long wait checks that the peer's process still exists
 _SYS_FUTEX = 202  # x86-64
@@ -181,10 +185,13 @@ class ShmHub:
     def shares_host(self, ranks: Sequence[int]) -> bool:
         return len({self.hosts[r] for r in ranks}) == 1
 
-    def lane(self, ranks: Sequence[int], capacity: int = DATA_CAPACITY) -> ShmLane | None:
+    def lane(
+        self, ranks: Sequence[int], capacity: int = DATA_CAPACITY, max_spin_s: float | None = None
+    ) -> ShmLane | None:
         """The shared-memory collective of ``ranks`` (world ranks, in group order) for members;
         None for non-members or when the ranks do not share a host. Call it on every world rank
-        in the same order (lane ids are counted everywhere), like ``dist.new_group``."""
+        in the same order (lane ids are counted everywhere), like ``dist.new_group``.
+        ``max_spin_s``: caps the hub's ``spin_s`` on this lane."""
         if capacity < 64 or capacity % 64:
             raise ValueError(f"shared-memory lane capacity {capacity} must be a multiple of 64")
         lane_id = self._next_lane
@@ -193,6 +200,8 @@ class ShmHub:
         if self.rank not in ranks or not self.shares_host(ranks):
             return None
         lane = ShmLane(self, lane_id, ranks, capacity)
+        if max_spin_s is not None:
+            lane.spin_s = min(lane.spin_s, max_spin_s)
         self.lanes.append(lane)
         return lane
 
@@ -213,6 +222,7 @@ class ShmLane:
 
     def __init__(self, hub: ShmHub, lane_id: int, ranks: list[int], capacity: int):
         self.hub = hub
+        self.spin_s = hub.spin_s  # (see `ShmHub.lane`)
         self.ranks = ranks
         self.size = len(ranks)
         self.me = ranks.index(hub.rank)
@@ -292,7 +302,7 @@ class ShmLane:
             )
 
     class _Waiter:
-        """An unsuccessful wait for one peer: spins `SPIN` polls (and on for the hub's
+        """An unsuccessful wait for one peer: spins `SPIN` polls (and on for the lane's
         ``spin_s``), then sleeps on the futex word the peer will change (woken at once when it
         does), draining every ring of this rank between polls past the first `SPIN` and between
         sleeps (the progress rule) and checking the peer's liveness and the timeout."""
@@ -314,10 +324,9 @@ class ShmLane:
             if self.polls == SPIN:
                 self.start = now
                 self.next_check = now + LIVENESS_S
-            hub = self.lane.hub
-            hub.progress()
+            self.lane.hub.progress()
             waited = now - self.start
-            if waited >= hub.spin_s:  # (before that, a rank with a core of its own polls on)
+            if waited >= self.lane.spin_s:  # (before, a rank with a core of its own polls on)
                 _futex_wait(addr, expected, _SLEEPS[0] if waited < 0.01 else _SLEEPS[1])
             if now > self.next_check:
                 self.next_check = now + LIVENESS_S

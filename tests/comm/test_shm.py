@@ -132,10 +132,13 @@ def _collectives_job(rank: int, world: int) -> dict:
     # a hub whose waits poll for SPIN_S before they sleep (ranks with cores of their own)
     spinning = ShmHub(rank, world, gloo, timedelta(seconds=20), spin_s=SPIN_S)
     spin_lane, spin_tiny = spinning.lane(everyone), spinning.lane(everyone, capacity=TINY)
+    capped = spinning.lane(everyone, max_spin_s=SPIN_S / 4)
+    spins = (a.spin_s, spin_lane.spin_s, capped.spin_s)
     dist.barrier()  # every member has unlinked its inbox
     res: dict = {
         "lane_types": [type(x).__name__ for x in (a, b, tiny, tiny01)],
         "files_after_build": _own_files(hub),
+        "spin_s": spins,
         "mapped": _mapped_lanes(os.getpid(), hub.key),
         "pairs": [],  # (case, shared memory result, gloo result)
     }
@@ -301,6 +304,10 @@ def test_messages_larger_than_the_ring(collectives):
         checked, bad = _mismatches(collectives, prefix)
         assert checked, prefix
         assert not bad, "\n".join(bad[:5])
+
+
+def test_lanes_poll_as_long_as_their_hub_allows(collectives):
+    assert all(r["spin_s"] == (0.0, SPIN_S, SPIN_S / 4) for r in collectives)
 
 
 def test_spinning_hub_matches_gloo(collectives):
