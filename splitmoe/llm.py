@@ -85,11 +85,15 @@ class _Outbox:
         self.flush()
 
     def flush(self) -> None:
-        """Writes as much of the backlog as the pipe takes now."""
+        """Writes as much of the backlog as the pipe takes now (none of it once the front end
+        has closed its end: nobody will read it, and the rank is about to be stopped)."""
         while self._backlog:
             try:
                 n = os.write(self._fd, self._backlog)
             except BlockingIOError:
+                return
+            except BrokenPipeError:
+                self._backlog.clear()
                 return
             del self._backlog[:n]
 
