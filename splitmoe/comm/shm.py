@@ -58,8 +58,8 @@ CONTROL_CAPACITY = 4 << 10  # bytes per ring on control lanes (a few int64 per s
 COUNTS_CAPACITY = 256 << 10  # per-expert counts of every (layer, micro-batch) of a step
 SPIN = 64  # polls (~20 us) before a waiting rank goes to sleep on a futex
 # How long a rank with cores of its own polls before it sleeps. 1+1 ranks on 2 cores, batch 32,
-# ten alternated rounds: m=1 decoded 1.29x and m=2 1.09x as fast as with 0 (batch 128: 1.09x
-# both).
+# ten alternated rounds against 0: m=1 decoded 1.05-1.35x and m=2 1.0-1.09x as fast (batch 128:
+# 1.09x both); the gain is the cost of waking a vCPU, which grows with the host's load.
 OWN_CORE_SPIN_S = 0.005
 # The control lane's cap: a step-boundary wait longer than this sleeps (one wake-up per step; at
 # batch 32 the expert rank's waited 0.3-1 ms), so an idle job's expert rank polls ~4% of its
