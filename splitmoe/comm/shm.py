@@ -58,7 +58,7 @@ CONTROL_CAPACITY = 4 << 10  # bytes per ring on control lanes (a few int64 per s
 COUNTS_CAPACITY = 256 << 10  # per-expert counts of every (layer, micro-batch) of a step
 SPIN = 64  # polls (~20 us) before a waiting rank goes to sleep on a futex
 # How long a rank with cores of its own polls before it sleeps. 1+1 ranks on 2 cores, batch 32,
-# ten alternated rounds against 0: m=1 decoded 1.05-1.35x and m=2 1.0-1.09x as fast (batch 128:
+# 10-14 alternated rounds against 0: m=1 decoded 1.02-1.35x and m=2 1.0-1.24x as fast (batch 128:
 # 1.09x both); the gain is the cost of waking a vCPU, which grows with the host's load.
 OWN_CORE_SPIN_S = 0.005
 # The control lane's cap: a step-boundary wait longer than this sleeps (one wake-up per step; at
