@@ -580,6 +580,22 @@ def _raise_step_error(rc: int, what: str, cache: torch.Tensor) -> None:
         raise MemoryError(f"cpu kernels: {what} could not allocate its scratch")
 
 
+def _check_step_call(
+    what: str, x: torch.Tensor, fits: bool, rows: str, meta: AttentionMetadata, f32: tuple
+) -> None:
+    """The call-time checks the decode layer and the decode step share: ``x`` (``fits``, as
+    ``rows`` describes it) holds one token for each sequence of ``meta``, and the ``(name,
+    tensor)`` pairs of ``f32`` are float32."""
+    T = x.shape[0]
+    if not fits or meta.num_seqs != T or meta.slot_mapping.shape != (T,):
+        raise ValueError(
+            f"cpu kernels: {what} takes {rows}; got {tuple(x.shape)} {x.dtype} for "
+            f"{meta.num_seqs} sequences"
+        )
+    for name, t in f32:
+        _check_f32(name, t)
+
+
 class DecodeLayer:
     """The attention half of one decoder layer for a step of one-token sequences, in one native
     call (`splitmoe_decode_layer_f32`): input RMSNorm, the qkv projection (+ bias), the per-head
@@ -637,7 +653,8 @@ class DecodeLayer:
                 f"cpu kernels: router {tuple(router.shape)} must be [E, {H}] with 1 <= top_k "
                 f"({top_k}) <= E <= 4096"
             )
-        self.hidden, self.heads, self.top_k = H, (nh, nkv, d), top_k
+        self.hidden, self.top_k = H, top_k
+        self._rows = f"contiguous float32 [T, {H}] with one token per sequence"  # (for errors)
         self.has_router = router is not None
         # GEMM weights as [K, N] for the row-major GEMMs; all in one huge-page arena
         kept = [input_norm, post_norm, w_qkv.t(), b_qkv, qk_head_norm, o_proj.t()]
@@ -669,20 +686,14 @@ class DecodeLayer:
         and returns the post-attention normed ``x [T, H]`` and, on MoE layers, the routing
         ``ids [T, k]`` int64 and ``weights [T, k]`` float32 (None, None on dense layers)."""
         T, H = h.shape
-        if (
-            H != self.hidden
-            or not h.is_contiguous()
-            or h.dtype != torch.float32
-            or meta.num_seqs != T
-            or meta.slot_mapping.shape != (T,)
-        ):
-            raise ValueError(
-                f"cpu kernels: decode layer takes contiguous float32 [T, {self.hidden}] with one "
-                f"token per sequence; got {tuple(h.shape)} {h.dtype} for {meta.num_seqs} "
-                f"sequences"
-            )
-        for name, t in (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
-            _check_f32(name, t)
+        _check_step_call(
+            "decode layer",
+            h,
+            H == self.hidden and h.is_contiguous() and h.dtype == torch.float32,
+            self._rows,
+            meta,
+            (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)),
+        )
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("cpu kernels: k_cache and v_cache must be contiguous")
         x = torch.empty(T, H, dtype=torch.float32)
@@ -769,7 +780,6 @@ class DecodeStep:
         )  # fmt: skip
         self.vocab, self.heads = V, (nh, nkv, d)
         self._model = (embed.data_ptr(), V, H, self._layers.data_ptr(), len(layers), eps)
-        self._tail = (nh, nkv, d)
         self._moe = (E, k, int(renorm), I, final_norm.data_ptr(), lm_head.data_ptr())
 
     def __call__(
@@ -786,20 +796,14 @@ class DecodeStep:
         takes them, and the paged cache ``kv_pool [L, 2, blocks, block_size, nkv, d]``
         (contiguous float32) into which each layer's K / V are stored."""
         T = input_ids.shape[0]
-        if (
-            input_ids.dtype != torch.int64
-            or input_ids.dim() != 1
-            or not input_ids.is_contiguous()
-            or meta.num_seqs != T
-            or meta.slot_mapping.shape != (T,)
-        ):
-            raise ValueError(
-                f"cpu kernels: decode step takes contiguous int64 input ids [T], one per "
-                f"sequence; got {tuple(input_ids.shape)} {input_ids.dtype} for {meta.num_seqs} "
-                f"sequences"
-            )
-        for name, t in (("cos", cos), ("sin", sin), ("kv_pool", kv_pool)):
-            _check_f32(name, t)
+        _check_step_call(
+            "decode step",
+            input_ids,
+            input_ids.dtype == torch.int64 and input_ids.dim() == 1 and input_ids.is_contiguous(),
+            "contiguous int64 input ids [T], one per sequence",
+            meta,
+            (("cos", cos), ("sin", sin), ("kv_pool", kv_pool)),
+        )
         nh, nkv, d = self.heads
         L = self._layers.shape[0]
         if kv_pool.dim() != 6 or kv_pool.shape[0] != L or kv_pool.shape[1] != 2:
@@ -821,7 +825,7 @@ class DecodeStep:
             kv_pool.stride(0),
             kv_pool.stride(1),
             *_cache_args(meta, kv_pool),
-            *self._tail,
+            *self.heads,
             scale,
             *self._moe,
             logits.data_ptr(),
