@@ -67,6 +67,9 @@ def test_requests_spread_over_attention_ranks(tiny_ckpt, hf_ref):
     with LLM(str(ckpt), attention_ranks=2, expert_ranks=1, device="cpu") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
         steps = llm.step_records
+        # every token a request added to its rank's load went back when it finished: the next
+        # requests are routed as on an idle engine
+        assert llm._router.load == [0, 0]
     ranks = [o.attention_rank for o in outs]
     assert set(ranks) == {0, 1}
     # least-load routing: the two long prompts go to different ranks
