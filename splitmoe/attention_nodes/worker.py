@@ -75,6 +75,11 @@ def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
+def _select_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]`` for ascending ``rows``; ``t`` itself when they are all of its rows."""
+    return t if len(rows) == t.shape[0] else t[rows]
+
+
 class _Lazy(Sequence):
     """``build(j)`` for j < n, each built once, on first access."""
 
@@ -278,16 +283,12 @@ class AttentionWorker:
         if not to_sample:
             return []
         with self.timeline.span("sample", "compute"):
-            if len(rows) < logits.shape[0]:
-                logits = logits[rows]
-            return self._sample_logits(logits, to_sample)
+            return self._sample_logits(_select_rows(logits, rows), to_sample)
 
     def _sample(self, h: torch.Tensor, rows: list[int], to_sample: list) -> list[RequestUpdate]:
         """Next tokens of the requests whose prompt is done (``rows``: their rows in their
         micro-batch's final hidden states ``h``), appended to them, as the front end's updates."""
-        if len(rows) < h.shape[0]:  # (rows ascend: all of them is every row, in order)
-            h = h[rows]
-        return self._sample_logits(self.model.logits(h), to_sample)  # [B, V]
+        return self._sample_logits(self.model.logits(_select_rows(h, rows)), to_sample)  # [B, V]
 
     def _sample_logits(self, logits: torch.Tensor, to_sample: list) -> list[RequestUpdate]:
         tokens = sample(

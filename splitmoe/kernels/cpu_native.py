@@ -534,8 +534,7 @@ def fused_moe(
     if rc == -5:
         raise ValueError(
             f"cpu kernels: fused_moe takes up to {MAX_TOP_K} experts per token, got "
-            f"{ids.shape[1]}; use "
-            "moe_backend='torch'"
+            f"{ids.shape[1]}; use moe_backend='torch'"
         )
     if rc != 0:
         raise MemoryError("cpu kernels: fused_moe could not allocate its scratch rows")

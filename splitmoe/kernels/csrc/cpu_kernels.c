@@ -1055,6 +1055,15 @@ static void decode_layer_chunk(void *ctx, int64_t chunk, int thread) {
     if (rc) atomic_compare_exchange_strong(&a->rc, &ok, rc);
 }
 
+/* The layer for all a->T_rows rows on the pool's threads, in chunks of 8 rows (4 below 32 rows):
+ * two GEMM tiles of rows each, several chunks per thread so that sequences of unequal lengths
+ * even out. Returns the first chunk's error (0: none). */
+static int decode_layer_run(struct decode_layer *a) {
+    a->rows_per_chunk = a->T_rows < 32 ? 4 : 8;
+    parallel_for(chunks_of(a->T_rows, a->rows_per_chunk), decode_layer_chunk, a);
+    return a->rc;
+}
+
 int splitmoe_decode_layer_f32(float *h, int64_t T, int64_t H, const float *in_norm,
                               const float *post_norm, float eps, const float *wqkv_t,
                               const float *b_qkv, const float *qk_norm_w, const float *cos_t,
@@ -1070,14 +1079,11 @@ int splitmoe_decode_layer_f32(float *h, int64_t T, int64_t H, const float *in_no
     const int64_t max_len = check_tables(block_tables, table_st, table_width, num_blocks,
                                          seq_lens, NULL, T, block_size);
     if (max_len < 0 || !slots_fit(slots, T, num_blocks * block_size)) return -3;
-    /* chunks of 8 rows (4 below 32 rows): two GEMM tiles of rows each, several chunks per
-     * thread so that sequences of unequal lengths even out */
     struct decode_layer a = {
         h, H, in_norm, post_norm, eps, wqkv_t, b_qkv, qk_norm_w, cos_t, sin_t, cs_st, k_cache,
         v_cache, block_size, block_tables, table_st, seq_lens, slots, max_len, nh, nkv, d, scale,
-        wo_t, router_t, E, k, renorm, x_out, ids, weights, T < 32 ? 4 : 8, T, 0};
-    parallel_for(chunks_of(T, a.rows_per_chunk), decode_layer_chunk, &a);
-    return a.rc;
+        wo_t, router_t, E, k, renorm, x_out, ids, weights, 0, T, 0};
+    return decode_layer_run(&a);
 }
 
 /* ---- a whole decode step (colocated) -------------------------------------------------------- */
@@ -1195,9 +1201,8 @@ int splitmoe_decode_step_f32(const int64_t *input_ids, int64_t T, const float *e
             h, H, w->in_norm, w->post_norm, eps, w->wqkv_t, w->b_qkv, w->qk_norm_w, cos_t, sin_t,
             cs_st, k_cache, k_cache + kv_v_off, block_size, block_tables, table_st, seq_lens,
             slots, max_len, nh, nkv, d, scale, w->wo_t, w->router_t, E, k, renorm, x, ids,
-            weights, T < 32 ? 4 : 8, T, 0};
-        parallel_for(chunks_of(T, a.rows_per_chunk), decode_layer_chunk, &a);
-        rc = a.rc;
+            weights, 0, T, 0};
+        rc = decode_layer_run(&a);
         if (rc) break;
         memset(moe, 0, sizeof(float) * (size_t)(T * H));
         rc = splitmoe_fused_moe_f32(x, T, H, w->w13t, w->w2t, E, I, ids, weights, k, moe);
