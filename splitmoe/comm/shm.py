@@ -29,6 +29,12 @@ sleeping process costs on the order of 100 us in this VM, twice per layer when a
 experts take turns. A peer whose process has exited, or that sent nothing for ``timeout``, ends
 the wait with an error naming it.
 
+Where splitmoe's native CPU kernels build (`splitmoe.kernels.cpu_native`), a frame that fits its
+ring now, or that has arrived whole, is written or taken by one C call, which also polls for it
+for a short while (``NATIVE_SPIN_S``) first: the same bytes and positions, at a fraction of the
+~8 us of interpreter work per frame and side. Everything else (waits past that spin, full rings,
+frames larger than a ring, bytes already moved into staging) takes the Python path.
+
 The files are unlinked as soon as every member has mapped them, so nothing is left in
 ``/dev/shm`` however the job ends. Ordering relies on x86's total store order (data bytes are
 written before the position that publishes them); `host_shm_supported` refuses other CPUs.
@@ -66,6 +72,10 @@ OWN_CORE_SPIN_S = 0.005
 # core rather than ~7% at the full 5 ms.
 CONTROL_SPIN_S = 0.002
 SLEEP_S = (0.001, 0.01)  # futex sleeps: the first 10 ms of a wait, then
+# How long a native receive polls before the Python wait takes over: as long as the Python side's
+# first `SPIN` polls, or the lane's spin up to 1 ms (the Python wait drains the other rings, which
+# a wait in C does not).
+NATIVE_SPIN_S = (20e-6, 1e-3)
 LIVENESS_S = 0.5  # how often a long wait checks that the peer's process still exists
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE): the words live in shared files
@@ -126,6 +136,16 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X", "x")
 
 
+def _native_rings():
+    """The native ring calls (`cpu_native`'s ``splitmoe_ring_*``), or None where the kernels do
+    not build."""
+    from splitmoe.kernels import cpu_native
+
+    if not cpu_native.available():
+        return None
+    return cpu_native.library()
+
+
 class _Completed:
     """The work handle of a shared-memory send: done once `all_to_all_single` returns."""
 
@@ -163,10 +183,13 @@ class ShmHub:
         group: dist.ProcessGroup,
         timeout: timedelta,
         spin_s: float = 0.0,
+        native: bool = True,
     ):
         """``spin_s``: how long a wait polls before it sleeps (beyond the first `SPIN` polls);
-        more than 0 only for a rank that has its cores to itself."""
+        more than 0 only for a rank that has its cores to itself. ``native``: move frames with
+        the native ring calls where they build (see the module doc; the bytes are the same)."""
         self.rank = rank
+        self.native = native
         self.timeout_s = timeout.total_seconds()
         self.spin_s = spin_s
         key = [secrets.token_hex(6) if rank == 0 else None]
@@ -199,9 +222,8 @@ class ShmHub:
         ranks = list(ranks)
         if self.rank not in ranks or not self.shares_host(ranks):
             return None
-        lane = ShmLane(self, lane_id, ranks, capacity)
-        if max_spin_s is not None:
-            lane.spin_s = min(lane.spin_s, max_spin_s)
+        spin_s = self.spin_s if max_spin_s is None else min(self.spin_s, max_spin_s)
+        lane = ShmLane(self, lane_id, ranks, capacity, spin_s)
         self.lanes.append(lane)
         return lane
 
@@ -220,9 +242,9 @@ class ShmLane:
     """The collectives of one group over shared memory (see the module doc): the same calls,
     arguments and results as ``torch.distributed`` on that group, for CPU tensors."""
 
-    def __init__(self, hub: ShmHub, lane_id: int, ranks: list[int], capacity: int):
+    def __init__(self, hub: ShmHub, lane_id: int, ranks: list[int], capacity: int, spin_s: float):
         self.hub = hub
-        self.spin_s = hub.spin_s  # (see `ShmHub.lane`)
+        self.spin_s = spin_s  # (see `ShmHub.lane`)
         self.ranks = ranks
         self.size = len(ranks)
         self.me = ranks.index(hub.rank)
@@ -257,6 +279,12 @@ class ShmLane:
         self.staged = [bytearray() for _ in range(self.size)]
         self._head = np.empty(1, dtype=np.int64)  # a frame's length
         self._head_bytes = self._head.view(np.uint8)
+        # The native calls take a ring by its address (its header's; the data follow it)
+        self._native = _native_rings() if hub.native else None
+        self._in_at = [ring.wpos_addr for ring in self.inbox]
+        self._out_at = [0 if ring is None else ring.wpos_addr for ring in self.outbox]
+        spin_min, spin_max = NATIVE_SPIN_S
+        self._native_spin_ns = int(1e9 * max(spin_min, min(self.spin_s, spin_max)))
 
     def _attach(self, prefix: str, nbytes: int, stride: int) -> None:
         """Maps every peer's inbox, then waits until every peer has mapped this one."""
@@ -412,11 +440,18 @@ class ShmLane:
             done += n
             waiter = None  # the peer sent something: the timeout counts from now
 
-    def _send(self, j: int, payload: np.ndarray) -> None:
-        """One framed message; wakes member j once it is all in the ring."""
-        self._head[0] = payload.size
+    def _send(self, j: int, src: torch.Tensor, start: int, size: int) -> None:
+        """Frames bytes ``start .. start + size`` of ``src`` (contiguous) to member j, natively
+        when the frame fits the ring now, else here (waiting for room as needed); wakes member j
+        once it is all in the ring."""
+        native = self._native
+        if native is not None and native.splitmoe_ring_send(
+            self._out_at[j], self.capacity, src.data_ptr() + start, size
+        ):
+            return
+        self._head[0] = size
         self._write(j, self._head_bytes)
-        self._write(j, payload)
+        self._write(j, _flat_bytes(src)[start : start + size])
         _futex_wake(self.outbox[j].wpos_addr)
 
     def _read_header(self, j: int) -> int:
@@ -424,15 +459,32 @@ class ShmLane:
         self._read(j, self._head_bytes)
         return int(self._head[0])
 
-    def _recv(self, j: int, out: np.ndarray) -> None:
-        n = self._read_header(j)
-        if n != out.size:
+    def _peek(self, j: int) -> int:
+        """The byte length of member j's next frame if it can be taken natively (it has arrived
+        whole within the native spin; nothing consumed), else -1."""
+        if self._native is None or self.staged[j]:
+            return -1
+        return self._native.splitmoe_ring_peek(self._in_at[j], self.capacity, self._native_spin_ns)
+
+    def _recv(self, j: int, dst: torch.Tensor, start: int, size: int) -> None:
+        """Fills bytes ``start .. start + size`` of ``dst`` (contiguous) with the next frame from
+        member j, which must be ``size`` bytes long: natively if it arrives whole within the
+        native spin (and nothing of it waits in staging), else here."""
+        native = self._native
+        if native is not None and not self.staged[j]:
+            got = native.splitmoe_ring_recv(
+                self._in_at[j], self.capacity, dst.data_ptr() + start, size, self._native_spin_ns
+            )
+            if got == size:
+                return
+        n = self._read_header(j)  # (a frame of another size: read its header to report it)
+        if n != size:
             raise RuntimeError(
                 f"rank {self.hub.rank}: rank {self.ranks[j]} sent {n} bytes on "
-                f"shared-memory {self.name} where {out.size} were expected: the ranks' "
+                f"shared-memory {self.name} where {size} were expected: the ranks' "
                 "collective calls diverged"
             )
-        self._read(j, out)
+        self._read(j, _flat_bytes(dst)[start : start + size])
 
     # ---- collectives --------------------------------------------------------------------------
     def all_to_all_single(
@@ -451,24 +503,24 @@ class ShmLane:
         recv = _rows(output, output_split_sizes, n)
         if async_op and any(recv[j][1] for j in range(n) if j != self.me):
             raise ValueError("shared-memory all_to_all_single: async_op only sends")
-        src_bytes = _flat_bytes(input)
-        dst_bytes = _flat_bytes(output)
+        src = input if input.is_contiguous() else input.contiguous()
+        dst = output if output.is_contiguous() else output.contiguous()
         for j in range(n):
             start, size = send[j]
             if j != self.me and size:
-                self._send(j, src_bytes[start : start + size])
+                self._send(j, src, start, size)
         start, size = send[self.me]
         rstart, rsize = recv[self.me]
         if rsize != size:
             raise ValueError(f"shared-memory all_to_all_single: {size} bytes to self, {rsize} back")
         if size:
-            dst_bytes[rstart : rstart + size] = src_bytes[start : start + size]
+            _flat_bytes(dst)[rstart : rstart + size] = _flat_bytes(src)[start : start + size]
         for j in range(n):
             rstart, rsize = recv[j]
             if j != self.me and rsize:
-                self._recv(j, dst_bytes[rstart : rstart + rsize])
-        if not output.is_contiguous():  # _flat_bytes handed out a copy
-            output.copy_(torch.from_numpy(dst_bytes).view(output.dtype).view(output.shape))
+                self._recv(j, dst, rstart, rsize)
+        if dst is not output:  # (a contiguous copy was filled)
+            output.copy_(dst)
         return _Completed() if async_op else None
 
     def all_to_all_counted(
@@ -480,15 +532,18 @@ class ShmLane:
         from each member. Here each share is one frame, an empty one included, so no count
         exchange precedes the data and a sender never waits for its receivers."""
         if self.me in senders:
-            src = _flat_bytes(input)
-            for j, (start, size) in enumerate(_rows(input, input_split_sizes, self.size)):
+            src = input if input.is_contiguous() else input.contiguous()
+            for j, (start, size) in enumerate(_rows(src, input_split_sizes, self.size)):
                 if j not in senders:
-                    self._send(j, src[start : start + size])
+                    self._send(j, src, start, size)
             return input[:0], [0] * self.size
         row_bytes = input.element_size() * math.prod(input.shape[1:])
         sizes = [0] * self.size
+        whole = [False] * self.size  # arrived whole, header not read: taken natively below
         for j in senders:  # every sender has a ring of its own: all headers first
-            sizes[j] = self._read_header(j)
+            n = self._peek(j)
+            whole[j] = n >= 0
+            sizes[j] = n if whole[j] else self._read_header(j)
             if sizes[j] % row_bytes:
                 raise RuntimeError(
                     f"rank {self.hub.rank}: rank {self.ranks[j]} sent {sizes[j]} bytes on "
@@ -496,9 +551,12 @@ class ShmLane:
                     "diverged"
                 )
         data = torch.empty(sum(sizes), dtype=torch.uint8)
-        dst, at = data.numpy(), 0
+        at = 0
         for j in senders:  # then each payload straight into its place
-            self._read(j, dst[at : at + sizes[j]])
+            if whole[j]:
+                self._recv(j, data, at, sizes[j])
+            else:
+                self._read(j, data.numpy()[at : at + sizes[j]])
             at += sizes[j]
         rows = [n // row_bytes for n in sizes]
         return data.view(input.dtype).view(-1, *input.shape[1:]), rows
@@ -506,20 +564,19 @@ class ShmLane:
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``torch.distributed.all_gather_into_tensor`` on this group."""
         size = input.numel() * input.element_size()
-        src = _flat_bytes(input)
-        dst = output.view(-1).view(torch.uint8).numpy()
-        if dst.size != size * self.size:
+        src = input if input.is_contiguous() else input.contiguous()
+        if not output.is_contiguous() or output.numel() * output.element_size() != size * self.size:
             raise ValueError(
-                f"shared-memory all_gather_single: output holds {dst.size} bytes, "
-                f"{self.size} x {size} needed"
+                f"shared-memory all_gather_single: output must be contiguous and hold "
+                f"{self.size} x {size} bytes; got {output.numel() * output.element_size()}"
             )
         for j in range(self.size):
             if j != self.me:
-                self._send(j, src)
-        dst[self.me * size : (self.me + 1) * size] = src
+                self._send(j, src, 0, size)
+        _flat_bytes(output)[self.me * size : (self.me + 1) * size] = _flat_bytes(src)
         for j in range(self.size):
             if j != self.me:
-                self._recv(j, dst[j * size : (j + 1) * size])
+                self._recv(j, output, j * size, size)
 
     def close(self) -> None:
         self.inbox = self.outbox = []  # drop the views before unmapping

@@ -17,10 +17,11 @@ their traffic the same way in `CommStats`.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -69,19 +70,37 @@ class DispatchHandle:
 class ExpertBatch:
     """Tokens an expert rank received for one layer.
 
-    x: ``[N, H]`` hidden states; expert_ids: ``[N, k]`` int32 *local* expert ids, -1 where the
-    slot is served by another rank; weights: ``[N, k]`` float32 router weights;
-    recv_counts: rows received from each world rank (the partial sums go back with these).
+    rows: ``[N, row_bytes]`` uint8, the packed rows as they came (`Transport.pack`), which the
+        native expert kernel reads in place (`LocalExperts.compute_batch`);
+    recv_counts: rows received from each world rank (the partial sums go back with these);
+    unpack: the transport's `Transport.unpack`, for ``x`` ``[N, H]`` hidden states,
+        ``expert_ids`` ``[N, k]`` int32 *local* expert ids (-1 where the slot is served by
+        another rank) and ``weights`` ``[N, k]`` float32 router weights, unpacked on first use.
     Rows are in the same order whichever transport carried them: by source attention rank, then
     as that rank sent them. ``layer`` and ``plan``: as in `DispatchHandle`.
     """
 
-    x: torch.Tensor
-    expert_ids: torch.Tensor
-    weights: torch.Tensor
+    rows: torch.Tensor
     recv_counts: list[int]
+    unpack: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     layer: int = UNKNOWN_LAYER
     plan: Any = None
+
+    @functools.cached_property
+    def _parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.unpack(self.rows)
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self._parts[0]
+
+    @property
+    def expert_ids(self) -> torch.Tensor:
+        return self._parts[1]
+
+    @property
+    def weights(self) -> torch.Tensor:
+        return self._parts[2]
 
 
 def _empty_record() -> dict:
@@ -316,7 +335,16 @@ class Transport(ABC):
         )
 
     def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`pack`'s inverse: ``x [N, H]``, ``ids [N, k]`` int32, ``w [N, k]`` float32. On CPU
+        they are views into ``rows`` (row stride ``row_bytes``), which the expert kernels read in
+        place: three copies cost ~10 us a message, as much as the rest of receiving it. On other
+        devices, contiguous copies."""
         hb, k = self.hidden_size * self.elem, self.top_k
+        if rows.device.type == "cpu" and self.row_bytes % 4 == 0 and hb % 4 == 0:
+            words = rows.view(torch.int32)  # [N, row_bytes / 4]
+            at = hb // 4
+            x = rows[:, :hb].view(self.dtype)
+            return x, words[:, at : at + k], words[:, at + k :].view(torch.float32)
         x = rows[:, :hb].contiguous().view(self.dtype)  # [N, H]
         ids = rows[:, hb : hb + 4 * k].contiguous().view(torch.int32)  # [N, k]
         w = rows[:, hb + 4 * k :].contiguous().view(torch.float32)  # [N, k]
@@ -504,8 +532,7 @@ class FlatTransport(Transport):
         self.stats.call(layer, "flat")
         nothing = torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.comm_device)
         rows, recv_counts = self._dispatch_rows(nothing, [0] * self.topo.world_size, layer)
-        x, ids, w = self.unpack(rows.to(self.device))
-        return ExpertBatch(x=x, expert_ids=ids, weights=w, recv_counts=recv_counts, layer=layer)
+        return ExpertBatch(rows.to(self.device), recv_counts, self.unpack, layer)
 
     def send_back(self, y, batch):
         zeros = [0] * self.topo.world_size

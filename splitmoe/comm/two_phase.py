@@ -336,10 +336,7 @@ class TwoPhaseTransport(Transport):
         plan = self._plan(self._gather_counts([0] * self.topo.num_expert, layer), layer)
         nothing = torch.empty(0, self.row_bytes, dtype=torch.uint8)
         rows = self.all_to_all(nothing, [0] * W, plan.recv2, layer, "dispatch")
-        x, ids, w = self.unpack(rows)
-        return ExpertBatch(
-            x=x, expert_ids=ids, weights=w, recv_counts=plan.recv2, layer=layer, plan=plan
-        )
+        return ExpertBatch(rows, plan.recv2, self.unpack, layer, plan)
 
     def send_back(self, y, batch):
         zeros = [0] * self.topo.world_size

@@ -7,7 +7,9 @@ import time
 import torch
 
 from splitmoe import host_memory
+from splitmoe.comm.transport import ExpertBatch
 from splitmoe.config import ModelConfig
+from splitmoe.kernels import cpu_native
 from splitmoe.kernels.fused_moe import fused_moe, weight_layout
 from splitmoe.models.loader import load_expert_weights
 
@@ -85,6 +87,14 @@ class LocalExperts:
         """``x [N, H]``, ``local_ids / weights [N, k]`` (-1: not here) -> sums ``[N, H]``."""
         w13, w2 = self.weights[layer]
         return fused_moe(x, w13, w2, local_ids, weights, self.backend)
+
+    def compute_batch(self, layer: int, batch: ExpertBatch) -> torch.Tensor:
+        """`compute` on a received batch: the native CPU kernel reads its packed rows in place,
+        the other backends take them unpacked."""
+        if self.backend == "cpu" and self.dtype == torch.float32 and batch.rows.is_cpu:
+            w13t, w2t = self.weights[layer]
+            return cpu_native.fused_moe_rows(batch.rows, self.cfg.top_k, w13t, w2t)
+        return self.compute(layer, batch.x, batch.expert_ids, batch.weights)
 
     def measure_cost(self, pairs: int = 64, repeats: int = 15) -> tuple[float, float]:
         """Seconds this rank's expert compute costs per distinct expert it runs and per (token,

@@ -60,9 +60,9 @@ class ExpertWorker:
                 with tl.span(f"receive L{layer}.{j}", "wait"):
                     batch = self.transport.receive(layer=layer)
                 with tl.span(f"experts L{layer}.{j}", "compute"):
-                    y = self.experts.compute(layer, batch.x, batch.expert_ids, batch.weights)
+                    y = self.experts.compute_batch(layer, batch)
                 with tl.span(f"send L{layer}.{j}", "comm"):
                     self.transport.send_back(y, batch)
-                self.tokens_served += batch.x.shape[0]
+                self.tokens_served += batch.rows.shape[0]
         with tl.span("flush", "wait"):
             self.transport.flush()

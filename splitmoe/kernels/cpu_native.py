@@ -73,8 +73,12 @@ _SIGNATURES = {
     ),
     "splitmoe_fused_moe_f32": (
         ctypes.c_int,
-        [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p],
+        [_p, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p],
     ),
+    "splitmoe_fused_moe_rows_f32": (ctypes.c_int, [_p, _i64, _i64, _p, _p, _i64, _i64, _i64, _p]),
+    "splitmoe_ring_send": (ctypes.c_int, [_p, _i64, _p, _i64]),
+    "splitmoe_ring_peek": (ctypes.c_int64, [_p, _i64, _i64]),
+    "splitmoe_ring_recv": (ctypes.c_int64, [_p, _i64, _p, _i64, _i64]),
     "splitmoe_set_threads": (ctypes.c_int, [ctypes.c_int]),
     "splitmoe_decode_layer_f32": (
         ctypes.c_int,
@@ -492,13 +496,16 @@ def fused_moe(
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
 ) -> torch.Tensor:
-    """The routed-expert output ``[N, H]`` float32, as `fused_moe_ref`: ``x [N, H]``, weights in
+    """The routed-expert output ``[N, H]`` float32, as `fused_moe_ref`: ``x [N, H]`` (its rows
+    may lie apart: a received message's rows are read in place, see `Transport.unpack`), weights in
     `expert_layout` (``w13t [E, H, 2I]`` gate columns then up, ``w2t [E, I, H]``), ``expert_ids
     [N, k]`` local ids (-1: served elsewhere) and router ``weights [N, k]``."""
     for name, t in (("x", x), ("w13t", w13t), ("w2t", w2t)):
         _check_f32(name, t)
-        if not t.is_contiguous():
+        if name != "x" and not t.is_contiguous():
             raise ValueError(f"cpu kernels: {name} must be contiguous")
+    if x.dim() != 2:
+        raise ValueError(f"cpu kernels: fused_moe takes x [N, H]; got {tuple(x.shape)}")
     N, H = x.shape
     E, H2, two_i = w13t.shape
     if H2 != H or two_i % 2 or w2t.shape != (E, two_i // 2, H):
@@ -518,6 +525,7 @@ def fused_moe(
     w = weights.to(torch.float32).contiguous()
     rc = library().splitmoe_fused_moe_f32(
         x.data_ptr(),
+        x.stride(0),
         N,
         H,
         w13t.data_ptr(),
@@ -529,16 +537,54 @@ def fused_moe(
         ids.shape[1],
         out.data_ptr(),
     )
+    _check_moe_rc(rc, E, ids.shape[1])
+    return out
+
+
+def fused_moe_rows(
+    rows: torch.Tensor, top_k: int, w13t: torch.Tensor, w2t: torch.Tensor
+) -> torch.Tensor:
+    """`fused_moe` of a received message's packed rows ``[N, 4 H + 8 top_k]`` uint8 (float32
+    ``x``, then int32 local expert ids, then float32 weights: `Transport.pack`), read in place
+    rather than unpacked into three tensors first (~10 us a message)."""
+    _check_f32("w13t", w13t)
+    _check_f32("w2t", w2t)
+    E, H, two_i = w13t.shape
+    if (
+        rows.dtype != torch.uint8
+        or not rows.is_cpu
+        or rows.dim() != 2
+        or rows.shape[1] != 4 * H + 8 * top_k
+        or not rows.is_contiguous()
+        or rows.data_ptr() % 4
+    ):
+        raise ValueError(
+            f"cpu kernels: fused_moe_rows takes contiguous, 4-byte aligned CPU uint8 rows "
+            f"[N, {4 * H + 8 * top_k}]; got {rows.dtype} {tuple(rows.shape)} on {rows.device}"
+        )
+    if not (w13t.is_contiguous() and w2t.is_contiguous()) or w2t.shape != (E, two_i // 2, H):
+        raise ValueError("cpu kernels: fused_moe_rows takes contiguous expert_layout weights")
+    N = rows.shape[0]
+    out = torch.zeros(N, H, dtype=torch.float32)
+    if N == 0:
+        return out
+    rc = library().splitmoe_fused_moe_rows_f32(
+        rows.data_ptr(), N, H, w13t.data_ptr(), w2t.data_ptr(), E, two_i // 2, top_k, out.data_ptr()
+    )
+    _check_moe_rc(rc, E, top_k)
+    return out
+
+
+def _check_moe_rc(rc: int, E: int, k: int) -> None:
     if rc == -2:
         raise ValueError(f"cpu kernels: fused_moe got an expert id >= {E} (the experts held here)")
     if rc == -5:
         raise ValueError(
-            f"cpu kernels: fused_moe takes up to {MAX_TOP_K} experts per token, got "
-            f"{ids.shape[1]}; use moe_backend='torch'"
+            f"cpu kernels: fused_moe takes up to {MAX_TOP_K} experts per token, got {k}; use "
+            "moe_backend='torch'"
         )
     if rc != 0:
         raise MemoryError("cpu kernels: fused_moe could not allocate its scratch rows")
-    return out
 
 
 def _step_addresses(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from small_default import write_small_model
 
 import splitmoe.kernels.paged_attention as pa
 from splitmoe.attention_nodes.model import AttentionModel, rms_norm, rope_rows
+from splitmoe.comm.transport import FlatTransport
 from splitmoe.config import EngineConfig, ModelConfig
 from splitmoe.kernels import cpu_native
 from splitmoe.kernels.fused_moe import fused_moe_ref
@@ -411,6 +412,40 @@ def test_fused_moe_rejects_bad_input():
         cpu_native.fused_moe(x, w13t, w2t, torch.full_like(ids, 8), w)
     with pytest.raises(ValueError, match="up to 64 experts per token"):
         cpu_native.fused_moe(x, w13t, w2t, torch.zeros(5, 65, dtype=torch.int64), torch.ones(5, 65))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_fused_moe_reads_packed_rows_in_place(tokens):
+    """An expert rank's received rows (`Transport.pack`'s layout) give the same bits read in
+    place (`fused_moe_rows`) as unpacked, and so do `Transport.unpack`'s views of them."""
+    E, H, I, k = 16, 72, 40, 4
+    x, w13, w2, ids, w = _moe_case(tokens, E, H, I, k, 0.5, seed=tokens)
+    w13t, w2t = cpu_native.expert_layout(w13, w2)
+    rows = torch.cat([x.view(torch.uint8), ids.view(torch.uint8), w.view(torch.uint8)], dim=1)
+    want = cpu_native.fused_moe(x, w13t, w2t, ids, w)
+    assert torch.equal(cpu_native.fused_moe_rows(rows, k, w13t, w2t), want)
+    t = object.__new__(FlatTransport)  # (unpack needs only the row layout)
+    t.hidden_size, t.top_k, t.dtype, t.elem, t.row_bytes = H, k, torch.float32, 4, rows.shape[1]
+    vx, vids, vw = t.unpack(rows)
+    assert vx.data_ptr() == rows.data_ptr() and vx.stride(0) == rows.shape[1] // 4  # a view
+    assert torch.equal(vx, x) and torch.equal(vids, ids) and torch.equal(vw, w)
+    assert torch.equal(cpu_native.fused_moe(vx, w13t, w2t, vids, vw), want)
+
+
+def test_fused_moe_rows_rejects_bad_input():
+    x, w13, w2, ids, w = _moe_case(5, 8, 32, 16, 2, 0.0, seed=3)
+    w13t, w2t = cpu_native.expert_layout(w13, w2)
+    rows = torch.cat([x.view(torch.uint8), ids.view(torch.uint8), w.view(torch.uint8)], dim=1)
+    with pytest.raises(ValueError, match=r"uint8 rows \[N, 144\]"):
+        cpu_native.fused_moe_rows(rows[:, :-4], 2, w13t, w2t)
+    with pytest.raises(ValueError, match="uint8 rows"):
+        cpu_native.fused_moe_rows(x, 2, w13t, w2t)
+    with pytest.raises(ValueError, match="expert_layout"):
+        cpu_native.fused_moe_rows(rows, 2, w13t, w2t[:, :8].contiguous())
+    bad = rows.clone()
+    bad[0, 128:132] = torch.tensor([8], dtype=torch.int32).view(torch.uint8)
+    with pytest.raises(ValueError, match="expert id >= 8"):
+        cpu_native.fused_moe_rows(bad, 2, w13t, w2t)
 
 
 # --- router and KV store ----------------------------------------------------------------------

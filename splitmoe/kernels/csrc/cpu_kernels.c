@@ -750,6 +750,7 @@ static void silu_mul(const float *gate, const float *up, float *out, int64_t n) 
 
 struct fused_moe {
     const float *x;
+    int64_t x_st; /* elements from one row of x to the next */
     int64_t N, H, I, k;
     const float *w13t, *w2t;
     const float *weights;
@@ -771,7 +772,7 @@ static void fused_moe_expert(void *ctx, int64_t chunk, int thread) {
     float *h = a + rows * H;         /* [rows, 2I]: gate | up */
     float *act = h + rows * 2 * I;   /* [rows, I] */
     for (int64_t r = 0; r < rows; r++)
-        memcpy(a + r * H, m->x + pairs[r] / m->k * H, sizeof(float) * (size_t)H);
+        memcpy(a + r * H, m->x + pairs[r] / m->k * m->x_st, sizeof(float) * (size_t)H);
     gemm(a, H, m->w13t + e * H * 2 * I, 2 * I, h, 2 * I, rows, 2 * I, H);
     for (int64_t r = 0; r < rows; r++) silu_mul(h + r * 2 * I, h + r * 2 * I + I, act + r * I, I);
     gemm(act, I, m->w2t + e * I * H, H, m->y + m->start[e] * H, H, rows, H, I);
@@ -808,13 +809,14 @@ static void fused_moe_sum(void *ctx, int64_t chunk, int thread) {
 /* Routed experts of one MoE layer: out[t] = sum_j weights[t, j] * FFN_e(x[t]) over the slots j
  * with e = expert_ids[t, j] in [0, E) (-1: served elsewhere, skipped), where
  * FFN_e(v) = (silu(v W1_e) * (v W3_e)) W2_e. Weights pre-transposed for row-major GEMMs:
- * w13t [E, H, 2I] (gate columns, then up), w2t [E, I, H]. x [N, H], out [N, H] contiguous.
+ * w13t [E, H, 2I] (gate columns, then up), w2t [E, I, H]. x [N, H] with rows x_st floats
+ * apart (a received message's rows, read in place), out [N, H] contiguous.
  * Pairs are grouped by expert (counting sort, stable); the experts run in parallel, each on its
  * gathered rows, and then each token's outputs are added into out in ascending expert order
  * (fused_moe_ref's order of the sums), so the threads do not change a bit of the result.
  * out must hold zeros. Returns 0; -1 if scratch memory could not be allocated; -2 for an expert
  * id >= E; -5 for k > 64 (nothing computed for either). */
-int splitmoe_fused_moe_f32(const float *x, int64_t N, int64_t H, const float *w13t,
+int splitmoe_fused_moe_f32(const float *x, int64_t x_st, int64_t N, int64_t H, const float *w13t,
                            const float *w2t, int64_t E, int64_t I, const int64_t *expert_ids,
                            const float *weights, int64_t k, float *out) {
     if (k > 64) return -5;
@@ -844,13 +846,44 @@ int splitmoe_fused_moe_f32(const float *x, int64_t N, int64_t H, const float *w1
         free(index);
         return -1;
     }
-    struct fused_moe m = {x,     N,       H,     I,     k,     w13t,   w2t, weights, start,
-                          order, pos,     experts, y,   y + start[E] * H, scratch_st, out};
+    struct fused_moe m = {x,     x_st,  N,   H,       I, k, w13t, w2t, weights, start, order,
+                          pos,   experts, y, y + start[E] * H, scratch_st, out};
     parallel_for(active, fused_moe_expert, &m);
     parallel_for(chunks_of(N, MOE_TOKENS_PER_CHUNK), fused_moe_sum, &m);
     free(index);
     free(y);
     return 0;
+}
+
+/* splitmoe_fused_moe_f32 on a received message's packed rows, read in place: row t holds x[t]
+ * (H floats), then its k int32 local expert ids, then its k float32 weights (the transport's
+ * row layout, splitmoe/comm/transport.py), row_bytes = 4 H + 8 k apart. Returns as
+ * splitmoe_fused_moe_f32 does. */
+int splitmoe_fused_moe_rows_f32(const uint8_t *rows, int64_t N, int64_t H, const float *w13t,
+                                const float *w2t, int64_t E, int64_t I, int64_t k, float *out) {
+    if (k > 64) return -5;
+    const int64_t row_bytes = 4 * H + 8 * k;
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(N * k + 1));
+    float *weights = malloc(sizeof(float) * (size_t)(N * k + 1));
+    if (!ids || !weights) {
+        free(ids);
+        free(weights);
+        return -1;
+    }
+    for (int64_t t = 0; t < N; t++) {
+        const uint8_t *row = rows + t * row_bytes + 4 * H;
+        for (int64_t j = 0; j < k; j++) {
+            int32_t id;
+            memcpy(&id, row + 4 * j, 4);
+            ids[t * k + j] = id;
+            memcpy(&weights[t * k + j], row + 4 * (k + j), 4);
+        }
+    }
+    const int rc = splitmoe_fused_moe_f32((const float *)rows, row_bytes / 4, N, H, w13t, w2t, E,
+                                          I, ids, weights, k, out);
+    free(ids);
+    free(weights);
+    return rc;
 }
 
 /* ---- router and KV store -------------------------------------------------------------------- */
@@ -1205,7 +1238,7 @@ int splitmoe_decode_step_f32(const int64_t *input_ids, int64_t T, const float *e
         rc = decode_layer_run(&a);
         if (rc) break;
         memset(moe, 0, sizeof(float) * (size_t)(T * H));
-        rc = splitmoe_fused_moe_f32(x, T, H, w->w13t, w->w2t, E, I, ids, weights, k, moe);
+        rc = splitmoe_fused_moe_f32(x, H, T, H, w->w13t, w->w2t, E, I, ids, weights, k, moe);
         for (int64_t i = 0; i < T * H; i++) h[i] += moe[i];
     }
     if (!rc) {
@@ -1215,4 +1248,100 @@ int splitmoe_decode_step_f32(const int64_t *input_ids, int64_t T, const float *e
     free(h);
     free(ids);
     return rc;
+}
+
+/* ---- shared-memory rings: the fast path of splitmoe.comm.shm ------------------------------- */
+
+/* The layout is splitmoe/comm/shm.py's: a ring is a 128-byte header (int64 write position at
+ * +0, read position at +64, "the writer sleeps on a full ring" at +104) followed by cap data
+ * bytes; a frame is its int64 byte length, then the bytes. Positions only grow; the low 32 bits
+ * of each are the futex word its waiter sleeps on (shared futexes: the rings live in files).
+ * These calls never sleep: a send that does not fit now, or a frame that has not arrived within
+ * the spin, is left to the Python side, which waits by the module's rules (the progress rule,
+ * futex sleeps, the peer's liveness, the timeout). In Python each frame costs ~8 us of interpreter
+ * work per side; here well under one. */
+#define RING_HEADER 128
+#define RING_W 0      /* int64 index of the write position */
+#define RING_R 8      /* of the read position */
+#define RING_SLEEPS 13 /* of the writer's "wake me when you read" flag */
+
+static void ring_wake(int64_t *position) {
+#ifdef __linux__
+    syscall(SYS_futex, (uint32_t *)position, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+#else
+    (void)position;
+#endif
+}
+
+static void ring_put(uint8_t *data, int64_t cap, int64_t at, const void *src, int64_t n) {
+    const int64_t off = at % cap, first = n < cap - off ? n : cap - off;
+    memcpy(data + off, src, (size_t)first);
+    if (n > first) memcpy(data, (const uint8_t *)src + first, (size_t)(n - first));
+}
+
+static void ring_get(const uint8_t *data, int64_t cap, int64_t at, void *dst, int64_t n) {
+    const int64_t off = at % cap, first = n < cap - off ? n : cap - off;
+    memcpy(dst, data + off, (size_t)first);
+    if (n > first) memcpy((uint8_t *)dst + first, data, (size_t)(n - first));
+}
+
+/* Appends the frame of src[0, n) to the ring at base if all of it fits now: one publish of the
+ * write position, then a wake of the reader's futex. Returns 1, or 0 (nothing written) when the
+ * ring lacks room. Only the ring's one writer calls it. */
+int splitmoe_ring_send(uint8_t *base, int64_t cap, const uint8_t *src, int64_t n) {
+    int64_t *pos = (int64_t *)base;
+    uint8_t *data = base + RING_HEADER;
+    const int64_t w = pos[RING_W];
+    const int64_t r = __atomic_load_n(&pos[RING_R], __ATOMIC_ACQUIRE);
+    if (cap - (w - r) < 8 + n) return 0;
+    ring_put(data, cap, w, &n, 8);
+    ring_put(data, cap, w + 8, src, n);
+    __atomic_store_n(&pos[RING_W], w + 8 + n, __ATOMIC_RELEASE);
+    ring_wake(&pos[RING_W]);
+    return 1;
+}
+
+/* The byte length of the ring's next frame once all of it has arrived, polling for up to
+ * spin_ns; -1 if it has not, or cannot (a frame larger than the ring arrives in pieces, which the
+ * Python side reads as they come). Nothing is consumed either way. */
+int64_t splitmoe_ring_peek(uint8_t *base, int64_t cap, int64_t spin_ns) {
+    int64_t *pos = (int64_t *)base;
+    const uint8_t *data = base + RING_HEADER;
+    const int64_t r = pos[RING_R];
+    int64_t deadline = 0;
+    for (int64_t polls = 0;; polls++) {
+        const int64_t avail = __atomic_load_n(&pos[RING_W], __ATOMIC_ACQUIRE) - r;
+        if (avail >= 8) {
+            int64_t n;
+            ring_get(data, cap, r, &n, 8);
+            if (n < 0 || n > cap - 8) return -1; /* never whole here: the Python side streams it */
+            if (avail >= 8 + n) return n;
+        }
+        if ((polls & 63) == 0) {
+            const int64_t now = now_ns();
+            if (polls == 0) deadline = now + spin_ns;
+            else if (now >= deadline) return -1;
+        }
+        cpu_relax();
+    }
+}
+
+/* Takes the ring's next frame into dst if it has arrived whole within spin_ns and is n bytes
+ * long: returns n; -1 if it has not arrived (nothing consumed); -2 if it is not n bytes long
+ * (nothing consumed: the caller reports the diverged calls). Frees the room for the writer and
+ * wakes it if it sleeps on a full ring. Only the ring's one reader calls it. */
+int64_t splitmoe_ring_recv(uint8_t *base, int64_t cap, uint8_t *dst, int64_t n, int64_t spin_ns) {
+    const int64_t got = splitmoe_ring_peek(base, cap, spin_ns);
+    if (got < 0) return -1;
+    if (got != n) return -2;
+    int64_t *pos = (int64_t *)base;
+    const int64_t r = pos[RING_R];
+    ring_get(base + RING_HEADER, cap, r + 8, dst, n);
+    __atomic_store_n(&pos[RING_R], r + 8 + n, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the store above before the flag's load */
+    if (__atomic_load_n(&pos[RING_SLEEPS], __ATOMIC_RELAXED)) {
+        pos[RING_SLEEPS] = 0;
+        ring_wake(&pos[RING_R]);
+    }
+    return n;
 }
