@@ -336,9 +336,9 @@ class Transport(ABC):
 
     def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`pack`'s inverse: ``x [N, H]``, ``ids [N, k]`` int32, ``w [N, k]`` float32. On CPU
-        they are views into ``rows`` (row stride ``row_bytes``), which the expert kernels read in
-        place: three copies cost ~10 us a message, as much as the rest of receiving it. On other
-        devices, contiguous copies."""
+        they are views into ``rows`` (row stride ``row_bytes``; three copies cost ~10 us a
+        message, as much as the rest of receiving it), on other devices contiguous copies. The
+        native expert kernel needs neither: it reads the rows themselves (`fused_moe_rows`)."""
         hb, k = self.hidden_size * self.elem, self.top_k
         if rows.device.type == "cpu" and self.row_bytes % 4 == 0 and hb % 4 == 0:
             words = rows.view(torch.int32)  # [N, row_bytes / 4]

@@ -89,9 +89,10 @@ class LocalExperts:
         return fused_moe(x, w13, w2, local_ids, weights, self.backend)
 
     def compute_batch(self, layer: int, batch: ExpertBatch) -> torch.Tensor:
-        """`compute` on a received batch: the native CPU kernel reads its packed rows in place,
-        the other backends take them unpacked."""
-        if self.backend == "cpu" and self.dtype == torch.float32 and batch.rows.is_cpu:
+        """`compute` on a received batch: the native CPU kernel (float32 on CPU, which the
+        ``"cpu"`` backend implies) reads its packed rows in place, the other backends take them
+        unpacked."""
+        if self.backend == "cpu":
             w13t, w2t = self.weights[layer]
             return cpu_native.fused_moe_rows(batch.rows, self.cfg.top_k, w13t, w2t)
         return self.compute(layer, batch.x, batch.expert_ids, batch.weights)

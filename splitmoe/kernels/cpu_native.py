@@ -496,23 +496,15 @@ def fused_moe(
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
 ) -> torch.Tensor:
-    """The routed-expert output ``[N, H]`` float32, as `fused_moe_ref`: ``x [N, H]`` (its rows
-    may lie apart: a received message's rows are read in place, see `Transport.unpack`), weights in
-    `expert_layout` (``w13t [E, H, 2I]`` gate columns then up, ``w2t [E, I, H]``), ``expert_ids
-    [N, k]`` local ids (-1: served elsewhere) and router ``weights [N, k]``."""
-    for name, t in (("x", x), ("w13t", w13t), ("w2t", w2t)):
-        _check_f32(name, t)
-        if name != "x" and not t.is_contiguous():
-            raise ValueError(f"cpu kernels: {name} must be contiguous")
+    """The routed-expert output ``[N, H]`` float32, as `fused_moe_ref`: ``x [N, H]`` (rows may
+    lie apart, as a row-major view's do), weights in `expert_layout` (``w13t [E, H, 2I]`` gate
+    columns then up, ``w2t [E, I, H]``), ``expert_ids [N, k]`` local ids (-1: served elsewhere)
+    and router ``weights [N, k]``."""
+    _check_f32("x", x)
     if x.dim() != 2:
         raise ValueError(f"cpu kernels: fused_moe takes x [N, H]; got {tuple(x.shape)}")
     N, H = x.shape
-    E, H2, two_i = w13t.shape
-    if H2 != H or two_i % 2 or w2t.shape != (E, two_i // 2, H):
-        raise ValueError(
-            f"cpu kernels: fused_moe shapes do not fit: x {tuple(x.shape)}, w13t "
-            f"{tuple(w13t.shape)} (want [E, {H}, 2I]), w2t {tuple(w2t.shape)} (want [E, I, {H}])"
-        )
+    E, I = _expert_weights(w13t, w2t, H, f"x {tuple(x.shape)}")
     if expert_ids.shape != weights.shape or expert_ids.dim() != 2 or expert_ids.shape[0] != N:
         raise ValueError(
             f"cpu kernels: fused_moe routing expert_ids {tuple(expert_ids.shape)} and weights "
@@ -531,7 +523,7 @@ def fused_moe(
         w13t.data_ptr(),
         w2t.data_ptr(),
         E,
-        two_i // 2,
+        I,
         ids.data_ptr(),
         w.data_ptr(),
         ids.shape[1],
@@ -547,9 +539,7 @@ def fused_moe_rows(
     """`fused_moe` of a received message's packed rows ``[N, 4 H + 8 top_k]`` uint8 (float32
     ``x``, then int32 local expert ids, then float32 weights: `Transport.pack`), read in place
     rather than unpacked into three tensors first (~10 us a message)."""
-    _check_f32("w13t", w13t)
-    _check_f32("w2t", w2t)
-    E, H, two_i = w13t.shape
+    H = w13t.shape[1] if w13t.dim() == 3 else 0
     if (
         rows.dtype != torch.uint8
         or not rows.is_cpu
@@ -562,17 +552,32 @@ def fused_moe_rows(
             f"cpu kernels: fused_moe_rows takes contiguous, 4-byte aligned CPU uint8 rows "
             f"[N, {4 * H + 8 * top_k}]; got {rows.dtype} {tuple(rows.shape)} on {rows.device}"
         )
-    if not (w13t.is_contiguous() and w2t.is_contiguous()) or w2t.shape != (E, two_i // 2, H):
-        raise ValueError("cpu kernels: fused_moe_rows takes contiguous expert_layout weights")
+    E, I = _expert_weights(w13t, w2t, H, f"rows {tuple(rows.shape)}")
     N = rows.shape[0]
     out = torch.zeros(N, H, dtype=torch.float32)
     if N == 0:
         return out
     rc = library().splitmoe_fused_moe_rows_f32(
-        rows.data_ptr(), N, H, w13t.data_ptr(), w2t.data_ptr(), E, two_i // 2, top_k, out.data_ptr()
+        rows.data_ptr(), N, H, w13t.data_ptr(), w2t.data_ptr(), E, I, top_k, out.data_ptr()
     )
     _check_moe_rc(rc, E, top_k)
     return out
+
+
+def _expert_weights(w13t: torch.Tensor, w2t: torch.Tensor, H: int, tokens: str) -> tuple[int, int]:
+    """``(E, I)`` of contiguous float32 `expert_layout` weights for hidden size ``H``, or the
+    ValueError of `fused_moe` and `fused_moe_rows` (``tokens``: their input, for the message)."""
+    _check_f32("w13t", w13t)
+    _check_f32("w2t", w2t)
+    E, H2, two_i = w13t.shape if w13t.dim() == 3 else (0, -1, 1)
+    if H2 != H or two_i % 2 or w2t.shape != (E, two_i // 2, H):
+        raise ValueError(
+            f"cpu kernels: fused_moe shapes do not fit: {tokens}, w13t {tuple(w13t.shape)} and "
+            f"w2t {tuple(w2t.shape)} (want expert_layout's [E, {H}, 2I] and [E, I, {H}])"
+        )
+    if not (w13t.is_contiguous() and w2t.is_contiguous()):
+        raise ValueError("cpu kernels: fused_moe takes contiguous expert_layout weights")
+    return E, two_i // 2
 
 
 def _check_moe_rc(rc: int, E: int, k: int) -> None:
