@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import splitmoe.llm as llm_module
 from splitmoe.llm import _Inboxes, _Outbox
 
 
@@ -61,4 +62,75 @@ def test_get_waits_for_its_timeout_then_empty():
     out.close()  # the rank exits: its end closes, and the front end stops watching it
     with pytest.raises(queue.Empty):
         inbox.get(0.1)
+    inbox.close()
+
+
+def _bell_pipes():
+    reader, writer = mp.Pipe(duplex=False)
+    bell_reader, bell = mp.Pipe(duplex=False)
+    return _Outbox(writer, bell), _Inboxes([reader], bell_reader)
+
+
+def _put_later(out: _Outbox, msgs: list, ring: bool, delay_s: float = 0.05) -> threading.Thread:
+    def put():
+        time.sleep(delay_s)
+        for msg in msgs:
+            out.put(msg, ring=ring)
+
+    t = threading.Thread(target=put, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_front_end_waiting_on_the_bell_wakes_for_ringing_messages_only(monkeypatch):
+    # `generate` waits on the bell: a step without a finished request wakes nobody, yet it is
+    # read (in order, before what follows) once the front end wakes
+    monkeypatch.setattr(llm_module, "_QUIET_TICK_S", 5.0)
+    out, inbox = _bell_pipes()
+    quiet = _messages(0, 3)
+    _put_later(out, quiet, ring=False).join()
+    t = time.monotonic()
+    assert inbox.get(1.0, every_message=False) == quiet[0]  # read only when its wait ended
+    assert time.monotonic() - t >= 0.95
+    assert [inbox.get(0, every_message=False) for _ in range(2)] == quiet[1:]
+
+    quiet, loud = _messages(0, 2), ("step", 0, "finished")
+    _put_later(out, quiet, ring=False).join()
+    t = time.monotonic()
+    putter = _put_later(out, [loud], ring=True)
+    got = [inbox.get(4.0, every_message=False) for _ in range(3)]
+    putter.join()
+    assert got == [*quiet, loud]
+    assert time.monotonic() - t < 3.0  # the ring woke it, not the 4 s timeout or the tick
+
+    # a front end that wants every message (`poll`, `stream`) wakes for each one
+    t = time.monotonic()
+    putter = _put_later(out, quiet, ring=False)
+    assert inbox.get(4.0) == quiet[0]
+    assert time.monotonic() - t < 3.0
+    putter.join()  # (an outbox has one writer: the rank's main thread)
+    out.close()
+    inbox.close()
+
+
+def test_a_full_pipe_rings_the_bell(monkeypatch):
+    # steps that never ring still reach a front end waiting on the bell once the pipe fills:
+    # the rank rings so that the front end drains it, and no message is lost or reordered
+    monkeypatch.setattr(llm_module, "_QUIET_TICK_S", 5.0)
+    out, inbox = _bell_pipes()
+    sent = _messages(0, 60)  # ~600 KB: more than a pipe holds
+    for msg in sent:
+        out.put(msg, ring=False)
+    assert out.pending
+    got, waits = [], []
+    while out.pending:
+        out.flush()  # (what a rank's loop does every iteration)
+        t = time.monotonic()
+        got.append(inbox.get(4.0, every_message=False))
+        waits.append(time.monotonic() - t)
+    assert max(waits) < 3.0  # woken by the bell each time, not at the end of its 4 s wait
+    while len(got) < len(sent):  # the rest fits the pipe: read when the front end wakes
+        got.append(inbox.get(0.1, every_message=False))
+    assert got == sent
+    out.close()
     inbox.close()
