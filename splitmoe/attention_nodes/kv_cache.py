@@ -30,9 +30,12 @@ class PagedKVCache:
             self.pool = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # each layer's views, made once (two indexings cost ~5 us, once per layer and step)
+        self._layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(num_layers)]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool[i, 0], self.pool[i, 1]
+        """``(k, v)`` of layer ``i``: views of the pool."""
+        return self._layers[i]
 
     @property
     def nbytes(self) -> int:

@@ -495,6 +495,11 @@ class FlatTransport(Transport):
     def __init__(self, topo: Topology, *args, **kwargs):
         super().__init__(topo, *args, **kwargs)  # same arguments as every transport
         self._attention_ranks = list(range(topo.num_attention))
+        # what the receiving side of each all-to-all sends: made once, not per layer and
+        # micro-batch (~1 us each)
+        self._zeros = [0] * topo.world_size
+        self._no_rows = torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.comm_device)
+        self._no_sums = torch.empty(0, self.hidden_size, dtype=self.dtype)
 
     def _dispatch_rows(self, rows: torch.Tensor, counts: list[int], layer: int):
         rows = rows.to(self.comm_device)
@@ -517,9 +522,9 @@ class FlatTransport(Transport):
         )
 
     def combine(self, handle):
-        nothing = torch.empty(0, self.hidden_size, dtype=self.dtype)
-        zeros = [0] * self.topo.world_size
-        partial = self.all_to_all(nothing, zeros, handle.send_counts, handle.layer, "combine")
+        partial = self.all_to_all(
+            self._no_sums, self._zeros, handle.send_counts, handle.layer, "combine"
+        )
         if partial.shape[0] == handle.num_tokens and max(handle.send_counts) == partial.shape[0]:
             # every token went to one expert rank, the same one (1+1, or all routed to one
             # rank): its rows are each token's sum already, in token order
@@ -530,13 +535,11 @@ class FlatTransport(Transport):
 
     def receive(self, layer=UNKNOWN_LAYER):
         self.stats.call(layer, "flat")
-        nothing = torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.comm_device)
-        rows, recv_counts = self._dispatch_rows(nothing, [0] * self.topo.world_size, layer)
+        rows, recv_counts = self._dispatch_rows(self._no_rows, self._zeros, layer)
         return ExpertBatch(rows.to(self.device), recv_counts, self.unpack, layer)
 
     def send_back(self, y, batch):
-        zeros = [0] * self.topo.world_size
-        self.all_to_all(y, batch.recv_counts, zeros, batch.layer, "combine", async_op=True)
+        self.all_to_all(y, batch.recv_counts, self._zeros, batch.layer, "combine", async_op=True)
 
 
 # The two-phase and adaptive transports register themselves; imported last because they build on

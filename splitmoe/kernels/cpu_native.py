@@ -450,8 +450,12 @@ def route_pack(
     x = x.contiguous()
     if weights.shape != (T, k) or k > 64:
         raise ValueError(f"cpu kernels: route_pack weights must be [{T}, {k}] with k <= 64")
-    slots = slots.to(torch.int64).contiguous()
-    w = weights.to(torch.float32).contiguous()
+    # (converted only where needed: ~1 us each on a path run per layer and micro-batch)
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        slots = slots.to(torch.int64).contiguous()
+    w = weights
+    if w.dtype != torch.float32 or not w.is_contiguous():
+        w = w.to(torch.float32).contiguous()
     x_row = x.shape[1] * x.element_size()
     cap = T * min(k, num_ranks)
     rows = torch.empty(cap, x_row + 8 * k, dtype=torch.uint8)
@@ -479,7 +483,9 @@ def route_pack(
             f"cpu kernels: route_pack got a slot outside 0..{slot_rank.numel() - 1} or a slot "
             f"owned by no expert rank"
         )
-    return token_index[:P], rows[:P], counts.tolist()
+    if P < cap:  # (one expert rank: every token goes there, once)
+        token_index, rows = token_index[:P], rows[:P]
+    return token_index, rows, counts.tolist()
 
 
 def expert_layout(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
