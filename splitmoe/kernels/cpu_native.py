@@ -483,7 +483,7 @@ def route_pack(
             f"cpu kernels: route_pack got a slot outside 0..{slot_rank.numel() - 1} or a slot "
             f"owned by no expert rank"
         )
-    if P < cap:  # (one expert rank: every token goes there, once)
+    if P < cap:  # (P == cap with one expert rank: every token goes there, once)
         token_index, rows = token_index[:P], rows[:P]
     return token_index, rows, counts.tolist()
 
