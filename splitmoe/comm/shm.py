@@ -503,8 +503,7 @@ class ShmLane:
         recv = _rows(output, output_split_sizes, n)
         if async_op and any(recv[j][1] for j in range(n) if j != self.me):
             raise ValueError("shared-memory all_to_all_single: async_op only sends")
-        src = input if input.is_contiguous() else input.contiguous()
-        dst = output if output.is_contiguous() else output.contiguous()
+        src, dst = input.contiguous(), output.contiguous()  # (themselves where contiguous)
         for j in range(n):
             start, size = send[j]
             if j != self.me and size:
@@ -532,7 +531,7 @@ class ShmLane:
         from each member. Here each share is one frame, an empty one included, so no count
         exchange precedes the data and a sender never waits for its receivers."""
         if self.me in senders:
-            src = input if input.is_contiguous() else input.contiguous()
+            src = input.contiguous()
             for j, (start, size) in enumerate(_rows(src, input_split_sizes, self.size)):
                 if j not in senders:
                     self._send(j, src, start, size)
@@ -564,7 +563,7 @@ class ShmLane:
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``torch.distributed.all_gather_into_tensor`` on this group."""
         size = input.numel() * input.element_size()
-        src = input if input.is_contiguous() else input.contiguous()
+        src = input.contiguous()
         if not output.is_contiguous() or output.numel() * output.element_size() != size * self.size:
             raise ValueError(
                 f"shared-memory all_gather_single: output must be contiguous and hold "
@@ -590,8 +589,7 @@ class ShmLane:
 
 def _flat_bytes(t: torch.Tensor) -> np.ndarray:
     """The bytes of ``t`` as a numpy view (of a contiguous copy if ``t`` is not contiguous)."""
-    t = t if t.is_contiguous() else t.contiguous()
-    return t.view(-1).view(torch.uint8).numpy()
+    return t.contiguous().view(-1).view(torch.uint8).numpy()
 
 
 def _rows(t: torch.Tensor, splits: list[int] | None, n: int) -> list[tuple[int, int]]:

@@ -270,6 +270,11 @@ class Transport(ABC):
             "combine": self.new_lane(world),
         }
         self._in_flight: list = []  # (work, buffer) of asynchronous sends not yet completed
+        # what the receiving side of an all-to-all sends: made once, not per layer and
+        # micro-batch (~1 us each)
+        self._zeros = [0] * topo.world_size
+        self._no_rows = torch.empty(0, self.row_bytes, dtype=torch.uint8, device=comm_device)
+        self._no_sums = torch.empty(0, hidden_size, dtype=dtype)
 
     def new_lane(
         self, ranks: range | list[int], group: dist.ProcessGroup | None = None
@@ -298,11 +303,12 @@ class Transport(ABC):
     def receive(self, layer: int = UNKNOWN_LAYER) -> ExpertBatch:
         """Expert side of `dispatch`."""
 
-    @abstractmethod
     def send_back(self, y: torch.Tensor, batch: ExpertBatch) -> None:
-        """Expert side of `combine`: ``y [N, H]`` partial sums, one per received row. Returns
+        """Expert side of `combine`: ``y [N, H]`` partial sums, one per received row, back to
+        the ranks they came from (every transport's last hop is this one all-to-all). Returns
         before the transfer completes, so the expert rank can receive the next micro-batch;
         `flush` waits for all of them."""
+        self.all_to_all(y, batch.recv_counts, self._zeros, batch.layer, "combine", async_op=True)
 
     def stats_snapshot(self) -> dict:
         """This rank's cumulative statistics, JSON-serialisable::
@@ -495,11 +501,6 @@ class FlatTransport(Transport):
     def __init__(self, topo: Topology, *args, **kwargs):
         super().__init__(topo, *args, **kwargs)  # same arguments as every transport
         self._attention_ranks = list(range(topo.num_attention))
-        # what the receiving side of each all-to-all sends: made once, not per layer and
-        # micro-batch (~1 us each)
-        self._zeros = [0] * topo.world_size
-        self._no_rows = torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.comm_device)
-        self._no_sums = torch.empty(0, self.hidden_size, dtype=self.dtype)
 
     def _dispatch_rows(self, rows: torch.Tensor, counts: list[int], layer: int):
         rows = rows.to(self.comm_device)
@@ -537,9 +538,6 @@ class FlatTransport(Transport):
         self.stats.call(layer, "flat")
         rows, recv_counts = self._dispatch_rows(self._no_rows, self._zeros, layer)
         return ExpertBatch(rows.to(self.device), recv_counts, self.unpack, layer)
-
-    def send_back(self, y, batch):
-        self.all_to_all(y, batch.recv_counts, self._zeros, batch.layer, "combine", async_op=True)
 
 
 # The two-phase and adaptive transports register themselves; imported last because they build on

@@ -278,7 +278,7 @@ class TwoPhaseTransport(Transport):
 
     # ---- attention side -----------------------------------------------------------------------
     def dispatch(self, x, topk_ids, topk_weights, layer=UNKNOWN_LAYER):
-        A, W = self.topo.num_attention, self.topo.world_size
+        A = self.topo.num_attention
         token_index, rows, counts = self.route_rows(x, topk_ids, topk_weights)  # flat order
         plan = self._plan(self._gather_counts(counts[A:], layer), layer)
         if plan.scheme == "flat":
@@ -286,7 +286,7 @@ class TwoPhaseTransport(Transport):
         else:
             recv1 = self._phase1(rows[plan.idx1], plan.send1, plan.recv1, plan, layer, "dispatch")
             send2 = torch.cat([recv1, rows])[plan.idx2]  # [rows out, row_bytes]
-        self.all_to_all(send2, plan.send2, [0] * W, layer, "dispatch")
+        self.all_to_all(send2, plan.send2, self._zeros, layer, "dispatch")
         return DispatchHandle(
             token_index=token_index,
             send_counts=counts,
@@ -297,9 +297,8 @@ class TwoPhaseTransport(Transport):
 
     def combine(self, handle):
         plan: LayerPlan = handle.plan
-        W, H = self.topo.world_size, self.hidden_size
-        nothing = torch.empty(0, H, dtype=self.dtype)
-        recv2 = self.all_to_all(nothing, [0] * W, plan.send2, handle.layer, "combine")  # [*, H]
+        H = self.hidden_size
+        recv2 = self.all_to_all(self._no_sums, self._zeros, plan.send2, handle.layer, "combine")
         if plan.scheme == "flat":
             partial = recv2
         else:
@@ -332,15 +331,9 @@ class TwoPhaseTransport(Transport):
 
     # ---- expert side --------------------------------------------------------------------------
     def receive(self, layer=UNKNOWN_LAYER):
-        W = self.topo.world_size
         plan = self._plan(self._gather_counts([0] * self.topo.num_expert, layer), layer)
-        nothing = torch.empty(0, self.row_bytes, dtype=torch.uint8)
-        rows = self.all_to_all(nothing, [0] * W, plan.recv2, layer, "dispatch")
+        rows = self.all_to_all(self._no_rows, self._zeros, plan.recv2, layer, "dispatch")
         return ExpertBatch(rows, plan.recv2, self.unpack, layer, plan)
-
-    def send_back(self, y, batch):
-        zeros = [0] * self.topo.world_size
-        self.all_to_all(y, batch.recv_counts, zeros, batch.layer, "combine", async_op=True)
 
 
 @register_transport("auto")

@@ -510,7 +510,7 @@ def fused_moe(
     if x.dim() != 2:
         raise ValueError(f"cpu kernels: fused_moe takes x [N, H]; got {tuple(x.shape)}")
     N, H = x.shape
-    E, I = _expert_weights(w13t, w2t, H, f"x {tuple(x.shape)}")
+    E, I = _expert_weights(w13t, w2t, H, "x", x.shape)
     if expert_ids.shape != weights.shape or expert_ids.dim() != 2 or expert_ids.shape[0] != N:
         raise ValueError(
             f"cpu kernels: fused_moe routing expert_ids {tuple(expert_ids.shape)} and weights "
@@ -558,7 +558,7 @@ def fused_moe_rows(
             f"cpu kernels: fused_moe_rows takes contiguous, 4-byte aligned CPU uint8 rows "
             f"[N, {4 * H + 8 * top_k}]; got {rows.dtype} {tuple(rows.shape)} on {rows.device}"
         )
-    E, I = _expert_weights(w13t, w2t, H, f"rows {tuple(rows.shape)}")
+    E, I = _expert_weights(w13t, w2t, H, "rows", rows.shape)
     N = rows.shape[0]
     out = torch.zeros(N, H, dtype=torch.float32)
     if N == 0:
@@ -570,16 +570,20 @@ def fused_moe_rows(
     return out
 
 
-def _expert_weights(w13t: torch.Tensor, w2t: torch.Tensor, H: int, tokens: str) -> tuple[int, int]:
+def _expert_weights(
+    w13t: torch.Tensor, w2t: torch.Tensor, H: int, name: str, shape: torch.Size
+) -> tuple[int, int]:
     """``(E, I)`` of contiguous float32 `expert_layout` weights for hidden size ``H``, or the
-    ValueError of `fused_moe` and `fused_moe_rows` (``tokens``: their input, for the message)."""
+    ValueError of `fused_moe` and `fused_moe_rows` (``name``, ``shape``: their input, for the
+    message, which is built only then: this runs per layer and micro-batch)."""
     _check_f32("w13t", w13t)
     _check_f32("w2t", w2t)
     E, H2, two_i = w13t.shape if w13t.dim() == 3 else (0, -1, 1)
     if H2 != H or two_i % 2 or w2t.shape != (E, two_i // 2, H):
         raise ValueError(
-            f"cpu kernels: fused_moe shapes do not fit: {tokens}, w13t {tuple(w13t.shape)} and "
-            f"w2t {tuple(w2t.shape)} (want expert_layout's [E, {H}, 2I] and [E, I, {H}])"
+            f"cpu kernels: fused_moe shapes do not fit: {name} {tuple(shape)}, w13t "
+            f"{tuple(w13t.shape)} and w2t {tuple(w2t.shape)} (want expert_layout's [E, {H}, 2I] "
+            f"and [E, I, {H}])"
         )
     if not (w13t.is_contiguous() and w2t.is_contiguous()):
         raise ValueError("cpu kernels: fused_moe takes contiguous expert_layout weights")
