@@ -46,8 +46,14 @@ class RemoteExperts:
         self.transport = transport
         self.timeline = timeline
         self.balancer = balancer
+        # the static balancer's fixed map and the dispatch in one native call, where they can
+        self._static = getattr(transport, "dispatches_static", False)
 
     def start(self, layer, x, topk_ids, topk_weights):
+        static = self._static and self.balancer.static_map(layer)
+        if static:
+            with self.timeline.span(f"dispatch L{layer}", "comm"):
+                return self.transport.dispatch_static(x, topk_ids, topk_weights, *static, layer)
         with self.timeline.span(f"balance L{layer}", "compute"):
             slots = self.balancer.choose(layer, topk_ids)  # [T, k]
         with self.timeline.span(f"dispatch L{layer}", "comm"):

@@ -440,7 +440,15 @@ class ShmLane:
             done += n
             waiter = None  # the peer sent something: the timeout counts from now
 
-    def _send(self, j: int, src: torch.Tensor, start: int, size: int) -> None:
+    def native_ring(self, j: int) -> int | None:
+        """The address of this rank's ring towards member j, for native calls that frame and
+        send on it as `send_frame` does (`cpu_native.DispatchSend`); None where frames go
+        through Python (the native kernels do not build, or were not asked for)."""
+        if self._native is None or j == self.me:
+            return None
+        return self._out_at[j]
+
+    def send_frame(self, j: int, src: torch.Tensor, start: int, size: int) -> None:
         """Frames bytes ``start .. start + size`` of ``src`` (contiguous) to member j, natively
         when the frame fits the ring now, else here (waiting for room as needed); wakes member j
         once it is all in the ring."""
@@ -466,7 +474,7 @@ class ShmLane:
             return -1
         return self._native.splitmoe_ring_peek(self._in_at[j], self.capacity, self._native_spin_ns)
 
-    def _recv(self, j: int, dst: torch.Tensor, start: int, size: int) -> None:
+    def recv_frame(self, j: int, dst: torch.Tensor, start: int, size: int) -> None:
         """Fills bytes ``start .. start + size`` of ``dst`` (contiguous) with the next frame from
         member j, which must be ``size`` bytes long: natively if it arrives whole within the
         native spin (and nothing of it waits in staging), else here."""
@@ -507,7 +515,7 @@ class ShmLane:
         for j in range(n):
             start, size = send[j]
             if j != self.me and size:
-                self._send(j, src, start, size)
+                self.send_frame(j, src, start, size)
         start, size = send[self.me]
         rstart, rsize = recv[self.me]
         if rsize != size:
@@ -517,7 +525,7 @@ class ShmLane:
         for j in range(n):
             rstart, rsize = recv[j]
             if j != self.me and rsize:
-                self._recv(j, dst, rstart, rsize)
+                self.recv_frame(j, dst, rstart, rsize)
         if dst is not output:  # (a contiguous copy was filled)
             output.copy_(dst)
         return _Completed() if async_op else None
@@ -534,7 +542,7 @@ class ShmLane:
             src = input.contiguous()
             for j, (start, size) in enumerate(_rows(src, input_split_sizes, self.size)):
                 if j not in senders:
-                    self._send(j, src, start, size)
+                    self.send_frame(j, src, start, size)
             return input[:0], [0] * self.size
         row_bytes = input.element_size() * math.prod(input.shape[1:])
         sizes = [0] * self.size
@@ -553,7 +561,7 @@ class ShmLane:
         at = 0
         for j in senders:  # then each payload straight into its place
             if whole[j]:
-                self._recv(j, data, at, sizes[j])
+                self.recv_frame(j, data, at, sizes[j])
             else:
                 self._read(j, data.numpy()[at : at + sizes[j]])
             at += sizes[j]
@@ -571,11 +579,11 @@ class ShmLane:
             )
         for j in range(self.size):
             if j != self.me:
-                self._send(j, src, 0, size)
+                self.send_frame(j, src, 0, size)
         _flat_bytes(output)[self.me * size : (self.me + 1) * size] = _flat_bytes(src)
         for j in range(self.size):
             if j != self.me:
-                self._recv(j, output, j * size, size)
+                self.recv_frame(j, output, j * size, size)
 
     def close(self) -> None:
         self.inbox = self.outbox = []  # drop the views before unmapping

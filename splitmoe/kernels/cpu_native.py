@@ -79,6 +79,10 @@ _SIGNATURES = {
     "splitmoe_ring_send": (ctypes.c_int, [_p, _i64, _p, _i64]),
     "splitmoe_ring_peek": (ctypes.c_int64, [_p, _i64, _i64]),
     "splitmoe_ring_recv": (ctypes.c_int64, [_p, _i64, _p, _i64, _i64]),
+    "splitmoe_dispatch_send": (
+        ctypes.c_int64,
+        [_p, _i64, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _p, _i64, _p, _p, _p, _p, _p, _i64, _p],
+    ),
     "splitmoe_set_threads": (ctypes.c_int, [ctypes.c_int]),
     "splitmoe_decode_layer_f32": (
         ctypes.c_int,
@@ -486,6 +490,92 @@ def route_pack(
     if P < cap:  # (P == cap with one expert rank: every token goes there, once)
         token_index, rows = token_index[:P], rows[:P]
     return token_index, rows, counts.tolist()
+
+
+class DispatchSend:
+    """An attention rank's dispatch of one MoE layer in one native call
+    (`splitmoe_dispatch_send`) where the slot of each expert is fixed (the static balancer):
+    each (token, expert) mapped to its slot, counted into the balancer's load, routed and packed
+    as `route_pack` does (the same bytes), and each expert rank's rows sent as one frame on its
+    shared-memory ring (`splitmoe.comm.shm`, the native ring send: the same framing).
+
+    Built once per transport: ``slot_rank / slot_local [S]`` int64 as `route_pack` takes them,
+    ``rings`` the base address of the ring towards each expert rank and ``capacity`` their data
+    bytes."""
+
+    def __init__(
+        self, slot_rank: torch.Tensor, slot_local: torch.Tensor, rings: list[int], capacity: int
+    ):
+        self._keep = (slot_rank, slot_local)
+        self.num_ranks = len(rings)
+        self._rings = torch.tensor(rings, dtype=torch.int64)
+        self._fixed = (slot_rank.data_ptr(), slot_local.data_ptr(), slot_rank.numel())
+        self._ring_args = (self._rings.data_ptr(), capacity)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        expert_slot: torch.Tensor | None,
+        num_experts: int,
+        load: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """``x [T, H]`` on the CPU (any dtype), ``ids [T, k]`` expert ids and their router
+        ``weights [T, k]``, ``expert_slot [E]`` int64 (None: slot = expert id; contiguous, as
+        ``load``), ``load [E]`` int64 counts to add to (None: not counted). Returns
+        ``token_index [P]``, the rows ``[P, row_bytes]``, the row count per expert rank and the
+        expert ranks whose frame did not fit its ring now (the caller sends those)."""
+        T, k = ids.shape
+        R = self.num_ranks
+        if not (x.is_cpu and x.dim() == 2 and x.shape[0] == T and weights.shape == (T, k)):
+            raise ValueError(
+                f"cpu kernels: dispatch_send takes CPU x [T, H] and ids / weights [T, k]; got x "
+                f"{tuple(x.shape)} on {x.device}, ids {tuple(ids.shape)}, weights "
+                f"{tuple(weights.shape)}"
+            )
+        if k > MAX_TOP_K:
+            raise ValueError(f"cpu kernels: dispatch_send takes top_k <= {MAX_TOP_K}, got {k}")
+        # (converted only where needed: the decode layer's outputs are already these)
+        x = x.contiguous()
+        if ids.dtype != torch.int64 or not ids.is_contiguous():
+            ids = ids.to(torch.int64).contiguous()
+        if weights.dtype != torch.float32 or not weights.is_contiguous():
+            weights = weights.to(torch.float32).contiguous()
+        x_row = x.shape[1] * x.element_size()
+        cap = T * min(k, R)
+        rows = torch.empty(cap, x_row + 8 * k, dtype=torch.uint8)
+        token_index = torch.empty(cap, dtype=torch.int64)
+        out = torch.empty(2, R, dtype=torch.int64)  # row counts, then "sent" flags
+        P = library().splitmoe_dispatch_send(
+            ids.data_ptr(),
+            T,
+            k,
+            None if expert_slot is None else expert_slot.data_ptr(),
+            num_experts,
+            None if load is None else load.data_ptr(),
+            *self._fixed,
+            R,
+            x.data_ptr(),
+            x_row,
+            weights.data_ptr(),
+            rows.data_ptr(),
+            token_index.data_ptr(),
+            out.data_ptr(),
+            *self._ring_args,
+            out.data_ptr() + 8 * R,
+        )
+        if P == -2:
+            raise MemoryError("cpu kernels: dispatch_send could not allocate")
+        if P < 0:
+            raise ValueError(
+                f"cpu kernels: dispatch_send got an expert id outside 0..{num_experts - 1} or a "
+                "slot owned by no expert rank"
+            )
+        if P < cap:
+            token_index, rows = token_index[:P], rows[:P]
+        counts, sent = out.tolist()
+        return token_index, rows, counts, [r for r in range(R) if not sent[r]]
 
 
 def expert_layout(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -288,6 +288,15 @@ class Balancer:
         self.group.all_gather_single(out, send)
         return out.view(self.num_attention, -1).to(self.device)
 
+    def static_map(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """What `choose` does under the ``static`` policy on the CPU, for a transport that maps
+        and counts itself (`FlatTransport.dispatch_static`): this rank's slot of each expert
+        (``[E]`` int64; None: the expert id itself) and the layer's load counts (``[E]`` int64,
+        to add each (token, expert) to). None under the other policies, or off the CPU."""
+        if self.policy != "static" or self.load._rows_np is None:
+            return None
+        return self._static[layer], self.load._rows[layer]
+
     def choose(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """``topk_ids [T, k]`` -> ``slots [T, k]`` int64 (collective for ``global``)."""
         if self.policy == "static":  # a fixed lookup (the same as `assign`'s); counts only kept

@@ -546,6 +546,78 @@ def test_route_pack_rejects_bad_slots():
         cpu_native.route_pack(x, torch.tensor([[0, 4], [1, 2]]), w, slot_rank, slot_local, 1)
 
 
+def _rings(R: int, capacity: int) -> list[torch.Tensor]:
+    """One empty shared-memory ring layout per rank (`splitmoe.comm.shm`: a 128-byte header,
+    then the data), in private memory."""
+    return [torch.zeros(128 + capacity, dtype=torch.uint8) for _ in range(R)]
+
+
+def _frames(ring: torch.Tensor) -> list[torch.Tensor]:
+    """The frames written into a ring that nobody read (8-byte length, then the bytes)."""
+    end, at, out = int(ring[:8].view(torch.int64)), 0, []
+    data = ring[128:]
+    while at < end:
+        n = int(data[at : at + 8].view(torch.int64))
+        out.append(data[at + 8 : at + 8 + n].clone())
+        at += 8 + n
+    return out
+
+
+@pytest.mark.parametrize("T", [0, 5, 40])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_dispatch_send_frames_the_routed_rows(T, mapped):
+    """One native call: the expert -> slot map, the load counts, `route_pack`'s rows and one
+    frame per expert rank (empty ones too) on its ring."""
+    g = torch.Generator().manual_seed(T)
+    E, k, H, R = 8, 3, 12, 3
+    S = E + 2  # two replicas
+    slot_rank = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 2])
+    slot_local = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 3])
+    expert_slot = torch.tensor([9, 1, 2, 3, 4, 8, 6, 7]) if mapped else None
+    ids = torch.stack(
+        [torch.randperm(E, generator=g)[:k] for _ in range(T)]
+        or [torch.empty(0, k, dtype=torch.int64)]
+    ).view(T, k)
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+    slots = ids if expert_slot is None else expert_slot[ids]
+    want_tokens, want_rows, want_counts = _route_pack_ref(x, slots, w, slot_rank, slot_local, R)
+    rings = _rings(R, 1 << 14)
+    send = cpu_native.DispatchSend(slot_rank, slot_local, [r.data_ptr() for r in rings], 1 << 14)
+    load = torch.full((E,), 5, dtype=torch.int64)
+    num_experts = S if expert_slot is None else E  # (unmapped: the ids are slots)
+    tokens, rows, counts, unsent = send(x, ids, w, expert_slot, num_experts, load)
+    assert torch.equal(tokens, want_tokens) and torch.equal(rows, want_rows)
+    assert counts == want_counts and unsent == []
+    assert torch.equal(load, 5 + torch.bincount(ids.flatten(), minlength=E))
+    at = 0
+    for r in range(R):  # each rank's rows as one frame
+        (frame,) = _frames(rings[r])
+        assert torch.equal(frame, want_rows[at : at + counts[r]].flatten())
+        at += counts[r]
+
+
+def test_dispatch_send_leaves_frames_that_do_not_fit_to_the_caller():
+    slot_rank, slot_local = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1])
+    x, w = torch.randn(6, 16), torch.rand(6, 2)
+    ids = torch.tensor([[0, 1]] * 5 + [[2, 3]])  # rank 0 gets 5 rows (400 bytes), rank 1 one
+    rings = _rings(2, 256)
+    send = cpu_native.DispatchSend(slot_rank, slot_local, [r.data_ptr() for r in rings], 256)
+    tokens, rows, counts, unsent = send(x, ids, w, None, 4, None)
+    assert counts == [5, 1] and unsent == [0]
+    assert _frames(rings[0]) == [] and torch.equal(_frames(rings[1])[0], rows[5])
+
+
+def test_dispatch_send_rejects_bad_ids_before_sending():
+    slot_rank, slot_local = torch.zeros(4, dtype=torch.int64), torch.arange(4)
+    rings = _rings(1, 1024)
+    send = cpu_native.DispatchSend(slot_rank, slot_local, [rings[0].data_ptr()], 1024)
+    load = torch.zeros(4, dtype=torch.int64)
+    x, w = torch.randn(2, 8), torch.rand(2, 2)
+    with pytest.raises(ValueError, match="expert id outside 0..3"):
+        send(x, torch.tensor([[0, 4], [1, 2]]), w, None, 4, load)
+    assert not load.any() and _frames(rings[0]) == []
+
+
 def test_out_of_range_cache_addresses_are_refused():
     """The C code reads and writes the caches through these ids: bad ones are a ValueError
     before anything is read or written, never a wild memory access."""

@@ -1345,3 +1345,48 @@ int64_t splitmoe_ring_recv(uint8_t *base, int64_t cap, uint8_t *dst, int64_t n, 
     }
     return n;
 }
+
+/* ---- dispatch, routed and sent in one call -------------------------------------------------- */
+
+/* An attention rank's whole dispatch of one MoE layer under a fixed expert -> slot map (the
+ * static balancer), in one call where Python's separate steps cost more than their work at
+ * decode batch sizes: the slot of each (token, expert) of ids [T, k] (expert ids in 0..E-1)
+ * through expert_slot [E] (NULL: the expert id itself), each pair added to load [E] (NULL: not
+ * counted), splitmoe_route_pack's rows, and one frame per expert rank r sent on its
+ * shared-memory ring (rings[r]: the ring's base address, cap data bytes; an empty frame where it
+ * gets no rows), as splitmoe_ring_send. sent[r] = 1 for each frame sent, 0 where the ring lacked
+ * room: the caller sends those frames (rows grouped by destination, counts[r] of them each).
+ * Returns P, -1 for an expert id or slot out of range (nothing counted, nothing sent), -2 if
+ * scratch memory could not be allocated. */
+int64_t splitmoe_dispatch_send(const int64_t *ids, int64_t T, int64_t k, const int64_t *expert_slot,
+                               int64_t E, int64_t *load, const int64_t *slot_rank,
+                               const int64_t *slot_local, int64_t num_slots, int64_t R,
+                               const uint8_t *x, int64_t x_row_bytes, const float *weights,
+                               uint8_t *rows, int64_t *token_index, int64_t *counts,
+                               const int64_t *rings, int64_t cap, int64_t *sent) {
+    int64_t stack_slots[1024];
+    int64_t *slots = T * k <= 1024 ? stack_slots : malloc(sizeof(int64_t) * (size_t)(T * k));
+    if (!slots) return -2;
+    for (int64_t i = 0; i < T * k; i++) {
+        const int64_t e = ids[i];
+        if (e < 0 || e >= E) {
+            if (slots != stack_slots) free(slots);
+            return -1;
+        }
+        slots[i] = expert_slot ? expert_slot[e] : e;
+    }
+    const int64_t P = splitmoe_route_pack(slots, T, k, slot_rank, slot_local, num_slots, R, x,
+                                          x_row_bytes, weights, rows, token_index, counts);
+    if (slots != stack_slots) free(slots);
+    if (P < 0) return P;
+    if (load)
+        for (int64_t i = 0; i < T * k; i++) load[ids[i]]++;
+    const int64_t row_bytes = x_row_bytes + 8 * k;
+    int64_t at = 0;
+    for (int64_t r = 0; r < R; r++) {
+        sent[r] = splitmoe_ring_send((uint8_t *)(intptr_t)rings[r], cap, rows + at * row_bytes,
+                                     counts[r] * row_bytes);
+        at += counts[r];
+    }
+    return P;
+}
