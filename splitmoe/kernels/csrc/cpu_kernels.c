@@ -1090,9 +1090,11 @@ static void decode_layer_chunk(void *ctx, int64_t chunk, int thread) {
 
 /* The layer for all a->T_rows rows on the pool's threads, in chunks of 8 rows (4 below 32 rows):
  * two GEMM tiles of rows each, several chunks per thread so that sequences of unequal lengths
- * even out. Returns the first chunk's error (0: none). */
+ * even out. On one thread, one chunk: each weight is then read once per call, not once per chunk
+ * (1.02-1.03x at 16-32 rows; the same bits, as chunks do not change a row's arithmetic).
+ * Returns the first chunk's error (0: none). */
 static int decode_layer_run(struct decode_layer *a) {
-    a->rows_per_chunk = a->T_rows < 32 ? 4 : 8;
+    a->rows_per_chunk = pool.threads < 2 ? a->T_rows : a->T_rows < 32 ? 4 : 8;
     parallel_for(chunks_of(a->T_rows, a->rows_per_chunk), decode_layer_chunk, a);
     return a->rc;
 }
