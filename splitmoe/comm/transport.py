@@ -584,13 +584,7 @@ class FlatTransport(Transport):
     def combine(self, handle):
         if self._frames is not None:  # each expert rank's frame straight off its ring
             partial = torch.empty(len(handle.token_index), self.hidden_size, dtype=self.dtype)
-            rb, at = self.hidden_size * self.elem, 0
-            t0 = time.perf_counter()
-            for j, n in enumerate(handle.send_counts):
-                if n:
-                    self._frames.recv_frame(j, partial, at * rb, n * rb)
-                    at += n
-            self.stats.record(handle.layer)["seconds"]["exchange"] += time.perf_counter() - t0
+            self._frame_rows(self._frames.recv_frame, partial, handle.send_counts, handle.layer)
         else:
             partial = self.all_to_all(
                 self._no_sums, self._zeros, handle.send_counts, handle.layer, "combine"
@@ -607,14 +601,20 @@ class FlatTransport(Transport):
         if self._frames is None:
             return super().send_back(y, batch)
         y = y.contiguous()
-        rb, at = y.shape[1] * y.element_size(), 0
-        t0 = time.perf_counter()
-        for j, n in enumerate(batch.recv_counts):
-            if n:
-                self._frames.send_frame(j, y, at * rb, n * rb)
-                at += n
-        self.stats.record(batch.layer)["seconds"]["exchange"] += time.perf_counter() - t0
+        self._frame_rows(self._frames.send_frame, y, batch.recv_counts, batch.layer)
         self._account(batch.layer, "combine", batch.recv_counts, y)
+
+    def _frame_rows(self, move, rows: torch.Tensor, counts: list[int], layer: int) -> None:
+        """``move(j, rows, byte offset, byte size)`` for each member j's ``counts[j]`` rows of
+        ``rows [N, ...]`` (contiguous, in member order; none for zero counts), timed as the
+        layer's exchange."""
+        rb, at = rows[0].numel() * rows.element_size() if rows.shape[0] else 0, 0
+        t0 = time.perf_counter()
+        for j, n in enumerate(counts):
+            if n:
+                move(j, rows, at * rb, n * rb)
+                at += n
+        self.stats.record(layer)["seconds"]["exchange"] += time.perf_counter() - t0
 
     def receive(self, layer=UNKNOWN_LAYER):
         self.stats.call(layer, "flat")
