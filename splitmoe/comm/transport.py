@@ -544,9 +544,8 @@ class FlatTransport(Transport):
             raise RuntimeError("dispatch_static needs native kernels and shared-memory lanes")
         self.stats.call(layer, "flat")
         t0 = time.perf_counter()
-        E = self.slot_rank.numel() if expert_slot is None else expert_slot.numel()
         token_index, rows, per_rank, unsent = self._dispatch_send(
-            x, topk_ids, topk_weights, expert_slot, E, load
+            x, topk_ids, topk_weights, expert_slot, load
         )
         A = self.topo.num_attention
         if unsent:  # rings without room for the frame now: sent here, waiting as needed
@@ -608,7 +607,7 @@ class FlatTransport(Transport):
         """``move(j, rows, byte offset, byte size)`` for each member j's ``counts[j]`` rows of
         ``rows [N, ...]`` (contiguous, in member order; none for zero counts), timed as the
         layer's exchange."""
-        rb, at = rows[0].numel() * rows.element_size() if rows.shape[0] else 0, 0
+        rb, at = math.prod(rows.shape[1:]) * rows.element_size(), 0
         t0 = time.perf_counter()
         for j, n in enumerate(counts):
             if n:

@@ -448,22 +448,8 @@ def route_pack(
     [T, k]``, ``slot_rank / slot_local [S]`` int64 (expert rank and local id of each slot).
     Returns ``token_index [P]`` int64, ``rows [P, H * elem + 8 k]`` uint8 grouped by destination
     and the row count per expert rank."""
+    x, slots, w, rows, token_index = _pack_args("route_pack", x, slots, weights, num_ranks)
     T, k = slots.shape
-    if x.dim() != 2 or x.shape[0] != T or not x.is_cpu:
-        raise ValueError(f"cpu kernels: route_pack takes CPU x [{T}, H]; got {tuple(x.shape)}")
-    x = x.contiguous()
-    if weights.shape != (T, k) or k > 64:
-        raise ValueError(f"cpu kernels: route_pack weights must be [{T}, {k}] with k <= 64")
-    # (converted only where needed: ~1 us each on a path run per layer and micro-batch)
-    if slots.dtype != torch.int64 or not slots.is_contiguous():
-        slots = slots.to(torch.int64).contiguous()
-    w = weights
-    if w.dtype != torch.float32 or not w.is_contiguous():
-        w = w.to(torch.float32).contiguous()
-    x_row = x.shape[1] * x.element_size()
-    cap = T * min(k, num_ranks)
-    rows = torch.empty(cap, x_row + 8 * k, dtype=torch.uint8)
-    token_index = torch.empty(cap, dtype=torch.int64)
     counts = torch.empty(num_ranks, dtype=torch.int64)
     P = library().splitmoe_route_pack(
         slots.data_ptr(),
@@ -474,22 +460,55 @@ def route_pack(
         slot_rank.numel(),
         num_ranks,
         x.data_ptr(),
-        x_row,
+        x.shape[1] * x.element_size(),
         w.data_ptr(),
         rows.data_ptr(),
         token_index.data_ptr(),
         counts.data_ptr(),
     )
-    if P == -2:
-        raise MemoryError("cpu kernels: route_pack could not allocate")
-    if P < 0:
-        raise ValueError(
-            f"cpu kernels: route_pack got a slot outside 0..{slot_rank.numel() - 1} or a slot "
-            f"owned by no expert rank"
-        )
-    if P < cap:  # (P == cap with one expert rank: every token goes there, once)
-        token_index, rows = token_index[:P], rows[:P]
+    token_index, rows = _packed("route_pack", P, f"a slot outside 0..{slot_rank.numel() - 1}",
+                                token_index, rows)  # fmt: skip
     return token_index, rows, counts.tolist()
+
+
+def _pack_args(
+    what: str, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_ranks: int
+) -> tuple[torch.Tensor, ...]:
+    """The inputs of `route_pack` and `DispatchSend` checked and made what the C calls read
+    (contiguous ``x``, int64 ``ids``, float32 ``weights``; converted only where needed: ~1 us
+    each on a path run per layer and micro-batch), then the rows and token indices they may
+    write (``T * min(k, num_ranks)``)."""
+    T, k = ids.shape
+    if x.dim() != 2 or x.shape[0] != T or not x.is_cpu or weights.shape != (T, k):
+        raise ValueError(
+            f"cpu kernels: {what} takes CPU x [T, H] and ids / weights [T, k]; got x "
+            f"{tuple(x.shape)} on {x.device}, ids {tuple(ids.shape)}, weights "
+            f"{tuple(weights.shape)}"
+        )
+    if k > MAX_TOP_K:
+        raise ValueError(f"cpu kernels: {what} takes top_k <= {MAX_TOP_K}, got {k}")
+    x = x.contiguous()
+    if ids.dtype != torch.int64 or not ids.is_contiguous():
+        ids = ids.to(torch.int64).contiguous()
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.to(torch.float32).contiguous()
+    cap = T * min(k, num_ranks)
+    rows = torch.empty(cap, x.shape[1] * x.element_size() + 8 * k, dtype=torch.uint8)
+    return x, ids, weights, rows, torch.empty(cap, dtype=torch.int64)
+
+
+def _packed(
+    what: str, P: int, bad: str, token_index: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``P`` token indices and rows `_pack_args` allocated, or the error of a C call
+    that returned ``P < 0`` (``bad``: what it refuses besides a slot owned by no expert rank)."""
+    if P == -2:
+        raise MemoryError(f"cpu kernels: {what} could not allocate")
+    if P < 0:
+        raise ValueError(f"cpu kernels: {what} got {bad} or a slot owned by no expert rank")
+    if P < rows.shape[0]:  # (P == the capacity with one expert rank: every token goes there)
+        token_index, rows = token_index[:P], rows[:P]
+    return token_index, rows
 
 
 class DispatchSend:
@@ -518,46 +537,30 @@ class DispatchSend:
         ids: torch.Tensor,
         weights: torch.Tensor,
         expert_slot: torch.Tensor | None,
-        num_experts: int,
         load: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
         """``x [T, H]`` on the CPU (any dtype), ``ids [T, k]`` expert ids and their router
-        ``weights [T, k]``, ``expert_slot [E]`` int64 (None: slot = expert id; contiguous, as
-        ``load``), ``load [E]`` int64 counts to add to (None: not counted). Returns
+        ``weights [T, k]``, ``expert_slot [E]`` int64 (None: slot = expert id, E the slots;
+        contiguous, as ``load``), ``load [E]`` int64 counts to add to (None: not counted). Returns
         ``token_index [P]``, the rows ``[P, row_bytes]``, the row count per expert rank and the
         expert ranks whose frame did not fit its ring now (the caller sends those)."""
-        T, k = ids.shape
         R = self.num_ranks
-        if not (x.is_cpu and x.dim() == 2 and x.shape[0] == T and weights.shape == (T, k)):
-            raise ValueError(
-                f"cpu kernels: dispatch_send takes CPU x [T, H] and ids / weights [T, k]; got x "
-                f"{tuple(x.shape)} on {x.device}, ids {tuple(ids.shape)}, weights "
-                f"{tuple(weights.shape)}"
-            )
-        if k > MAX_TOP_K:
-            raise ValueError(f"cpu kernels: dispatch_send takes top_k <= {MAX_TOP_K}, got {k}")
-        # (converted only where needed: the decode layer's outputs are already these)
-        x = x.contiguous()
-        if ids.dtype != torch.int64 or not ids.is_contiguous():
-            ids = ids.to(torch.int64).contiguous()
-        if weights.dtype != torch.float32 or not weights.is_contiguous():
-            weights = weights.to(torch.float32).contiguous()
-        x_row = x.shape[1] * x.element_size()
-        cap = T * min(k, R)
-        rows = torch.empty(cap, x_row + 8 * k, dtype=torch.uint8)
-        token_index = torch.empty(cap, dtype=torch.int64)
+        x, ids, weights, rows, token_index = _pack_args("dispatch_send", x, ids, weights, R)
+        T, k = ids.shape
+        # (unmapped, an expert id is its slot)
+        E = self._fixed[2] if expert_slot is None else expert_slot.numel()
         out = torch.empty(2, R, dtype=torch.int64)  # row counts, then "sent" flags
         P = library().splitmoe_dispatch_send(
             ids.data_ptr(),
             T,
             k,
             None if expert_slot is None else expert_slot.data_ptr(),
-            num_experts,
+            E,
             None if load is None else load.data_ptr(),
             *self._fixed,
             R,
             x.data_ptr(),
-            x_row,
+            x.shape[1] * x.element_size(),
             weights.data_ptr(),
             rows.data_ptr(),
             token_index.data_ptr(),
@@ -565,15 +568,8 @@ class DispatchSend:
             *self._ring_args,
             out.data_ptr() + 8 * R,
         )
-        if P == -2:
-            raise MemoryError("cpu kernels: dispatch_send could not allocate")
-        if P < 0:
-            raise ValueError(
-                f"cpu kernels: dispatch_send got an expert id outside 0..{num_experts - 1} or a "
-                "slot owned by no expert rank"
-            )
-        if P < cap:
-            token_index, rows = token_index[:P], rows[:P]
+        bad = f"an expert id outside 0..{E - 1}"
+        token_index, rows = _packed("dispatch_send", P, bad, token_index, rows)
         counts, sent = out.tolist()
         return token_index, rows, counts, [r for r in range(R) if not sent[r]]
 

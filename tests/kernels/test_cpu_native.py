@@ -569,8 +569,7 @@ def test_dispatch_send_frames_the_routed_rows(T, mapped):
     """One native call: the expert -> slot map, the load counts, `route_pack`'s rows and one
     frame per expert rank (empty ones too) on its ring."""
     g = torch.Generator().manual_seed(T)
-    E, k, H, R = 8, 3, 12, 3
-    S = E + 2  # two replicas
+    E, k, H, R = 8, 3, 12, 3  # 10 slots: two replicas
     slot_rank = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 2])
     slot_local = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 3])
     expert_slot = torch.tensor([9, 1, 2, 3, 4, 8, 6, 7]) if mapped else None
@@ -584,8 +583,7 @@ def test_dispatch_send_frames_the_routed_rows(T, mapped):
     rings = _rings(R, 1 << 14)
     send = cpu_native.DispatchSend(slot_rank, slot_local, [r.data_ptr() for r in rings], 1 << 14)
     load = torch.full((E,), 5, dtype=torch.int64)
-    num_experts = S if expert_slot is None else E  # (unmapped: the ids are slots)
-    tokens, rows, counts, unsent = send(x, ids, w, expert_slot, num_experts, load)
+    tokens, rows, counts, unsent = send(x, ids, w, expert_slot, load)
     assert torch.equal(tokens, want_tokens) and torch.equal(rows, want_rows)
     assert counts == want_counts and unsent == []
     assert torch.equal(load, 5 + torch.bincount(ids.flatten(), minlength=E))
@@ -602,7 +600,7 @@ def test_dispatch_send_leaves_frames_that_do_not_fit_to_the_caller():
     ids = torch.tensor([[0, 1]] * 5 + [[2, 3]])  # rank 0 gets 5 rows (400 bytes), rank 1 one
     rings = _rings(2, 256)
     send = cpu_native.DispatchSend(slot_rank, slot_local, [r.data_ptr() for r in rings], 256)
-    tokens, rows, counts, unsent = send(x, ids, w, None, 4, None)
+    tokens, rows, counts, unsent = send(x, ids, w, None, None)
     assert counts == [5, 1] and unsent == [0]
     assert _frames(rings[0]) == [] and torch.equal(_frames(rings[1])[0], rows[5])
 
@@ -614,7 +612,7 @@ def test_dispatch_send_rejects_bad_ids_before_sending():
     load = torch.zeros(4, dtype=torch.int64)
     x, w = torch.randn(2, 8), torch.rand(2, 2)
     with pytest.raises(ValueError, match="expert id outside 0..3"):
-        send(x, torch.tensor([[0, 4], [1, 2]]), w, None, 4, load)
+        send(x, torch.tensor([[0, 4], [1, 2]]), w, None, load)
     assert not load.any() and _frames(rings[0]) == []
 
 
