@@ -72,3 +72,5 @@ def test_kernel_threads_match_hf(attention_ranks, expert_ranks, threads, tiny_ck
         assert all(s["kernel_threads"] == threads for s in stats)
         # colocated: each decode step is one native call (layers, experts and LM head)
         assert stats[0]["fused_decode_step"] == (expert_ranks == 0)
+        # experts on other ranks: each decode (layer, micro-batch) is one native call
+        assert stats[0]["remote_decode_step"] == (expert_ranks > 0)

@@ -12,6 +12,7 @@ import torch
 
 from splitmoe.attention_nodes.kv_cache import PagedKVCache
 from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
+from splitmoe.attention_nodes.remote_decode import RemoteDecodeStep
 from splitmoe.attention_nodes.sampler import make_generator, sample
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
@@ -136,6 +137,15 @@ class AttentionWorker:
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, m.eos_token_ids, cfg.max_model_len)
         if transport is None:  # colocated: where it can, a decode step is one native call
             self.model.fuse_experts(self.experts)
+        # experts on ranks of this host: where it can, each decode (layer, micro-batch) is one
+        # native call
+        self.remote_decode = (
+            None
+            if transport is None
+            else RemoteDecodeStep.build(
+                self.model, self.kv_cache, transport, balancer, self.timeline
+            )
+        )
         self.generators: dict[int, torch.Generator | None] = {}
         self._batch = ScheduledBatch()
 
@@ -154,6 +164,8 @@ class AttentionWorker:
             "attention_backend": self.model.attention_backend,
             "moe_backend": getattr(self.experts, "backend", None),  # None: experts elsewhere
             "fused_decode_step": self.model.decode_step is not None,  # (colocated, native)
+            # (experts on other ranks of this host, native: a call per layer and micro-batch)
+            "remote_decode_step": self.remote_decode is not None,
         }
 
     def add_request(self, spec: RequestSpec) -> None:
@@ -266,16 +278,23 @@ class AttentionWorker:
         mbs = _Lazy(len(parts), build)
         updates: list[RequestUpdate] = []
 
-        def done(j: int, h: torch.Tensor) -> None:
-            # micro-batch j is final: sample it while the experts work on later micro-batches
+        def done(j: int, out: torch.Tensor, logits: bool = False) -> None:
+            # micro-batch j's final hidden states (or logits) are ready: sample it while the
+            # experts work on later micro-batches
             for req, n in scheduled[j]:
                 req.num_computed_tokens += n
             if to_sample[j]:
                 with self.timeline.span("sample", "compute"):
-                    updates.extend(self._sample(h, rows[j], to_sample[j]))
+                    out = _select_rows(out, rows[j])
+                    updates.extend(
+                        self._sample_logits(out if logits else self.model.logits(out), to_sample[j])
+                    )
 
         with self.timeline.span(f"forward m={micro_batches}", "compute"):
-            self.model.forward(mbs, self.kv_cache, self.experts, on_done=done)
+            if self.remote_decode is not None and max(batch.num_new_tokens, default=0) == 1:
+                self.remote_decode.run(mbs, lambda j, logits: done(j, logits, logits=True))
+            else:
+                self.model.forward(mbs, self.kv_cache, self.experts, on_done=done)
         return updates, record
 
     def _decode_step(self, batch: ScheduledBatch) -> list[RequestUpdate]:
@@ -291,12 +310,9 @@ class AttentionWorker:
         with self.timeline.span("sample", "compute"):
             return self._sample_logits(_select_rows(logits, rows), to_sample)
 
-    def _sample(self, h: torch.Tensor, rows: list[int], to_sample: list) -> list[RequestUpdate]:
-        """Next tokens of the requests whose prompt is done (``rows``: their rows in their
-        micro-batch's final hidden states ``h``), appended to them, as the front end's updates."""
-        return self._sample_logits(self.model.logits(_select_rows(h, rows)), to_sample)  # [B, V]
-
     def _sample_logits(self, logits: torch.Tensor, to_sample: list) -> list[RequestUpdate]:
+        """Next tokens of the requests whose prompt is done from their rows of ``logits``
+        ``[B, V]``, appended to them, as the front end's updates."""
         tokens = sample(
             logits,
             [r.params for r in to_sample],

@@ -277,6 +277,8 @@ class ShmLane:
             # memory lives until the last mapping goes.
             os.unlink(path)
         self.staged = [bytearray() for _ in range(self.size)]
+        # len(staged[j]), where native calls that take frames off the rings look (`native_inbox`)
+        self.staged_bytes = np.zeros(self.size, dtype=np.int64)
         self._head = np.empty(1, dtype=np.int64)  # a frame's length
         self._head_bytes = self._head.view(np.uint8)
         # The native calls take a ring by its address (its header's; the data follow it)
@@ -373,6 +375,7 @@ class ShmLane:
                 self.staged[j] += ring.data[off : off + first].tobytes()
                 if n > first:
                     self.staged[j] += ring.data[: n - first].tobytes()
+                self.staged_bytes[j] = len(self.staged[j])
                 self._consumed(ring, r + n)
 
     @staticmethod
@@ -421,6 +424,7 @@ class ShmLane:
                 n = min(len(staged), total - done)
                 out[done : done + n] = np.frombuffer(staged, dtype=np.uint8, count=n)
                 del staged[:n]
+                self.staged_bytes[j] = len(staged)
                 done += n
                 waiter = None
                 continue
@@ -447,6 +451,21 @@ class ShmLane:
         if self._native is None or j == self.me:
             return None
         return self._out_at[j]
+
+    def native_inbox(self, j: int) -> tuple[int, int] | None:
+        """For native calls that take member j's frames as `recv_frame` does
+        (`cpu_native.RemoteDecode`): the address of its ring towards this rank, and that of the
+        count (int64) of its bytes a wait has moved into staging here, which come before the
+        ring's (a native call must leave the frame to `recv_frame` while there are any); None
+        where frames go through Python."""
+        if self._native is None or j == self.me:
+            return None
+        return self._in_at[j], self.staged_bytes.ctypes.data + 8 * j
+
+    @property
+    def native_spin_ns(self) -> int:
+        """How long a native receive polls for a frame before the Python wait takes over."""
+        return self._native_spin_ns
 
     def send_frame(self, j: int, src: torch.Tensor, start: int, size: int) -> None:
         """Frames bytes ``start .. start + size`` of ``src`` (contiguous) to member j, natively

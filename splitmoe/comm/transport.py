@@ -478,6 +478,24 @@ class Transport(ABC):
         self._in_flight.clear()
 
 
+@dataclass
+class NativeFrames:
+    """`FlatTransport.native_frames`: the base address of the ring towards (``rings_out``) and
+    from (``rings_in``) each expert rank, the address of the count of each one's bytes staged
+    (``staged_in``, `ShmLane.native_inbox`), the data bytes of each direction's rings, how long
+    a native receive polls (ns), and the lanes' sends and receives that wait by the
+    shared-memory rules (``send(r, src, byte offset, bytes)`` to expert rank r, ``recv``
+    likewise) for the frames the native calls leave."""
+
+    rings_out: list[int]
+    rings_in: list[int]
+    staged_in: list[int]
+    capacities: tuple[int, int]
+    spin_ns: int
+    send: Callable[[int, torch.Tensor, int, int], None]
+    recv: Callable[[int, torch.Tensor, int, int], None]
+
+
 TRANSPORTS: dict[str, type[Transport]] = {}
 
 
@@ -559,6 +577,32 @@ class FlatTransport(Transport):
         return DispatchHandle(
             token_index=token_index, send_counts=counts, num_tokens=x.shape[0], layer=layer
         )
+
+    def native_frames(self) -> NativeFrames | None:
+        """Where an attention rank's decode can move its frames in its own native calls
+        (`cpu_native.RemoteDecode`, the same frames as `dispatch_static` and `combine`): the
+        rings and the lanes' waiting paths; None where `dispatches_static` is not."""
+        if self._dispatch_send is None:
+            return None
+        A, E = self.topo.num_attention, self.topo.num_expert
+        out, back = self.lanes["dispatch"], self._frames
+        inboxes = [back.native_inbox(A + r) for r in range(E)]
+        return NativeFrames(
+            rings_out=[out.native_ring(A + r) for r in range(E)],
+            rings_in=[ring for ring, _ in inboxes],
+            staged_in=[staged for _, staged in inboxes],
+            capacities=(out.capacity, back.capacity),
+            spin_ns=back.native_spin_ns,
+            send=lambda r, src, start, size: out.send_frame(A + r, src, start, size),
+            recv=lambda r, dst, start, size: back.recv_frame(A + r, dst, start, size),
+        )
+
+    def account_native(self, layer: int, per_rank: list[int], rows: torch.Tensor, seconds: float):
+        """The stats of one (layer, micro-batch) whose frames `native_frames`' user moved:
+        ``per_rank`` rows of ``rows``' size to each expert rank, ``seconds`` of exchange."""
+        self.stats.call(layer, "flat")
+        self.stats.record(layer)["seconds"]["exchange"] += seconds
+        self._account(layer, "dispatch", [0] * self.topo.num_attention + per_rank, rows)
 
     def _dispatch_rows(self, rows: torch.Tensor, counts: list[int], layer: int):
         rows = rows.to(self.comm_device)

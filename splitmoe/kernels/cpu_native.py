@@ -90,6 +90,8 @@ _SIGNATURES = {
         + [_i64, _p, _p, _i64, _i64, _i64, _f32, _p, _p, _i64, _i64, ctypes.c_int, _p, _p, _p],
     ),
     "splitmoe_lm_head_f32": (None, [_p, _i64, _i64, _p, _i64, _p]),
+    "splitmoe_remote_layer": (ctypes.c_int64, [_p, _i64]),
+    "splitmoe_remote_struct_bytes": (ctypes.c_int64, [_i64]),
     "splitmoe_decode_step_f32": (
         ctypes.c_int,
         [_p, _i64, _p, _i64, _i64, _p, _i64, _f32, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _p]
@@ -980,3 +982,247 @@ class DecodeStep:
             raise ValueError(f"cpu kernels: decode step got a token id outside 0..{self.vocab - 1}")
         _raise_step_error(rc, "decode step", kv_pool)
         return logits
+
+
+class _RemoteModel(ctypes.Structure):
+    """The C ``struct remote_model`` (see `RemoteDecode`)."""
+
+    _fields_ = [
+        *((name, _p if name == "layers" else _i64) for name in ("layers", "L", "H", "nh", "nkv")),
+        *((name, _i64) for name in ("d", "E", "k", "renorm", "V")),
+        ("eps", ctypes.c_double),
+        ("scale", ctypes.c_double),
+        *((name, _p) for name in ("embed", "final_norm", "lm_head", "kv")),
+        *((name, _i64) for name in ("kv_layer_st", "kv_v_off", "num_blocks", "block_size")),
+        *((name, _p) for name in ("expert_slot", "load", "slot_rank", "slot_local")),
+        ("num_slots", _i64),
+        ("R", _i64),
+        *((name, _p) for name in ("rings_out", "rings_in", "staged_in")),
+        *((name, _i64) for name in ("cap_out", "cap_in", "spin_ns")),
+    ]
+
+
+class _RemoteBatch(ctypes.Structure):
+    """The C ``struct remote_batch`` (see `RemoteBatch`)."""
+
+    _fields_ = [
+        ("m", _p),
+        ("T", _i64),
+        *((name, _p) for name in ("input_ids", "cos_t", "sin_t")),
+        ("cs_st", _i64),
+        ("block_tables", _p),
+        ("table_st", _i64),
+        ("table_width", _i64),
+        *((name, _p) for name in ("seq_lens", "slots", "h", "x", "weights", "partial", "sum")),
+        *((name, _p) for name in ("ids", "token_index", "rows", "counts", "sent", "got")),
+        *((name, _p) for name in ("stamps", "logits")),
+        *((name, _i64) for name in ("max_len", "P", "pending", "waiting", "wait_rank")),
+    ]
+
+
+class RemoteDecode:
+    """An attention rank's decode step whose routed experts live on expert ranks reached over
+    shared-memory rings, in one native call per (layer, micro-batch) (`splitmoe_remote_layer`):
+    the combine of the previous layer's partial sums off the rings and the residual add, the
+    `DecodeLayer` (layer 0: after the embedding), and the dispatch of `DispatchSend`; after the
+    last layer its combine, the final RMSNorm and the LM head. The same kernels in the same order
+    as `AttentionModel.forward` with `FlatTransport.dispatch_static` / `combine` and then
+    `AttentionModel.logits`, so hidden states and logits are bit-identical to theirs, and the
+    same frames on the rings: the expert ranks cannot tell the two apart.
+
+    At decode batch sizes the Python around those kernels (the forward loop, the decode layer's
+    wrapper, the dispatch's routing and bookkeeping, the combine's frames and sums) cost about as
+    much as the kernels on the attention rank, which with two micro-batches is the one that sets
+    the pace.
+
+    Built once per rank from the model's `DecodeLayer`s (all MoE layers: a router, no shared
+    expert), ``embed [V, H]``, ``final_norm [H]``, ``lm_head [V, H]``, the paged ``kv_pool [L, 2,
+    blocks, block_size, nkv, d]`` (float32, contiguous), the transport's ``slot_rank /
+    slot_local [S]``, the base address of the ring towards (``rings_out``) and from
+    (``rings_in``) each expert rank with their data bytes, the address of the count of bytes
+    from each one the lane staged (``staged_in``: a frame that begins there is left to the
+    caller), and how long a call polls for a frame before it hands the wait back (``spin_ns``).
+    `set_maps` gives each layer's expert -> slot map and load counts; `batch` one micro-batch's
+    buffers and call."""
+
+    def __init__(
+        self,
+        layers: list[DecodeLayer],
+        embed: torch.Tensor,
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        kv_pool: torch.Tensor,
+        scale: float,
+        slot_rank: torch.Tensor,
+        slot_local: torch.Tensor,
+        rings_out: list[int],
+        rings_in: list[int],
+        staged_in: list[int],
+        capacities: tuple[int, int],
+        spin_ns: int,
+    ):
+        lib = library()
+        mirrors = (_RemoteModel, _RemoteBatch)
+        if any(
+            lib.splitmoe_remote_struct_bytes(i) != ctypes.sizeof(c) for i, c in enumerate(mirrors)
+        ):
+            raise RuntimeError("cpu kernels: the remote decode structs do not match the C source")
+        H, nh, nkv, d, eps, E, k, renorm = layers[0].shape
+        if any(not layer.has_router or layer.shape != layers[0].shape for layer in layers):
+            raise ValueError("cpu kernels: remote decode layers must all be alike MoE layers")
+        if k > MAX_TOP_K:
+            raise ValueError(f"cpu kernels: remote decode takes top_k <= {MAX_TOP_K}, got {k}")
+        L, V = len(layers), embed.shape[0]
+        for name, t, shape in (
+            ("embed", embed, (V, H)),
+            ("final_norm", final_norm, (H,)),
+            ("lm_head", lm_head, (V, H)),
+        ):
+            _check_f32(name, t)
+            if tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(
+                    f"cpu kernels: remote decode {name} is {tuple(t.shape)}, want {shape}"
+                )
+        _check_f32("kv_pool", kv_pool)
+        if kv_pool.dim() != 6 or kv_pool.shape[:2] != (L, 2) or kv_pool.shape[4:] != (nkv, d):
+            raise ValueError(
+                f"cpu kernels: remote decode kv_pool is {tuple(kv_pool.shape)}, want [{L}, 2, "
+                f"blocks, block_size, {nkv}, {d}]"
+            )
+        if not kv_pool.is_contiguous():
+            raise ValueError("cpu kernels: remote decode kv_pool must be contiguous")
+        R = len(rings_out)
+        self._layers = torch.tensor(
+            [layer.addresses + [0, 0] for layer in layers], dtype=torch.int64
+        )
+        self._rings = torch.tensor([rings_out, rings_in, staged_in], dtype=torch.int64)
+        self._maps = torch.zeros(2, L, dtype=torch.int64)  # expert_slot, load addresses per layer
+        self._keep = [list(layers), embed, final_norm, lm_head, kv_pool, slot_rank, slot_local]
+        self._held: list = []  # the maps' tensors
+        self.num_layers, self.num_ranks, self.hidden, self.top_k, self.vocab = L, R, H, k, V
+        nb, bs = kv_pool.shape[2:4]
+        self._model = _RemoteModel(
+            self._layers.data_ptr(), L, H, nh, nkv, d, E, k, int(renorm), V, eps, scale,
+            embed.data_ptr(), final_norm.data_ptr(), lm_head.data_ptr(), kv_pool.data_ptr(),
+            kv_pool.stride(0), kv_pool.stride(1), nb, bs,
+            self._maps[0].data_ptr(), self._maps[1].data_ptr(),
+            slot_rank.data_ptr(), slot_local.data_ptr(), slot_rank.numel(), R,
+            *(ring.data_ptr() for ring in self._rings), *capacities, spin_ns,
+        )  # fmt: skip
+        self._batches: dict[int, RemoteBatch] = {}
+
+    def set_maps(self, maps: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> None:
+        """Each layer's ``(expert_slot [E], load [E])`` int64, contiguous, as
+        `DispatchSend` takes them (None: the expert id is its slot / not counted); held until
+        the next call."""
+        addresses = [[0 if t is None else t.data_ptr() for t in pair] for pair in maps]
+        self._maps.copy_(torch.tensor(addresses, dtype=torch.int64).t())
+        self._held = maps
+
+    def batch(self, j: int, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              meta: AttentionMetadata) -> RemoteBatch:  # fmt: skip
+        """Micro-batch j of this step: ``input_ids [T]`` int64, one per sequence of ``meta``,
+        and their RoPE rows as `DecodeLayer` takes them (its buffers are reused by the next
+        step's micro-batch j)."""
+        T = input_ids.shape[0]
+        _check_step_call(
+            "remote decode",
+            input_ids,
+            input_ids.dtype == torch.int64 and input_ids.dim() == 1 and input_ids.is_contiguous(),
+            "contiguous int64 input ids [T], one per sequence",
+            meta,
+            (("cos", cos), ("sin", sin)),
+        )
+        b = self._batches.get(j)
+        if b is None or b.T != T:
+            b = self._batches[j] = RemoteBatch(self, T)
+        b.start(input_ids, cos, sin, meta)
+        return b
+
+
+class RemoteBatch:
+    """One micro-batch of a `RemoteDecode` step. ``layer(i)`` (i = 0 .. L) is the native call
+    (`splitmoe_remote_layer`'s return codes: 0 done; 1 the frame of expert rank `wait_rank` has
+    not arrived: receive it into ``partial`` at `pending_frame`, then `got` it and call again;
+    2 the frames of the ranks `unsent` lists did not fit their rings: send them from ``rows``).
+    ``counts [L, R]``: the rows sent to each expert rank per layer; ``stamps [L + 1, 4]``: the
+    clock (ns) at each call's start, once its combine, its layer and its dispatch were done;
+    ``logits [T, V]``, written by call L."""
+
+    def __init__(self, owner: RemoteDecode, T: int):
+        L, R, H, k = owner.num_layers, owner.num_ranks, owner.hidden, owner.top_k
+        P = T * min(k, R)
+        f32 = functools.partial(torch.empty, dtype=torch.float32)
+        i64 = functools.partial(torch.empty, dtype=torch.int64)
+        self.T = T
+        self.h, self.x, self.sum, self.weights = f32(T, H), f32(T, H), f32(T, H), f32(T, k)
+        self.partial, self.logits = f32(P, H), f32(T, owner.vocab)
+        self.ids, self.token_index = i64(T, k), i64(P)
+        self.rows = torch.empty(P, H * 4 + 8 * k, dtype=torch.uint8)
+        self.counts, self.flags, self.stamps = i64(L, R), i64(2, R), i64(L + 1, 4)
+        self.counts_np, self.stamps_np = self.counts.numpy(), self.stamps.numpy()
+        self._sent, self._got = self.flags.numpy()
+        self._owner = owner  # (its model struct outlives this batch)
+        self._c = _RemoteBatch(ctypes.addressof(owner._model), T)
+        for name in ("h", "x", "weights", "partial", "sum", "ids", "token_index", "rows"):
+            setattr(self._c, name, getattr(self, name).data_ptr())
+        self._c.counts, self._c.stamps = self.counts.data_ptr(), self.stamps.data_ptr()
+        self._c.sent, self._c.got = self.flags[0].data_ptr(), self.flags[1].data_ptr()
+        self._c.logits = self.logits.data_ptr()
+        self._address = ctypes.addressof(self._c)
+        self._call = library().splitmoe_remote_layer
+        self._inputs: tuple = ()
+
+    def start(self, input_ids, cos, sin, meta) -> None:
+        tables, lens, slots = _step_addresses(meta)
+        self._inputs = (input_ids, cos, sin, tables, lens, slots)  # alive for the step's calls
+        c = self._c
+        c.input_ids, c.cos_t, c.sin_t = input_ids.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        c.cs_st, c.block_tables = cos.stride(0), tables.data_ptr()
+        c.table_st, c.table_width = tables.stride(0), tables.shape[1]
+        c.seq_lens, c.slots = lens.data_ptr(), slots.data_ptr()
+        c.pending = c.waiting = 0
+
+    def layer(self, i: int) -> int:
+        rc = self._call(self._address, i)
+        if rc < 0:
+            self._raise(rc)
+        return rc
+
+    def _raise(self, rc: int) -> None:
+        pool = self._owner._keep[4]
+        if rc == -2:
+            raise ValueError(
+                f"cpu kernels: remote decode got a token id outside 0..{self._owner.vocab - 1}"
+            )
+        if rc == -5:
+            raise ValueError(
+                "cpu kernels: remote decode routed to an expert id or slot out of range"
+            )
+        if rc == -6:
+            return  # (the caller's receive reports the diverged frame)
+        _raise_step_error(rc, "remote decode", pool)
+
+    @property
+    def wait_rank(self) -> int:
+        """The expert rank whose frame call 1 waits for (`layer` returned 1 or -6)."""
+        return self._c.wait_rank
+
+    def pending_frame(self, layer: int, r: int) -> tuple[int, int]:
+        """``(byte offset in partial, bytes)`` of expert rank r's partial sums of ``layer``."""
+        counts = self.counts_np[layer]
+        rb = self.partial.shape[1] * 4
+        return int(counts[:r].sum()) * rb, int(counts[r]) * rb
+
+    def got(self, r: int) -> None:
+        self._got[r] = 1
+
+    def unsent(self, layer: int) -> list[tuple[int, int, int]]:
+        """``(expert rank, byte offset in rows, bytes)`` of the frames the last call left."""
+        counts, rb = self.counts_np[layer].tolist(), self.rows.shape[1]
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        return [
+            (r, starts[r] * rb, counts[r] * rb) for r in range(len(counts)) if not self._sent[r]
+        ]

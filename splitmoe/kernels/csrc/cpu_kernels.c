@@ -1392,3 +1392,168 @@ int64_t splitmoe_dispatch_send(const int64_t *ids, int64_t T, int64_t k, const i
     }
     return P;
 }
+
+/* ---- a decode micro-batch's layers with the experts on other ranks -------------------------- */
+
+/* An attention rank's decode step when the routed experts live on expert ranks reached over
+ * shared-memory rings (attention-FFN disaggregation), one call per (layer, micro-batch): the
+ * unit the ping-pong pipeline interleaves. At decode batch sizes the Python around the per-layer
+ * kernels (the combine's frames and sums, the decode layer's wrapper, the dispatch's routing
+ * and bookkeeping) cost about as much as the kernels did.
+ *
+ * The rank's model, cache and rings, set once (and the per-layer maps between steps): */
+struct remote_model {
+    const struct step_layer *layers; /* [L] (w13t / w2t unused) */
+    int64_t L, H, nh, nkv, d, E, k, renorm, V;
+    double eps, scale;
+    const float *embed, *final_norm, *lm_head;
+    float *kv;                     /* the paged pool: layer l's K at kv + l * kv_layer_st */
+    int64_t kv_layer_st, kv_v_off; /* its V at K + kv_v_off */
+    int64_t num_blocks, block_size;
+    const int64_t *expert_slot; /* [L] addresses of each layer's expert -> slot map [E] (0: id) */
+    const int64_t *load;        /* [L] addresses of each layer's load counts [E] (0: none) */
+    const int64_t *slot_rank, *slot_local;
+    int64_t num_slots, R;
+    const int64_t *rings_out; /* [R] the ring towards each expert rank (dispatch) */
+    const int64_t *rings_in;  /* [R] the ring from each expert rank (partial sums) */
+    const int64_t *staged_in; /* [R] the address of the count (int64) of bytes from each one
+                                 that the Python side moved into staging while it waited */
+    int64_t cap_out, cap_in, spin_ns;
+};
+
+/* One micro-batch of a step: its T one-token sequences (as splitmoe_decode_step_f32 takes
+ * them), the buffers its calls share (Pmax = T * min(k, R) rows), and what carries from one
+ * call to the next. */
+struct remote_batch {
+    const struct remote_model *m;
+    int64_t T;
+    const int64_t *input_ids;
+    const float *cos_t, *sin_t;
+    int64_t cs_st;
+    const int32_t *block_tables;
+    int64_t table_st, table_width;
+    const int64_t *seq_lens, *slots;
+    float *h, *x, *weights, *partial, *sum; /* [T, H], [T, H], [T, k], [Pmax, H], [T, H] */
+    int64_t *ids, *token_index;             /* [T, k], [Pmax] */
+    uint8_t *rows;                          /* [Pmax, H * 4 + 8 k] */
+    int64_t *counts;                        /* [L, R]: each layer's rows per expert rank */
+    int64_t *sent, *got;                    /* [R]: the last dispatch's frames sent, partial
+                                               sums received */
+    int64_t *stamps;                        /* [L + 1, 4] ns (see splitmoe_remote_layer) */
+    float *logits;                          /* [T, V] */
+    int64_t max_len, P, pending, waiting, wait_rank;
+};
+
+/* Call `layer` of a micro-batch, layer = 0 .. L (L: the last one's combine and the logits):
+ *   1. (layer > 0) the combine of layer - 1: each expert rank's frame of partial sums (as many
+ *      rows as it was sent) from its ring, then h += their sum per token (the rows of a token in
+ *      rank order onto zeros, as torch's index_add_ does; a rank's rows as they are where one
+ *      rank got every token), the same bits as FlatTransport.combine and the residual add;
+ *   2. (layer < L) the decode layer (splitmoe_decode_layer_f32's steps; layer 0 first takes the
+ *      embedding rows), then splitmoe_dispatch_send of x and the top-k under the layer's map;
+ *   3. (layer = L) logits = RMSNorm(h) * final_norm times lm_head, as splitmoe_decode_step_f32.
+ * stamps[layer] gets the clock (CLOCK_MONOTONIC ns, time.perf_counter's) at the call's start,
+ * once the combine is done, the layer is done and the dispatch is done.
+ * Returns 0 when done; 1 when the frame from expert rank wait_rank has not arrived within the
+ * spin, or begins with bytes the Python side staged (nothing else received is lost: got[] marks
+ * the frames taken; the caller receives that one into partial, sets got[wait_rank] and calls
+ * again); 2 when done but some frames did not
+ * fit their rings (sent[r] = 0: the caller sends them); -1 out of scratch memory; -2 a token id
+ * outside 0..V-1; -3 a block table, sequence length or slot that does not fit the cache; -5 an
+ * expert id or slot out of range; -6 the frame from wait_rank is not the size expected (nothing
+ * consumed: the caller reports the diverged calls). Before any work for -2 and -3. */
+int64_t splitmoe_remote_layer(struct remote_batch *b, int64_t layer) {
+    const struct remote_model *m = b->m;
+    const int64_t T = b->T, H = m->H, R = m->R, k = m->k;
+    int64_t *stamps = b->stamps + 4 * layer;
+    if (!b->waiting) stamps[0] = now_ns();
+    if (layer == 0) {
+        for (int64_t t = 0; t < T; t++)
+            if (b->input_ids[t] < 0 || b->input_ids[t] >= m->V) return -2;
+        b->max_len = check_tables(b->block_tables, b->table_st, b->table_width, m->num_blocks,
+                                  b->seq_lens, NULL, T, m->block_size);
+        if (b->max_len < 0 || !slots_fit(b->slots, T, m->num_blocks * m->block_size)) return -3;
+        for (int64_t t = 0; t < T; t++)
+            memcpy(b->h + t * H, m->embed + b->input_ids[t] * H, sizeof(float) * (size_t)H);
+        b->pending = 0;
+    }
+    if (b->pending) {
+        const int64_t *counts = b->counts + (layer - 1) * R;
+        int64_t at = 0, most = 0;
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t n = counts[r];
+            if (n && !b->got[r]) {
+                if (*(const int64_t *)(intptr_t)m->staged_in[r]) { /* the frame starts there */
+                    b->wait_rank = r;
+                    b->waiting = 1;
+                    return 1;
+                }
+                const int64_t got = splitmoe_ring_recv(
+                    (uint8_t *)(intptr_t)m->rings_in[r], m->cap_in,
+                    (uint8_t *)(b->partial + at * H), n * H * (int64_t)sizeof(float), m->spin_ns);
+                if (got < 0) {
+                    b->wait_rank = r;
+                    b->waiting = got == -1;
+                    return got == -1 ? 1 : -6;
+                }
+                b->got[r] = 1;
+            }
+            at += n;
+            if (n > most) most = n;
+        }
+        b->waiting = 0;
+        if (b->P == T && most == T) { /* one rank's rows are each token's sum, in token order */
+            for (int64_t i = 0; i < T * H; i++) b->h[i] += b->partial[i];
+        } else {
+            memset(b->sum, 0, sizeof(float) * (size_t)(T * H));
+            for (int64_t p = 0; p < b->P; p++) {
+                float *s = b->sum + b->token_index[p] * H;
+                const float *src = b->partial + p * H;
+                for (int64_t c = 0; c < H; c++) s[c] += src[c];
+            }
+            for (int64_t i = 0; i < T * H; i++) b->h[i] += b->sum[i];
+        }
+        b->pending = 0;
+    }
+    stamps[1] = now_ns();
+    if (layer == m->L) {
+        if (T) {
+            splitmoe_rms_norm_f32(b->h, H, 0, T, 1, H, m->final_norm, 0, (float)m->eps, b->x, H,
+                                  0);
+            splitmoe_lm_head_f32(b->x, T, H, m->lm_head, m->V, b->logits);
+        }
+        stamps[2] = stamps[3] = now_ns();
+        return 0;
+    }
+    const struct step_layer *w = &m->layers[layer];
+    if (T) {
+        float *k_cache = m->kv + layer * m->kv_layer_st;
+        struct decode_layer a = {
+            b->h, H, w->in_norm, w->post_norm, (float)m->eps, w->wqkv_t, w->b_qkv, w->qk_norm_w,
+            b->cos_t, b->sin_t, b->cs_st, k_cache, k_cache + m->kv_v_off, m->block_size,
+            b->block_tables, b->table_st, b->seq_lens, b->slots, b->max_len, m->nh, m->nkv, m->d,
+            (float)m->scale, w->wo_t, w->router_t, m->E, k, (int)m->renorm, b->x, b->ids,
+            b->weights, 0, T, 0};
+        const int rc = decode_layer_run(&a);
+        if (rc) return rc;
+    }
+    stamps[2] = now_ns();
+    const int64_t P = splitmoe_dispatch_send(
+        b->ids, T, k, (const int64_t *)(intptr_t)m->expert_slot[layer], m->E,
+        (int64_t *)(intptr_t)m->load[layer], m->slot_rank, m->slot_local, m->num_slots, R,
+        (const uint8_t *)b->x, H * (int64_t)sizeof(float), b->weights, b->rows, b->token_index,
+        b->counts + layer * R, m->rings_out, m->cap_out, b->sent);
+    stamps[3] = now_ns();
+    if (P < 0) return P == -1 ? -5 : -1;
+    b->P = P;
+    b->pending = 1;
+    for (int64_t r = 0; r < R; r++) b->got[r] = 0;
+    for (int64_t r = 0; r < R; r++)
+        if (!b->sent[r]) return 2;
+    return 0;
+}
+
+/* The sizes of the structs above, for the Python side's check of its mirror of them. */
+int64_t splitmoe_remote_struct_bytes(int64_t which) {
+    return which == 0 ? (int64_t)sizeof(struct remote_model) : (int64_t)sizeof(struct remote_batch);
+}

@@ -1,0 +1,125 @@
+"""A decode step on an attention rank whose experts live on expert ranks of this host, with
+each (layer, micro-batch) of the ping-pong in one native call (`cpu_native.RemoteDecode`).
+
+`AttentionModel.forward` with `RemoteExperts` runs the same kernels and sends the same frames,
+but at decode batch sizes the Python between them (the forward loop, the decode layer's
+wrapper, the dispatch's routing and bookkeeping, the combine's frames and sums: ~40 us a layer
+and micro-batch on the 2-core CPU host) costs about as much as the kernels. With two
+micro-batches the attention rank is the one that sets the pace, so that Python was the
+pipeline's bound. Here the loop only calls the native layer and, where a frame has not arrived
+within the native spin or does not fit its ring, waits for it through the lane (which keeps the
+shared-memory rules: the progress rule, futex sleeps, the peer's liveness, the timeout). The
+stats and the timeline get the same records, from the calls' clock readings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from splitmoe.attention_nodes.kv_cache import PagedKVCache
+from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
+from splitmoe.comm.transport import Transport
+from splitmoe.scheduler.balancer import Balancer
+from splitmoe.timeline import Timeline
+
+
+class RemoteDecodeStep:
+    """Decode steps of `AttentionModel` with its experts behind the flat transport's
+    shared-memory rings, under the static balancer. `build` returns None where that does not
+    hold: a dense layer or a shared expert, no native kernels, a transport or balancer that
+    routes any other way."""
+
+    def __init__(self, model, kv_cache, transport, balancer, timeline, frames):
+        from splitmoe.kernels import cpu_native
+
+        self.model = model
+        self.transport = transport
+        self.balancer = balancer
+        self.timeline = timeline
+        self.frames = frames
+        self.num_layers = L = len(model.layers)
+        self.native = cpu_native.RemoteDecode(
+            model.decode_layers,
+            model.embed,
+            model.final_norm,
+            model.lm_head,
+            kv_cache.pool,
+            model.scale,
+            transport.slot_rank,
+            transport.slot_local,
+            frames.rings_out,
+            frames.rings_in,
+            frames.staged_in,
+            frames.capacities,
+            frames.spin_ns,
+        )
+        self._names = [(f"dispatch L{i}", f"combine L{i}") for i in range(L)]
+        self._maps: list | None = None
+
+    @classmethod
+    def build(
+        cls,
+        model: AttentionModel,
+        kv_cache: PagedKVCache,
+        transport: Transport,
+        balancer: Balancer,
+        timeline: Timeline,
+    ) -> RemoteDecodeStep | None:
+        native_frames = getattr(transport, "native_frames", None)
+        frames = native_frames() if native_frames is not None else None
+        fits = (
+            frames is not None
+            and model.decode_layers is not None
+            and model.embed.dtype == torch.float32
+            and all(w.router is not None and w.mlp_gate_up is None for w in model.layers)
+            and model.cfg.top_k <= model.native.MAX_TOP_K
+            and all(balancer.static_map(i) is not None for i in range(len(model.layers)))
+        )
+        return cls(model, kv_cache, transport, balancer, timeline, frames) if fits else None
+
+    def run(self, mbs: Sequence[MicroBatch], on_logits: Callable[[int, torch.Tensor], None]):
+        """The step of micro-batches ``mbs`` of one-token sequences, layer by layer and
+        micro-batch by micro-batch as `AttentionModel.forward` runs them (micro-batch j read when
+        layer 0 reaches it); ``on_logits(j, logits [T_j, V])`` as soon as micro-batch j's are
+        final (valid until the next step)."""
+        maps = [self.balancer.static_map(i) for i in range(self.num_layers)]
+        if self._maps is None or any(
+            a[0] is not b[0] or a[1] is not b[1] for a, b in zip(maps, self._maps)
+        ):  # (a new placement: new expert -> slot maps)
+            self.native.set_maps(maps)
+            self._maps = maps
+        L, frames = self.num_layers, self.frames
+        batches = []
+        for i in range(L + 1):
+            for j in range(len(mbs)):
+                if i == 0:
+                    mb = mbs[j]
+                    cos, sin = self.model.rope(mb.positions, torch.float32)
+                    batches.append(self.native.batch(j, mb.input_ids, cos, sin, mb.meta))
+                b = batches[j]
+                rc = b.layer(i)
+                while rc == 1:  # a frame of partial sums not here yet: the lane's wait
+                    r = b.wait_rank
+                    frames.recv(r, b.partial, *b.pending_frame(i - 1, r))
+                    b.got(r)
+                    rc = b.layer(i)
+                if rc == 2:  # frames without room on their rings now: the lane's send
+                    for r, start, size in b.unsent(i):
+                        frames.send(r, b.rows, start, size)
+                if i == L:
+                    on_logits(j, b.logits)
+        self._record(batches)
+
+    def _record(self, batches: list) -> None:
+        """The timeline's dispatch and combine spans and the transport's stats of the step."""
+        add, account = self.timeline.add, self.transport.account_native
+        for b in batches:
+            s = (b.stamps_np * 1e-9).tolist()  # [L + 1, 4] seconds
+            counts = b.counts_np.tolist()
+            for i, (dispatch, combine) in enumerate(self._names):
+                add(dispatch, "comm", s[i][2], s[i][3])
+                add(combine, "wait", s[i + 1][0], s[i + 1][1])
+                seconds = s[i][3] - s[i][2] + s[i + 1][1] - s[i + 1][0]
+                account(i, counts[i], b.rows, seconds)
