@@ -74,3 +74,4 @@ def test_kernel_threads_match_hf(attention_ranks, expert_ranks, threads, tiny_ck
         assert stats[0]["fused_decode_step"] == (expert_ranks == 0)
         # experts on other ranks: each decode (layer, micro-batch) is one native call
         assert stats[0]["remote_decode_step"] == (expert_ranks > 0)
+        assert all(s["native_expert_step"] for s in stats if s["role"] == "expert")

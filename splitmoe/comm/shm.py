@@ -486,6 +486,16 @@ class ShmLane:
         self._read(j, self._head_bytes)
         return int(self._head[0])
 
+    def recv_header(self, j: int) -> int:
+        """Waits for member j's next frame and takes its header: the frame's byte length (its
+        bytes follow: `recv_bytes`)."""
+        return self._read_header(j)
+
+    def recv_bytes(self, j: int, dst: torch.Tensor, start: int, size: int) -> None:
+        """Fills bytes ``start .. start + size`` of ``dst`` (contiguous) with the next bytes from
+        member j (a frame's, after `recv_header`), waiting for them as needed."""
+        self._read(j, _flat_bytes(dst)[start : start + size])
+
     def _peek(self, j: int) -> int:
         """The byte length of member j's next frame if it can be taken natively (it has arrived
         whole within the native spin; nothing consumed), else -1."""

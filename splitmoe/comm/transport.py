@@ -481,11 +481,13 @@ class Transport(ABC):
 @dataclass
 class NativeFrames:
     """`FlatTransport.native_frames`: the base address of the ring towards (``rings_out``) and
-    from (``rings_in``) each expert rank, the address of the count of each one's bytes staged
-    (``staged_in``, `ShmLane.native_inbox`), the data bytes of each direction's rings, how long
-    a native receive polls (ns), and the lanes' sends and receives that wait by the
-    shared-memory rules (``send(r, src, byte offset, bytes)`` to expert rank r, ``recv``
-    likewise) for the frames the native calls leave."""
+    from (``rings_in``) each peer (the expert ranks of an attention rank, the attention ranks of
+    an expert rank), the address of the count of each one's bytes staged (``staged_in``,
+    `ShmLane.native_inbox`), the data bytes of each direction's rings, how long a native
+    receive polls (ns), and the lanes' sends and receives that wait by the shared-memory rules
+    for the frames the native calls leave: ``send(r, src, byte offset, bytes)`` to peer r,
+    ``recv`` likewise (a frame of that size), ``recv_header(r)`` (a frame's size) then
+    ``recv_bytes``."""
 
     rings_out: list[int]
     rings_in: list[int]
@@ -494,6 +496,8 @@ class NativeFrames:
     spin_ns: int
     send: Callable[[int, torch.Tensor, int, int], None]
     recv: Callable[[int, torch.Tensor, int, int], None]
+    recv_header: Callable[[int], int]
+    recv_bytes: Callable[[int, torch.Tensor, int, int], None]
 
 
 TRANSPORTS: dict[str, type[Transport]] = {}
@@ -579,30 +583,46 @@ class FlatTransport(Transport):
         )
 
     def native_frames(self) -> NativeFrames | None:
-        """Where an attention rank's decode can move its frames in its own native calls
-        (`cpu_native.RemoteDecode`, the same frames as `dispatch_static` and `combine`): the
-        rings and the lanes' waiting paths; None where `dispatches_static` is not."""
-        if self._dispatch_send is None:
+        """Where this rank can move its frames in its own native calls, the same frames as
+        `dispatch_static` and `combine` on an attention rank (`cpu_native.RemoteDecode`), as
+        `receive` and `send_back` on an expert rank (`cpu_native.ExpertCall`): the rings towards
+        and from each peer of the other role, and the lanes' waiting paths; None where frames
+        go through Python (not shared-memory lanes, or no native kernels)."""
+        if self._frames is None or not self.native:
             return None
         A, E = self.topo.num_attention, self.topo.num_expert
-        out, back = self.lanes["dispatch"], self._frames
-        inboxes = [back.native_inbox(A + r) for r in range(E)]
+        dispatch, back = self.lanes["dispatch"], self._frames
+        if self.topo.role == "attention":
+            peers, out, into = range(A, A + E), dispatch, back
+        else:
+            peers, out, into = range(A), back, dispatch
+        rings = [out.native_ring(p) for p in peers]
+        inboxes = [into.native_inbox(p) for p in peers]
+        if None in rings or None in inboxes:
+            return None
         return NativeFrames(
-            rings_out=[out.native_ring(A + r) for r in range(E)],
+            rings_out=rings,
             rings_in=[ring for ring, _ in inboxes],
             staged_in=[staged for _, staged in inboxes],
-            capacities=(out.capacity, back.capacity),
-            spin_ns=back.native_spin_ns,
-            send=lambda r, src, start, size: out.send_frame(A + r, src, start, size),
-            recv=lambda r, dst, start, size: back.recv_frame(A + r, dst, start, size),
+            capacities=(out.capacity, into.capacity),
+            spin_ns=into.native_spin_ns,
+            send=lambda r, src, start, size: out.send_frame(peers[r], src, start, size),
+            recv=lambda r, dst, start, size: into.recv_frame(peers[r], dst, start, size),
+            recv_header=lambda r: into.recv_header(peers[r]),
+            recv_bytes=lambda r, dst, start, size: into.recv_bytes(peers[r], dst, start, size),
         )
 
-    def account_native(self, layer: int, per_rank: list[int], rows: torch.Tensor, seconds: float):
+    def account_native(self, layer: int, per_peer: list[int], rows: torch.Tensor, seconds: float):
         """The stats of one (layer, micro-batch) whose frames `native_frames`' user moved:
-        ``per_rank`` rows of ``rows``' size to each expert rank, ``seconds`` of exchange."""
+        ``per_peer`` rows of ``rows``' size sent to each peer (dispatched to each expert rank,
+        or partial sums back to each attention rank), ``seconds`` of exchange."""
         self.stats.call(layer, "flat")
         self.stats.record(layer)["seconds"]["exchange"] += seconds
-        self._account(layer, "dispatch", [0] * self.topo.num_attention + per_rank, rows)
+        A, E = self.topo.num_attention, self.topo.num_expert
+        if self.topo.role == "attention":
+            self._account(layer, "dispatch", [0] * A + per_peer, rows)
+        else:
+            self._account(layer, "combine", per_peer + [0] * E, rows)
 
     def _dispatch_rows(self, rows: torch.Tensor, counts: list[int], layer: int):
         rows = rows.to(self.comm_device)

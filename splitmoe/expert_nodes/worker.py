@@ -34,6 +34,26 @@ class ExpertWorker:
         self.transport = transport
         self.tokens_served = 0
         self.timeline = Timeline()
+        # tokens over shared-memory rings and experts on the native kernels: each (layer,
+        # micro-batch) is one native call
+        self.native = None
+        frames = getattr(transport, "native_frames", lambda: None)()
+        if frames is not None and self.experts.backend == "cpu" and self.moe_layers:
+            from splitmoe.kernels import cpu_native
+
+            self.frames = frames
+            self.native = cpu_native.ExpertCall(
+                cfg.model.hidden_size,
+                cfg.model.top_k,
+                cfg.model.moe_intermediate_size,
+                frames.rings_out,
+                frames.rings_in,
+                frames.staged_in,
+                frames.capacities,
+                frames.spin_ns,
+            )
+            self.native.set_layers([self.experts.weights[layer] for layer in self.moe_layers])
+            self._names: dict[tuple[int, int], tuple[str, str, str]] = {}
 
     def stats(self) -> dict:
         return {
@@ -43,17 +63,23 @@ class ExpertWorker:
             "weights_reloaded": self.experts.weights_reloaded,
             "tokens_served": self.tokens_served,
             "moe_backend": self.experts.backend,
+            # (tokens over shared-memory rings, native: a call per layer and micro-batch)
+            "native_expert_step": self.native is not None,
         }
 
     def set_placement(self, placement: Placement) -> None:
         """Rebalance (between steps): loads the weights of the slots whose expert changes."""
         self.experts.update(placement.experts_on(self.topo.expert_index))
         self.placement = placement
+        if self.native is not None:
+            self.native.set_layers([self.experts.weights[layer] for layer in self.moe_layers])
 
     def step(self, micro_batches: int = 1) -> None:
         """One engine step: the MoE layers in order, each micro-batch in order, as every
         attention rank runs them. A micro-batch's partial sums leave asynchronously, so the next
         one is received (and the attention ranks are unblocked) at once."""
+        if self.native is not None:
+            return self._native_step(micro_batches)
         tl = self.timeline
         for layer in self.moe_layers:
             for j in range(micro_batches):
@@ -66,3 +92,55 @@ class ExpertWorker:
                 self.tokens_served += batch.rows.shape[0]
         with tl.span("flush", "wait"):
             self.transport.flush()
+
+    def _native_step(self, micro_batches: int) -> None:
+        """`step` with each (layer, micro-batch) in one native call (`cpu_native.ExpertCall`):
+        the same frames and partial sums. A frame not here within the call's spin, or without
+        room on its ring, goes through the lane's wait; the timeline and the transport's stats
+        get the same records, from the calls' clock readings."""
+        call, frames = self.native, self.frames
+        done = []
+        for i, layer in enumerate(self.moe_layers):
+            for j in range(micro_batches):
+                rc = call.layer(i)
+                while rc in (1, 3):
+                    if rc == 3:
+                        call.grow(call.need)
+                    else:
+                        self._receive(call.wait_rank)
+                    rc = call.layer(i)
+                if rc == 2:  # partial sums without room on their rings now
+                    for a, start, size in call.unsent():
+                        frames.send(a, call.y, start, size)
+                done.append((layer, j, call.stamps_np.tolist(), call.counts.tolist()))
+                self.tokens_served += call.N
+        with self.timeline.span("flush", "wait"):
+            self.transport.flush()
+        add, account = self.timeline.add, self.transport.account_native
+        for layer, j, t, counts in done:
+            names = self._names.get((layer, j))
+            if names is None:
+                names = self._names[layer, j] = tuple(
+                    f"{what} L{layer}.{j}" for what in ("receive", "experts", "send")
+                )
+            t = [x * 1e-9 for x in t]
+            add(names[0], "wait", t[0], t[1])
+            add(names[1], "compute", t[1], t[2])
+            add(names[2], "comm", t[2], t[3])
+            account(layer, counts, call.y, t[1] - t[0] + t[3] - t[2])
+
+    def _receive(self, a: int) -> None:
+        """Attention rank a's frame of this call through the lane's wait, into the call's
+        rows after those already received."""
+        call, frames = self.native, self.frames
+        size, rb = frames.recv_header(a), call.rows.shape[1]
+        if size % rb:
+            raise RuntimeError(
+                f"rank {self.topo.rank}: attention rank {a} sent {size} bytes, not whole rows of "
+                f"{rb}: the ranks' collective calls diverged"
+            )
+        at = call.receive_at(a)
+        if at + size > call.rows.numel():
+            call.grow((at + size) // rb)
+        frames.recv_bytes(a, call.rows, at, size)
+        call.got(a, size // rb)

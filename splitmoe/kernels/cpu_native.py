@@ -91,6 +91,7 @@ _SIGNATURES = {
     ),
     "splitmoe_lm_head_f32": (None, [_p, _i64, _i64, _p, _i64, _p]),
     "splitmoe_remote_layer": (ctypes.c_int64, [_p, _i64]),
+    "splitmoe_expert_layer": (ctypes.c_int64, [_p, _i64]),
     "splitmoe_remote_struct_bytes": (ctypes.c_int64, [_i64]),
     "splitmoe_decode_step_f32": (
         ctypes.c_int,
@@ -1226,3 +1227,135 @@ class RemoteBatch:
         return [
             (r, starts[r] * rb, counts[r] * rb) for r in range(len(counts)) if not self._sent[r]
         ]
+
+
+class _ExpertCall(ctypes.Structure):
+    """The C ``struct expert_call`` (see `ExpertCall`)."""
+
+    _fields_ = [
+        *((name, _i64) for name in ("H", "k", "I", "A")),
+        *((name, _p) for name in ("layers", "rings_in", "staged_in", "rings_out")),
+        *((name, _i64) for name in ("cap_out", "cap_in", "spin_ns")),
+        ("rows", _p),
+        ("y", _p),
+        ("capacity", _i64),
+        *((name, _p) for name in ("counts", "got", "sent", "stamps")),
+        *((name, _i64) for name in ("N", "waiting", "wait_rank", "need")),
+    ]
+
+
+class ExpertCall:
+    """An expert rank's share of one MoE layer and micro-batch in one native call
+    (`splitmoe_expert_layer`), the tokens coming from the attention ranks over shared-memory
+    rings: each attention rank's frame of packed rows (an empty one included) taken off its
+    ring, `fused_moe_rows` on them, and each one's partial sums sent back as a frame (none where
+    it sent no rows). The same frames and bits as `FlatTransport.receive`,
+    `LocalExperts.compute_batch` and `FlatTransport.send_back`, without their ~30 us of Python a
+    layer and micro-batch (on the 2-core CPU host, where a 16-token micro-batch's experts cost
+    ~60 us).
+
+    Built once per rank from the hidden size, top_k, the experts' intermediate size, the base
+    address of the ring towards (``rings_out``) and from (``rings_in``) each attention rank with
+    their data bytes, the address of the count of bytes from each one the lane staged
+    (``staged_in``) and how long a call polls for a frame (``spin_ns``). `set_layers` gives the
+    MoE layers' expert weights. ``layer(i)``'s return codes: 0 done; 1 the frame of attention
+    rank `wait_rank` is not here whole (receive it at `receive_at`, then `got` it, and call
+    again); 3 the buffers lack room for it (`grow`, then call again); 2 done, but the partial
+    sums of the ranks `unsent` lists did not fit their rings (send them from ``y``). After a
+    call: ``counts`` rows from each attention rank, ``N`` their sum, ``rows`` and ``y`` (first
+    N), ``stamps [4]`` the clock (ns) at its start, once received, computed and sent."""
+
+    def __init__(
+        self,
+        hidden: int,
+        top_k: int,
+        intermediate: int,
+        rings_out: list[int],
+        rings_in: list[int],
+        staged_in: list[int],
+        capacities: tuple[int, int],
+        spin_ns: int,
+    ):
+        lib = library()
+        if lib.splitmoe_remote_struct_bytes(2) != ctypes.sizeof(_ExpertCall):
+            raise RuntimeError("cpu kernels: the expert call struct does not match the C source")
+        if top_k > MAX_TOP_K:
+            raise ValueError(f"cpu kernels: expert calls take top_k <= {MAX_TOP_K}, got {top_k}")
+        A = len(rings_out)
+        self.hidden, self.top_k, self.intermediate = hidden, top_k, intermediate
+        self._rings = torch.tensor([rings_in, staged_in, rings_out], dtype=torch.int64)
+        self._state = torch.zeros(3, A, dtype=torch.int64)  # counts, got, sent
+        self.stamps = torch.zeros(4, dtype=torch.int64)
+        self.counts, self._got, self._sent = self._state.numpy()
+        self.stamps_np = self.stamps.numpy()
+        self._c = _ExpertCall(
+            hidden, top_k, intermediate, A, 0, *(r.data_ptr() for r in self._rings), *capacities,
+            spin_ns, 0, 0, 0, *(t.data_ptr() for t in self._state), self.stamps.data_ptr(),
+        )  # fmt: skip
+        self._layers = torch.zeros(0, 3, dtype=torch.int64)
+        self._held: list = []
+        self.grow(64)
+        self._address = ctypes.addressof(self._c)
+        self._call = lib.splitmoe_expert_layer
+
+    def set_layers(self, weights: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The MoE layers' ``(w13t [E, H, 2I], w2t [E, I, H])`` (`expert_layout`, float32,
+        contiguous), in the order `layer` numbers them; held until the next call."""
+        table = []
+        for w13t, w2t in weights:
+            E, I = _expert_weights(w13t, w2t, self.hidden, "expert call", w13t.shape)
+            if I != self.intermediate:
+                raise ValueError(
+                    f"cpu kernels: expert call weights have I = {I}, not {self.intermediate}"
+                )
+            table.append([w13t.data_ptr(), w2t.data_ptr(), E])
+        self._layers = torch.tensor(table, dtype=torch.int64).view(-1, 3)
+        self._held = weights
+        self._c.layers = self._layers.data_ptr()
+
+    def grow(self, rows: int) -> None:
+        """Room for ``rows`` received rows (at least twice the old room), keeping the rows
+        received so far."""
+        c = self._c
+        n, old = max(rows, 2 * c.capacity), getattr(self, "rows", None)
+        self.rows = torch.empty(n, 4 * self.hidden + 8 * self.top_k, dtype=torch.uint8)
+        self.y = torch.empty(n, self.hidden, dtype=torch.float32)
+        if old is not None:
+            self.rows[: old.shape[0]] = old
+        c.rows, c.y, c.capacity = self.rows.data_ptr(), self.y.data_ptr(), n
+
+    def layer(self, i: int) -> int:
+        rc = self._call(self._address, i)
+        if rc < 0 and rc != -6:  # (-6: a frame not of whole rows, which the receive reports)
+            E = int(self._layers[i, 2])
+            _check_moe_rc(rc, E, self.top_k)
+        return 1 if rc == -6 else rc
+
+    @property
+    def N(self) -> int:
+        return self._c.N
+
+    @property
+    def wait_rank(self) -> int:
+        return self._c.wait_rank
+
+    @property
+    def need(self) -> int:
+        return self._c.need
+
+    def receive_at(self, a: int) -> int:
+        """The byte offset in ``rows`` where attention rank a's rows go."""
+        return int(self.counts[:a].sum()) * self.rows.shape[1]
+
+    def got(self, a: int, rows: int) -> None:
+        self.counts[a], self._got[a] = rows, 1
+
+    def unsent(self) -> list[tuple[int, int, int]]:
+        """``(attention rank, byte offset in y, bytes)`` of the partial sums the last call
+        left."""
+        counts, rb, out, at = self.counts.tolist(), self.hidden * 4, [], 0
+        for a, n in enumerate(counts):
+            if not self._sent[a]:
+                out.append((a, at * rb, n * rb))
+            at += n
+        return out

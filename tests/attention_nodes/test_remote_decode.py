@@ -1,5 +1,6 @@
-"""Decode steps with each (layer, micro-batch) in one native call (`RemoteDecodeStep`) against
-the per-op forward over the same transport: the same logits to the bit, the same frames and
+"""Decode steps with each (layer, micro-batch) in one native call, on the attention ranks
+(`RemoteDecodeStep`) and the expert ranks (`ExpertWorker`'s `cpu_native.ExpertCall`), against
+the per-op paths over the same transport: the same logits to the bit, the same frames and
 stats, HF's tokens; on rings large and small (where frames wait for room and arrive in pieces,
 so the calls hand their waits to the lanes)."""
 
@@ -24,9 +25,11 @@ from splitmoe.scheduler.request import RequestSpec
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs the native kernels")
 
 MAX_TOKENS = 6
-# Per attention rank: prompt lengths. Rank 1's one request finishes a step early (so it joins
-# the last step with no tokens) and with two or more micro-batches leaves some of them empty.
-PROMPTS = {0: (3, 9, 1, 5, 12), 1: (4,)}
+# Per attention rank: prompt lengths. Rank 0's prefill sends an expert rank more rows than its
+# call first holds (64: the buffers grow). Rank 1's one request finishes a step early (so it
+# joins the last step with no tokens) and with two or more micro-batches leaves some of them
+# empty.
+PROMPTS = {0: (3, 9, 1, 5, 12, 40), 1: (4,)}
 STEPS = MAX_TOKENS  # a prefill step, then MAX_TOKENS - 1 decode steps
 
 
@@ -90,6 +93,9 @@ def _job(rank, world, num_attention, ckpt, capacity, m, redundant, drain, fused)
         out["spans"] = sorted({s.name for s in worker.timeline.export()})
     else:
         worker = ExpertWorker(topo, cfg, transport, cpu, balance.placement)
+        out["native"] = worker.native is not None
+        if not fused:
+            worker.native = None
         for _ in range(STEPS):
             worker.step(m)
         out["served"] = worker.timeline.export()[-1].name  # (it ran every layer)
@@ -130,4 +136,5 @@ def test_native_decode_matches_the_per_op_forward(
         assert torch.equal(a["load"], b["load"]) and a["load"].sum() > 0
         assert "dispatch L0" in a["spans"] and "combine L0" in a["spans"]
     for rank in range(world):  # the same calls, messages and bytes per layer on every rank
+        assert fused[rank]["native"]
         assert fused[rank]["comm"] == per_op[rank]["comm"]

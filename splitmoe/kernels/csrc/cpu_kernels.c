@@ -1553,7 +1553,95 @@ int64_t splitmoe_remote_layer(struct remote_batch *b, int64_t layer) {
     return 0;
 }
 
-/* The sizes of the structs above, for the Python side's check of its mirror of them. */
+
+/* ---- an expert rank's (layer, micro-batch) ------------------------------------------------- */
+
+/* An expert rank's share of one MoE layer and micro-batch, the tokens coming from the attention
+ * ranks over shared-memory rings (the expert side of splitmoe_remote_layer and of the flat
+ * transport on those rings), in one call: each attention rank's frame of packed rows (an empty
+ * one included) into rows, splitmoe_fused_moe_rows_f32 on them, and each attention rank's
+ * partial sums back as a frame on its ring (none where it sent no rows). The same frames and
+ * bits as FlatTransport.receive, LocalExperts.compute_batch and FlatTransport.send_back. */
+struct expert_call {
+    int64_t H, k, I, A;
+    const int64_t *layers; /* [moe layers, 3]: each one's w13t and w2t addresses and expert count */
+    const int64_t *rings_in, *staged_in, *rings_out; /* [A], as struct remote_model's */
+    int64_t cap_out, cap_in, spin_ns;
+    uint8_t *rows;      /* [capacity, 4 H + 8 k] */
+    float *y;           /* [capacity, H] */
+    int64_t capacity;   /* rows */
+    int64_t *counts;    /* [A] rows from each attention rank */
+    int64_t *got;       /* [A] its frame taken (set by the caller for the frames it receives) */
+    int64_t *sent;      /* [A] its partial sums sent */
+    int64_t *stamps;    /* [4] ns: the call's start, received, computed, sent */
+    int64_t N, waiting, wait_rank, need;
+};
+
+/* Call `layer` (its index among the MoE layers). Returns 0 when done; 1 when the frame from
+ * attention rank wait_rank has not arrived whole within the spin, or begins with bytes the
+ * Python side staged (the caller receives it into rows after the rows taken so far, sets
+ * counts[wait_rank] and got[wait_rank], and calls again); 3 when rows lacks room for it (need:
+ * the rows wanted; nothing consumed: the caller grows the buffers and calls again); 2 when done
+ * but some partial sums did not fit their rings (sent[a] = 0: the caller sends them); -6 when
+ * the frame from wait_rank is not whole rows (nothing consumed: the caller's receive reports
+ * the diverged calls); -1 out of scratch memory; -5 a bad local expert id or k. */
+int64_t splitmoe_expert_layer(struct expert_call *c, int64_t layer) {
+    const int64_t H = c->H, k = c->k, A = c->A, row_bytes = 4 * H + 8 * k;
+    if (!c->waiting) {
+        c->stamps[0] = now_ns();
+        for (int64_t a = 0; a < A; a++) c->counts[a] = 0;
+    }
+    int64_t at = 0;
+    for (int64_t a = 0; a < A; a++) {
+        if (!c->got[a]) {
+            uint8_t *ring = (uint8_t *)(intptr_t)c->rings_in[a];
+            const int64_t n = *(const int64_t *)(intptr_t)c->staged_in[a]
+                                  ? -1
+                                  : splitmoe_ring_peek(ring, c->cap_in, c->spin_ns);
+            c->wait_rank = a;
+            c->waiting = 1;
+            if (n < 0) return 1;
+            if (n % row_bytes) return -6;
+            if (at + n / row_bytes > c->capacity) {
+                c->need = at + n / row_bytes;
+                return 3;
+            }
+            splitmoe_ring_recv(ring, c->cap_in, c->rows + at * row_bytes, n, 0);
+            c->counts[a] = n / row_bytes;
+            c->got[a] = 1;
+        }
+        at += c->counts[a];
+    }
+    c->waiting = 0;
+    c->N = at;
+    c->stamps[1] = now_ns();
+    const int64_t *w = c->layers + 3 * layer;
+    memset(c->y, 0, sizeof(float) * (size_t)(at * H));
+    int rc = 0;
+    if (at)
+        rc = splitmoe_fused_moe_rows_f32(c->rows, at, H, (const float *)(intptr_t)w[0],
+                                         (const float *)(intptr_t)w[1], w[2], c->I, k, c->y);
+    c->stamps[2] = now_ns();
+    if (rc) return rc;
+    int all = 1;
+    at = 0;
+    for (int64_t a = 0; a < A; a++) {
+        const int64_t n = c->counts[a];
+        c->sent[a] = !n || splitmoe_ring_send((uint8_t *)(intptr_t)c->rings_out[a], c->cap_out,
+                                             (const uint8_t *)(c->y + at * H),
+                                             n * H * (int64_t)sizeof(float));
+        all &= (int)c->sent[a];
+        at += n;
+    }
+    for (int64_t a = 0; a < A; a++) c->got[a] = 0;
+    c->stamps[3] = now_ns();
+    return all ? 0 : 2;
+}
+
+/* The sizes of the structs the Python side mirrors (struct remote_model, remote_batch and
+ * expert_call), for its check that they match. */
 int64_t splitmoe_remote_struct_bytes(int64_t which) {
-    return which == 0 ? (int64_t)sizeof(struct remote_model) : (int64_t)sizeof(struct remote_batch);
+    const size_t sizes[3] = {sizeof(struct remote_model), sizeof(struct remote_batch),
+                             sizeof(struct expert_call)};
+    return which >= 0 && which < 3 ? (int64_t)sizes[which] : -1;
 }
