@@ -34,10 +34,6 @@ class Timeline:
         raises)."""
         return _Timed(self, name, kind)
 
-    def add(self, name: str, kind: str, start: float, end: float) -> None:
-        """Records a span timed elsewhere (a native call's clock readings, in seconds)."""
-        self.spans.append((self.step, name, kind, start, end))
-
     def export(self) -> list[Span]:
         return [Span(*s) for s in self.spans]
 

@@ -113,13 +113,18 @@ class RemoteDecodeStep:
         self._record(batches)
 
     def _record(self, batches: list) -> None:
-        """The timeline's dispatch and combine spans and the transport's stats of the step."""
-        add, account = self.timeline.add, self.transport.account_native
+        """The timeline's dispatch and combine spans and the transport's stats of the step
+        (on the attention rank's path between steps: kept to plain list work)."""
+        step, spans = self.timeline.step, self.timeline.spans
+        seconds = [0.0] * self.num_layers
         for b in batches:
             s = (b.stamps_np * 1e-9).tolist()  # [L + 1, 4] seconds
-            counts = b.counts_np.tolist()
             for i, (dispatch, combine) in enumerate(self._names):
-                add(dispatch, "comm", s[i][2], s[i][3])
-                add(combine, "wait", s[i + 1][0], s[i + 1][1])
-                seconds = s[i][3] - s[i][2] + s[i + 1][1] - s[i + 1][0]
-                account(i, counts[i], b.rows, seconds)
+                begin, end = s[i], s[i + 1]
+                spans.append((step, dispatch, "comm", begin[2], begin[3]))
+                spans.append((step, combine, "wait", end[0], end[1]))
+                seconds[i] += begin[3] - begin[2] + end[1] - end[0]
+        counts = [b.counts_np.tolist() for b in batches]  # [m][L][R]
+        row_bytes = batches[0].rows.shape[1]
+        for i, layer_seconds in enumerate(seconds):
+            self.transport.account_native(i, [c[i] for c in counts], row_bytes, layer_seconds)

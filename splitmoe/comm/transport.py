@@ -612,17 +612,28 @@ class FlatTransport(Transport):
             recv_bytes=lambda r, dst, start, size: into.recv_bytes(peers[r], dst, start, size),
         )
 
-    def account_native(self, layer: int, per_peer: list[int], rows: torch.Tensor, seconds: float):
-        """The stats of one (layer, micro-batch) whose frames `native_frames`' user moved:
-        ``per_peer`` rows of ``rows``' size sent to each peer (dispatched to each expert rank,
-        or partial sums back to each attention rank), ``seconds`` of exchange."""
-        self.stats.call(layer, "flat")
-        self.stats.record(layer)["seconds"]["exchange"] += seconds
+    def account_native(
+        self, layer: int, per_peer: list[list[int]], row_bytes: int, seconds: float
+    ) -> None:
+        """The stats of a layer's micro-batches whose frames `native_frames`' user moved:
+        ``per_peer[j]`` the rows of ``row_bytes`` micro-batch j sent to each peer (dispatched to
+        each expert rank, or partial sums back to each attention rank), ``seconds`` of
+        exchange in all. (What `_account` and `CommStats.call` record, in one call a layer: a
+        step's bookkeeping runs on the attention rank between its steps.)"""
+        rec = self.stats.record(layer)
+        rec["calls"] += len(per_peer)
+        rec["schemes"]["flat"] += len(per_peer)
+        rec["seconds"]["exchange"] += seconds
         A, E = self.topo.num_attention, self.topo.num_expert
-        if self.topo.role == "attention":
-            self._account(layer, "dispatch", [0] * A + per_peer, rows)
-        else:
-            self._account(layer, "combine", per_peer + [0] * E, rows)
+        attention = self.topo.role == "attention"
+        sent = rec["dispatch" if attention else "combine"]
+        peers = range(A, A + E) if attention else range(A)
+        for counts in per_peer:
+            for peer, n in zip(peers, counts):
+                if n:
+                    link = sent[self.links[peer]]
+                    link["messages"] += 1
+                    link["bytes"] += n * row_bytes
 
     def _dispatch_rows(self, rows: torch.Tensor, counts: list[int], layer: int):
         rows = rows.to(self.comm_device)

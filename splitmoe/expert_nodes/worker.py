@@ -116,18 +116,24 @@ class ExpertWorker:
                 self.tokens_served += call.N
         with self.timeline.span("flush", "wait"):
             self.transport.flush()
-        add, account = self.timeline.add, self.transport.account_native
-        for layer, j, t, counts in done:
+        step, spans = self.timeline.step, self.timeline.spans
+        seconds: dict[int, float] = {}
+        counts: dict[int, list] = {}
+        for layer, j, t, per_rank in done:
             names = self._names.get((layer, j))
             if names is None:
                 names = self._names[layer, j] = tuple(
                     f"{what} L{layer}.{j}" for what in ("receive", "experts", "send")
                 )
             t = [x * 1e-9 for x in t]
-            add(names[0], "wait", t[0], t[1])
-            add(names[1], "compute", t[1], t[2])
-            add(names[2], "comm", t[2], t[3])
-            account(layer, counts, call.y, t[1] - t[0] + t[3] - t[2])
+            spans.append((step, names[0], "wait", t[0], t[1]))
+            spans.append((step, names[1], "compute", t[1], t[2]))
+            spans.append((step, names[2], "comm", t[2], t[3]))
+            seconds[layer] = seconds.get(layer, 0.0) + t[1] - t[0] + t[3] - t[2]
+            counts.setdefault(layer, []).append(per_rank)
+        row_bytes = 4 * call.hidden
+        for layer, per_rank in counts.items():
+            self.transport.account_native(layer, per_rank, row_bytes, seconds[layer])
 
     def _receive(self, a: int) -> None:
         """Attention rank a's frame of this call through the lane's wait, into the call's
