@@ -72,3 +72,29 @@ def test_rebalance_mid_run_changes_no_token(tiny_ckpt, hf_ref):
     outs = first + [got[r] for r in rids]
     for p, o in zip(PROMPTS, outs):
         assert o.token_ids == hf_ref(ckpt, p, 8)
+
+
+def test_static_rebalance_mid_run_with_native_decode_steps(tiny_ckpt, hf_ref):
+    """Under the static policy the attention rank's native decode steps map experts to slots
+    themselves: a new placement mid-run (new replicas, new expert -> slot maps) reaches them."""
+    ckpt = tiny_ckpt("qwen3_moe")
+    with LLM(
+        str(ckpt),
+        attention_ranks=1,
+        expert_ranks=2,
+        redundant_experts=4,
+        device="cpu",
+    ) as llm:
+        llm.generate(PROMPTS[:2], GREEDY)  # some load to place replicas by
+        rids = llm.submit(PROMPTS, GREEDY)
+        placed = llm.rebalance()  # while they run
+        got = {}
+        while len(got) < len(rids):
+            for out, _ in llm.poll():
+                if out.finished:
+                    got[out.request_id] = out
+        stats = llm.stats()
+    assert placed["placement_version"] >= 1
+    assert stats[0]["remote_decode_step"] and stats[0]["balancer"]["policy"] == "static"
+    for p, r in zip(PROMPTS, rids):
+        assert got[r].token_ids == hf_ref(ckpt, p, 8)
