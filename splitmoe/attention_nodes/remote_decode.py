@@ -20,7 +20,7 @@ import torch
 
 from splitmoe.attention_nodes.kv_cache import PagedKVCache
 from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
-from splitmoe.comm.transport import Transport
+from splitmoe.comm.transport import NativeFrames, Transport
 from splitmoe.scheduler.balancer import Balancer
 from splitmoe.timeline import Timeline
 
@@ -31,7 +31,15 @@ class RemoteDecodeStep:
     hold: a dense layer or a shared expert, no native kernels, a transport or balancer that
     routes any other way."""
 
-    def __init__(self, model, kv_cache, transport, balancer, timeline, frames):
+    def __init__(
+        self,
+        model: AttentionModel,
+        kv_cache: PagedKVCache,
+        transport: Transport,
+        balancer: Balancer,
+        timeline: Timeline,
+        frames: NativeFrames,
+    ):
         from splitmoe.kernels import cpu_native
 
         self.model = model

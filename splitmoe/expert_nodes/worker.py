@@ -37,11 +37,10 @@ class ExpertWorker:
         # tokens over shared-memory rings and experts on the native kernels: each (layer,
         # micro-batch) is one native call
         self.native = None
-        frames = getattr(transport, "native_frames", lambda: None)()
+        self.frames = frames = getattr(transport, "native_frames", lambda: None)()
         if frames is not None and self.experts.backend == "cpu" and self.moe_layers:
             from splitmoe.kernels import cpu_native
 
-            self.frames = frames
             self.native = cpu_native.ExpertCall(
                 cfg.model.hidden_size,
                 cfg.model.top_k,

@@ -1144,8 +1144,10 @@ class RemoteDecode:
 class RemoteBatch:
     """One micro-batch of a `RemoteDecode` step. ``layer(i)`` (i = 0 .. L) is the native call
     (`splitmoe_remote_layer`'s return codes: 0 done; 1 the frame of expert rank `wait_rank` has
-    not arrived: receive it into ``partial`` at `pending_frame`, then `got` it and call again;
-    2 the frames of the ranks `unsent` lists did not fit their rings: send them from ``rows``).
+    not arrived, starts in the lane's staging or is not the size expected: receive it into
+    ``partial`` at `pending_frame` through the lane (which waits, or reports the diverged
+    calls), then `got` it and call again; 2 the frames of the ranks `unsent` lists did not fit
+    their rings: send them from ``rows``).
     ``counts [L, R]``: the rows sent to each expert rank per layer; ``stamps [L + 1, 4]``: the
     clock (ns) at each call's start, once its combine, its layer and its dispatch were done;
     ``logits [T, V]``, written by call L."""
@@ -1186,6 +1188,8 @@ class RemoteBatch:
 
     def layer(self, i: int) -> int:
         rc = self._call(self._address, i)
+        if rc == -6:  # a frame not the size expected: the lane's receive reports the divergence
+            return 1
         if rc < 0:
             self._raise(rc)
         return rc
@@ -1200,13 +1204,11 @@ class RemoteBatch:
             raise ValueError(
                 "cpu kernels: remote decode routed to an expert id or slot out of range"
             )
-        if rc == -6:
-            return  # (the caller's receive reports the diverged frame)
         _raise_step_error(rc, "remote decode", pool)
 
     @property
     def wait_rank(self) -> int:
-        """The expert rank whose frame call 1 waits for (`layer` returned 1 or -6)."""
+        """The expert rank whose frame the call left to the caller (`layer` returned 1)."""
         return self._c.wait_rank
 
     def pending_frame(self, layer: int, r: int) -> tuple[int, int]:

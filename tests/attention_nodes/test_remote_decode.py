@@ -37,7 +37,7 @@ def _requests(rank: int) -> list[list[int]]:
     return [prompt_ids(n, seed=10 * rank + i) for i, n in enumerate(PROMPTS[rank])]
 
 
-def _job(rank, world, num_attention, ckpt, capacity, m, redundant, drain, fused):
+def _job(rank, world, num_attention, ckpt, capacity, m, redundant, drain, fused, stray=False):
     import splitmoe.comm.transport as tr
     from splitmoe.attention_nodes.worker import AttentionWorker
     from splitmoe.comm.shm import ShmHub
@@ -96,7 +96,10 @@ def _job(rank, world, num_attention, ckpt, capacity, m, redundant, drain, fused)
         out["native"] = worker.native is not None
         if not fused:
             worker.native = None
-        for _ in range(STEPS):
+        for step in range(STEPS):
+            if stray and step == 1:  # a frame the attention rank does not expect, before the
+                # partial sums of its first decode step
+                worker.frames.send(0, torch.zeros(8, dtype=torch.uint8), 0, 8)
             worker.step(m)
         out["served"] = worker.timeline.export()[-1].name  # (it ran every layer)
     out["comm"] = {  # (all but the seconds)
@@ -138,3 +141,10 @@ def test_native_decode_matches_the_per_op_forward(
     for rank in range(world):  # the same calls, messages and bytes per layer on every rank
         assert fused[rank]["native"]
         assert fused[rank]["comm"] == per_op[rank]["comm"]
+
+
+def test_a_frame_of_another_size_ends_the_job_with_an_error(tiny_ckpt):
+    """Partial sums of the wrong size (ranks whose calls diverged) are reported, not summed."""
+    ckpt = str(tiny_ckpt("qwen3_moe"))
+    with pytest.raises(RuntimeError, match="sent 8 bytes .* collective calls diverged"):
+        run_ranks(_job, 2, 1, ckpt, 1 << 22, 2, 0, False, True, True, timeout=60)
