@@ -985,6 +985,16 @@ class DecodeStep:
         return logits
 
 
+def _check_mirrors() -> None:
+    """That the ctypes mirrors of the C structs (`_RemoteModel`, `_RemoteBatch`, `_ExpertCall`,
+    in ``splitmoe_remote_struct_bytes``' order) have the C sizes: a field added on one side
+    only would move every field after it."""
+    lib = library()
+    for i, mirror in enumerate((_RemoteModel, _RemoteBatch, _ExpertCall)):
+        if lib.splitmoe_remote_struct_bytes(i) != ctypes.sizeof(mirror):
+            raise RuntimeError(f"cpu kernels: {mirror.__name__} does not match the C source")
+
+
 class _RemoteModel(ctypes.Structure):
     """The C ``struct remote_model`` (see `RemoteDecode`)."""
 
@@ -1062,12 +1072,7 @@ class RemoteDecode:
         capacities: tuple[int, int],
         spin_ns: int,
     ):
-        lib = library()
-        mirrors = (_RemoteModel, _RemoteBatch)
-        if any(
-            lib.splitmoe_remote_struct_bytes(i) != ctypes.sizeof(c) for i, c in enumerate(mirrors)
-        ):
-            raise RuntimeError("cpu kernels: the remote decode structs do not match the C source")
+        _check_mirrors()
         H, nh, nkv, d, eps, E, k, renorm = layers[0].shape
         if any(not layer.has_router or layer.shape != layers[0].shape for layer in layers):
             raise ValueError("cpu kernels: remote decode layers must all be alike MoE layers")
@@ -1278,9 +1283,7 @@ class ExpertCall:
         capacities: tuple[int, int],
         spin_ns: int,
     ):
-        lib = library()
-        if lib.splitmoe_remote_struct_bytes(2) != ctypes.sizeof(_ExpertCall):
-            raise RuntimeError("cpu kernels: the expert call struct does not match the C source")
+        _check_mirrors()
         if top_k > MAX_TOP_K:
             raise ValueError(f"cpu kernels: expert calls take top_k <= {MAX_TOP_K}, got {top_k}")
         A = len(rings_out)
@@ -1298,7 +1301,7 @@ class ExpertCall:
         self._held: list = []
         self.grow(64)
         self._address = ctypes.addressof(self._c)
-        self._call = lib.splitmoe_expert_layer
+        self._call = library().splitmoe_expert_layer
 
     def set_layers(self, weights: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The MoE layers' ``(w13t [E, H, 2I], w2t [E, I, H])`` (`expert_layout`, float32,
