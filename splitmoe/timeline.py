@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 KINDS = ("compute", "comm", "wait")
@@ -28,6 +29,9 @@ class Timeline:
     def __init__(self, max_spans: int = 20000):
         self.spans: deque[tuple] = deque(maxlen=max_spans)
         self.step = 0
+        # whoever times spans elsewhere and records them later (`RemoteDecodeStep`): called by
+        # `export` first, so that nothing timed is missing
+        self.deferred: list[Callable[[], None]] = []
 
     def span(self, name: str, kind: str) -> _Timed:
         """``with timeline.span(name, kind): ...`` records the block's span (also when it
@@ -35,6 +39,8 @@ class Timeline:
         return _Timed(self, name, kind)
 
     def export(self) -> list[Span]:
+        for record in self.deferred:
+            record()
         return [Span(*s) for s in self.spans]
 
 

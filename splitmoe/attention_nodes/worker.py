@@ -154,6 +154,8 @@ class AttentionWorker:
         return self.scheduler.has_work
 
     def stats(self) -> dict:
+        if self.remote_decode is not None:  # (its steps' transport stats, before they are read)
+            self.remote_decode.record()
         s = self.scheduler
         return {
             "kv_blocks_used": self.blocks.num_used,

@@ -90,6 +90,7 @@ def _job(rank, world, num_attention, ckpt, capacity, m, redundant, drain, fused,
         out["tokens"] = [list(r.output_token_ids) for r in reqs]
         out["logits"] = logits
         out["load"] = balance.balancer.load.total.clone()
+        worker.stats()  # (as `LLM.stats` does: the native steps' stats recorded before a read)
         out["spans"] = sorted({s.name for s in worker.timeline.export()})
     else:
         worker = ExpertWorker(topo, cfg, transport, cpu, balance.placement)
