@@ -60,11 +60,7 @@ class RemoteDecodeStep:
             model.scale,
             transport.slot_rank,
             transport.slot_local,
-            frames.rings_out,
-            frames.rings_in,
-            frames.staged_in,
-            frames.capacities,
-            frames.spin_ns,
+            frames.rings,
         )
         self._names = [(f"dispatch L{i}", f"combine L{i}") for i in range(L)]
         self._maps: list | None = None
@@ -80,12 +76,10 @@ class RemoteDecodeStep:
         balancer: Balancer,
         timeline: Timeline,
     ) -> RemoteDecodeStep | None:
-        native_frames = getattr(transport, "native_frames", None)
-        frames = native_frames() if native_frames is not None else None
+        frames = transport.native_frames()
         fits = (
             frames is not None
             and model.decode_layers is not None
-            and model.embed.dtype == torch.float32
             and all(w.router is not None and w.mlp_gate_up is None for w in model.layers)
             and model.cfg.top_k <= model.native.MAX_TOP_K
             and all(balancer.static_map(i) is not None for i in range(len(model.layers)))

@@ -481,15 +481,11 @@ class ShmLane:
         self._write(j, _flat_bytes(src)[start : start + size])
         _futex_wake(self.outbox[j].wpos_addr)
 
-    def _read_header(self, j: int) -> int:
-        """The byte length of the next frame from member j."""
-        self._read(j, self._head_bytes)
-        return int(self._head[0])
-
     def recv_header(self, j: int) -> int:
         """Waits for member j's next frame and takes its header: the frame's byte length (its
         bytes follow: `recv_bytes`)."""
-        return self._read_header(j)
+        self._read(j, self._head_bytes)
+        return int(self._head[0])
 
     def recv_bytes(self, j: int, dst: torch.Tensor, start: int, size: int) -> None:
         """Fills bytes ``start .. start + size`` of ``dst`` (contiguous) with the next bytes from
@@ -514,14 +510,14 @@ class ShmLane:
             )
             if got == size:
                 return
-        n = self._read_header(j)  # (a frame of another size: read its header to report it)
+        n = self.recv_header(j)  # (a frame of another size: read its header to report it)
         if n != size:
             raise RuntimeError(
                 f"rank {self.hub.rank}: rank {self.ranks[j]} sent {n} bytes on "
                 f"shared-memory {self.name} where {size} were expected: the ranks' "
                 "collective calls diverged"
             )
-        self._read(j, _flat_bytes(dst)[start : start + size])
+        self.recv_bytes(j, dst, start, size)
 
     # ---- collectives --------------------------------------------------------------------------
     def all_to_all_single(
@@ -579,7 +575,7 @@ class ShmLane:
         for j in senders:  # every sender has a ring of its own: all headers first
             n = self._peek(j)
             whole[j] = n >= 0
-            sizes[j] = n if whole[j] else self._read_header(j)
+            sizes[j] = n if whole[j] else self.recv_header(j)
             if sizes[j] % row_bytes:
                 raise RuntimeError(
                     f"rank {self.hub.rank}: rank {self.ranks[j]} sent {sizes[j]} bytes on "

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from splitmoe.comm.cost_model import DEFAULT_COST_MODEL, LINK_CLASSES, CostModel
 from splitmoe.comm.distributed import Collective, new_collective
 from splitmoe.comm.shm import ShmHub, ShmLane
 from splitmoe.comm.topology import Topology
+
+if TYPE_CHECKING:
+    from splitmoe.kernels.cpu_native import Rings
 
 DIRECTIONS = ("dispatch", "combine")  # attention -> experts / experts -> attention
 # Where a layer's communication time goes: the two-phase scheme's per-layer count all-gather,
@@ -310,6 +313,11 @@ class Transport(ABC):
         `flush` waits for all of them."""
         self.all_to_all(y, batch.recv_counts, self._zeros, batch.layer, "combine", async_op=True)
 
+    def native_frames(self) -> NativeFrames | None:
+        """Where this rank's native calls can move the frames themselves (`FlatTransport`
+        on shared-memory lanes); None here."""
+        return None
+
     def stats_snapshot(self) -> dict:
         """This rank's cumulative statistics, JSON-serialisable::
 
@@ -480,20 +488,13 @@ class Transport(ABC):
 
 @dataclass
 class NativeFrames:
-    """`FlatTransport.native_frames`: the base address of the ring towards (``rings_out``) and
-    from (``rings_in``) each peer (the expert ranks of an attention rank, the attention ranks of
-    an expert rank), the address of the count of each one's bytes staged (``staged_in``,
-    `ShmLane.native_inbox`), the data bytes of each direction's rings, how long a native
-    receive polls (ns), and the lanes' sends and receives that wait by the shared-memory rules
-    for the frames the native calls leave: ``send(r, src, byte offset, bytes)`` to peer r,
-    ``recv`` likewise (a frame of that size), ``recv_header(r)`` (a frame's size) then
-    ``recv_bytes``."""
+    """`FlatTransport.native_frames`: the rings towards and from each peer (the expert ranks of
+    an attention rank, the attention ranks of an expert rank) as the native calls take them
+    (``rings``), and the lanes' sends and receives that wait by the shared-memory rules for the
+    frames the native calls leave: ``send(r, src, byte offset, bytes)`` to peer r, ``recv``
+    likewise (a frame of that size), ``recv_header(r)`` (a frame's size) then ``recv_bytes``."""
 
-    rings_out: list[int]
-    rings_in: list[int]
-    staged_in: list[int]
-    capacities: tuple[int, int]
-    spin_ns: int
+    rings: Rings
     send: Callable[[int, torch.Tensor, int, int], None]
     recv: Callable[[int, torch.Tensor, int, int], None]
     recv_header: Callable[[int], int]
@@ -600,12 +601,16 @@ class FlatTransport(Transport):
         inboxes = [into.native_inbox(p) for p in peers]
         if None in rings or None in inboxes:
             return None
+        from splitmoe.kernels.cpu_native import Rings
+
         return NativeFrames(
-            rings_out=rings,
-            rings_in=[ring for ring, _ in inboxes],
-            staged_in=[staged for _, staged in inboxes],
-            capacities=(out.capacity, into.capacity),
-            spin_ns=into.native_spin_ns,
+            Rings(
+                out=rings,
+                into=[ring for ring, _ in inboxes],
+                staged=[staged for _, staged in inboxes],
+                capacities=(out.capacity, into.capacity),
+                spin_ns=into.native_spin_ns,
+            ),
             send=lambda r, src, start, size: out.send_frame(peers[r], src, start, size),
             recv=lambda r, dst, start, size: into.recv_frame(peers[r], dst, start, size),
             recv_header=lambda r: into.recv_header(peers[r]),

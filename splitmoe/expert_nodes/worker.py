@@ -37,7 +37,7 @@ class ExpertWorker:
         # tokens over shared-memory rings and experts on the native kernels: each (layer,
         # micro-batch) is one native call
         self.native = None
-        self.frames = frames = getattr(transport, "native_frames", lambda: None)()
+        self.frames = frames = transport.native_frames()
         if frames is not None and self.experts.backend == "cpu" and self.moe_layers:
             from splitmoe.kernels import cpu_native
 
@@ -45,11 +45,7 @@ class ExpertWorker:
                 cfg.model.hidden_size,
                 cfg.model.top_k,
                 cfg.model.moe_intermediate_size,
-                frames.rings_out,
-                frames.rings_in,
-                frames.staged_in,
-                frames.capacities,
-                frames.spin_ns,
+                frames.rings,
             )
             self.native.set_layers([self.experts.weights[layer] for layer in self.moe_layers])
             self._names: dict[tuple[int, int], tuple[str, str, str]] = {}

@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -871,6 +872,39 @@ class DecodeLayer:
         return x, ids, weights
 
 
+def _alike_moe_layers(what: str, layers: list[DecodeLayer]) -> tuple:
+    """The `DecodeLayer.shape` of ``layers``, which a whole-model call (`DecodeStep`,
+    `RemoteDecode`) needs to be alike MoE layers of at most `MAX_TOP_K` experts a token."""
+    shape = layers[0].shape
+    if any(not layer.has_router or layer.shape != shape for layer in layers):
+        raise ValueError(f"cpu kernels: {what} layers must all be alike MoE layers")
+    if shape[6] > MAX_TOP_K:
+        raise ValueError(f"cpu kernels: {what} takes top_k <= {MAX_TOP_K}, got {shape[6]}")
+    return shape
+
+
+def _check_shapes(what: str, named: dict[str, tuple[torch.Tensor, tuple]]) -> None:
+    """Each ``name: (tensor, shape)`` float32, contiguous and of that shape."""
+    for name, (t, shape) in named.items():
+        _check_f32(name, t)
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(
+                f"cpu kernels: {what} {name} is {tuple(t.shape)}, want {shape} contiguous"
+            )
+
+
+def _check_kv_pool(what: str, kv_pool: torch.Tensor, L: int, nkv: int, d: int) -> None:
+    """The paged cache a whole-model call reads: ``[L, 2, blocks, block_size, nkv, d]``,
+    contiguous."""
+    if kv_pool.dim() != 6 or kv_pool.shape[:2] != (L, 2) or kv_pool.shape[4:] != (nkv, d):
+        raise ValueError(
+            f"cpu kernels: {what} kv_pool is {tuple(kv_pool.shape)}, want [{L}, 2, blocks, "
+            f"block_size, {nkv}, {d}]"
+        )
+    if not kv_pool.is_contiguous():
+        raise ValueError(f"cpu kernels: {what} kv_pool must be contiguous")
+
+
 class DecodeStep:
     """A whole decode step of a model whose layers are all MoE layers with every expert on this
     rank (colocated), in one native call (`splitmoe_decode_step_f32`): the embedding, each
@@ -902,25 +936,13 @@ class DecodeStep:
                 f"cpu kernels: decode step takes one expert pair per layer; got {len(layers)} "
                 f"layers and {len(experts)} expert pairs"
             )
-        H, nh, nkv, d, eps, E, k, renorm = layers[0].shape
-        if any(not layer.has_router or layer.shape != layers[0].shape for layer in layers):
-            raise ValueError("cpu kernels: decode step layers must all be alike MoE layers")
-        if k > MAX_TOP_K:
-            raise ValueError(f"cpu kernels: decode step takes top_k <= {MAX_TOP_K}, got {k}")
-        V = embed.shape[0]
-        named = {"embed": embed, "final_norm": final_norm, "lm_head": lm_head}
-        want = {"embed": (V, H), "final_norm": (H,), "lm_head": (V, H)}
-        I = experts[0][1].shape[1]
+        H, nh, nkv, d, eps, E, k, renorm = _alike_moe_layers("decode step", layers)
+        V, I = embed.shape[0], experts[0][1].shape[1]
+        named = {"embed": (embed, (V, H)), "final_norm": (final_norm, (H,))}
+        named["lm_head"] = (lm_head, (V, H))
         for i, (w13t, w2t) in enumerate(experts):
-            named[f"w13t[{i}]"], want[f"w13t[{i}]"] = w13t, (E, H, 2 * I)
-            named[f"w2t[{i}]"], want[f"w2t[{i}]"] = w2t, (E, I, H)
-        for name, t in named.items():
-            _check_f32(name, t)
-            if tuple(t.shape) != want[name] or not t.is_contiguous():
-                raise ValueError(
-                    f"cpu kernels: decode step {name} is {tuple(t.shape)}, want {want[name]} "
-                    f"contiguous"
-                )
+            named[f"w13t[{i}]"], named[f"w2t[{i}]"] = (w13t, (E, H, 2 * I)), (w2t, (E, I, H))
+        _check_shapes("decode step", named)
         self._keep = [list(layers), embed, final_norm, lm_head, *(t for p in experts for t in p)]
         self._layers = torch.tensor(
             [layer.addresses + [w13t.data_ptr(), w2t.data_ptr()]
@@ -955,13 +977,7 @@ class DecodeStep:
         )
         nh, nkv, d = self.heads
         L = self._layers.shape[0]
-        if kv_pool.dim() != 6 or kv_pool.shape[0] != L or kv_pool.shape[1] != 2:
-            raise ValueError(
-                f"cpu kernels: decode step kv_pool is {tuple(kv_pool.shape)}, want [{L}, 2, "
-                f"blocks, block_size, {nkv}, {d}]"
-            )
-        if kv_pool.shape[4:] != (nkv, d) or not kv_pool.is_contiguous():
-            raise ValueError("cpu kernels: decode step kv_pool must be contiguous [.., nkv, d]")
+        _check_kv_pool("decode step", kv_pool, L, nkv, d)
         logits = torch.empty(T, self.vocab, dtype=torch.float32)
         rc = library().splitmoe_decode_step_f32(
             input_ids.data_ptr(),
@@ -983,6 +999,27 @@ class DecodeStep:
             raise ValueError(f"cpu kernels: decode step got a token id outside 0..{self.vocab - 1}")
         _raise_step_error(rc, "decode step", kv_pool)
         return logits
+
+
+@dataclass(frozen=True)
+class Rings:
+    """A rank's shared-memory rings with each peer of the other role, as `RemoteDecode` and
+    `ExpertCall` take them (`splitmoe.comm.shm`'s layout; `FlatTransport.native_frames` builds
+    it): the base address of the ring towards (``out``) and from (``into``) each peer, the
+    address of the count of bytes from each one its lane staged (``staged``: a frame that begins
+    there is left to the caller), the data bytes of the rings each way (``capacities``: out,
+    into) and how long a call polls for a frame before it hands the wait back (``spin_ns``)."""
+
+    out: list[int]
+    into: list[int]
+    staged: list[int]
+    capacities: tuple[int, int]
+    spin_ns: int
+
+    def table(self) -> torch.Tensor:
+        """``[3, peers]`` int64: the ``out``, ``into`` and ``staged`` addresses, the order of
+        the C structs' ring fields."""
+        return torch.tensor([self.out, self.into, self.staged], dtype=torch.int64)
 
 
 def _check_mirrors() -> None:
@@ -1049,12 +1086,8 @@ class RemoteDecode:
     Built once per rank from the model's `DecodeLayer`s (all MoE layers: a router, no shared
     expert), ``embed [V, H]``, ``final_norm [H]``, ``lm_head [V, H]``, the paged ``kv_pool [L, 2,
     blocks, block_size, nkv, d]`` (float32, contiguous), the transport's ``slot_rank /
-    slot_local [S]``, the base address of the ring towards (``rings_out``) and from
-    (``rings_in``) each expert rank with their data bytes, the address of the count of bytes
-    from each one the lane staged (``staged_in``: a frame that begins there is left to the
-    caller), and how long a call polls for a frame before it hands the wait back (``spin_ns``).
-    `set_maps` gives each layer's expert -> slot map and load counts; `batch` one micro-batch's
-    buffers and call."""
+    slot_local [S]`` and the `Rings` with the expert ranks. `set_maps` gives each layer's
+    expert -> slot map and load counts; `batch` one micro-batch's buffers and call."""
 
     def __init__(
         self,
@@ -1066,44 +1099,29 @@ class RemoteDecode:
         scale: float,
         slot_rank: torch.Tensor,
         slot_local: torch.Tensor,
-        rings_out: list[int],
-        rings_in: list[int],
-        staged_in: list[int],
-        capacities: tuple[int, int],
-        spin_ns: int,
+        rings: Rings,
     ):
         _check_mirrors()
-        H, nh, nkv, d, eps, E, k, renorm = layers[0].shape
-        if any(not layer.has_router or layer.shape != layers[0].shape for layer in layers):
-            raise ValueError("cpu kernels: remote decode layers must all be alike MoE layers")
-        if k > MAX_TOP_K:
-            raise ValueError(f"cpu kernels: remote decode takes top_k <= {MAX_TOP_K}, got {k}")
+        H, nh, nkv, d, eps, E, k, renorm = _alike_moe_layers("remote decode", layers)
         L, V = len(layers), embed.shape[0]
-        for name, t, shape in (
-            ("embed", embed, (V, H)),
-            ("final_norm", final_norm, (H,)),
-            ("lm_head", lm_head, (V, H)),
-        ):
-            _check_f32(name, t)
-            if tuple(t.shape) != shape or not t.is_contiguous():
-                raise ValueError(
-                    f"cpu kernels: remote decode {name} is {tuple(t.shape)}, want {shape}"
-                )
+        _check_shapes(
+            "remote decode",
+            {
+                "embed": (embed, (V, H)),
+                "final_norm": (final_norm, (H,)),
+                "lm_head": (lm_head, (V, H)),
+            },
+        )
         _check_f32("kv_pool", kv_pool)
-        if kv_pool.dim() != 6 or kv_pool.shape[:2] != (L, 2) or kv_pool.shape[4:] != (nkv, d):
-            raise ValueError(
-                f"cpu kernels: remote decode kv_pool is {tuple(kv_pool.shape)}, want [{L}, 2, "
-                f"blocks, block_size, {nkv}, {d}]"
-            )
-        if not kv_pool.is_contiguous():
-            raise ValueError("cpu kernels: remote decode kv_pool must be contiguous")
-        R = len(rings_out)
+        _check_kv_pool("remote decode", kv_pool, L, nkv, d)
+        R = len(rings.out)
         self._layers = torch.tensor(
             [layer.addresses + [0, 0] for layer in layers], dtype=torch.int64
         )
-        self._rings = torch.tensor([rings_out, rings_in, staged_in], dtype=torch.int64)
+        self._rings = rings.table()
         self._maps = torch.zeros(2, L, dtype=torch.int64)  # expert_slot, load addresses per layer
-        self._keep = [list(layers), embed, final_norm, lm_head, kv_pool, slot_rank, slot_local]
+        self._keep = [list(layers), embed, final_norm, lm_head, slot_rank, slot_local]
+        self.pool = kv_pool
         self._held: list = []  # the maps' tensors
         self.num_layers, self.num_ranks, self.hidden, self.top_k, self.vocab = L, R, H, k, V
         nb, bs = kv_pool.shape[2:4]
@@ -1113,7 +1131,7 @@ class RemoteDecode:
             kv_pool.stride(0), kv_pool.stride(1), nb, bs,
             self._maps[0].data_ptr(), self._maps[1].data_ptr(),
             slot_rank.data_ptr(), slot_local.data_ptr(), slot_rank.numel(), R,
-            *(ring.data_ptr() for ring in self._rings), *capacities, spin_ns,
+            *(ring.data_ptr() for ring in self._rings), *rings.capacities, rings.spin_ns,
         )  # fmt: skip
         self._batches: dict[int, RemoteBatch] = {}
 
@@ -1200,7 +1218,6 @@ class RemoteBatch:
         return rc
 
     def _raise(self, rc: int) -> None:
-        pool = self._owner._keep[4]
         if rc == -2:
             raise ValueError(
                 f"cpu kernels: remote decode got a token id outside 0..{self._owner.vocab - 1}"
@@ -1209,7 +1226,7 @@ class RemoteBatch:
             raise ValueError(
                 "cpu kernels: remote decode routed to an expert id or slot out of range"
             )
-        _raise_step_error(rc, "remote decode", pool)
+        _raise_step_error(rc, "remote decode", self._owner.pool)
 
     @property
     def wait_rank(self) -> int:
@@ -1227,13 +1244,7 @@ class RemoteBatch:
 
     def unsent(self, layer: int) -> list[tuple[int, int, int]]:
         """``(expert rank, byte offset in rows, bytes)`` of the frames the last call left."""
-        counts, rb = self.counts_np[layer].tolist(), self.rows.shape[1]
-        starts = [0]
-        for n in counts:
-            starts.append(starts[-1] + n)
-        return [
-            (r, starts[r] * rb, counts[r] * rb) for r in range(len(counts)) if not self._sent[r]
-        ]
+        return _unsent(self.counts_np[layer].tolist(), self._sent, self.rows.shape[1])
 
 
 class _ExpertCall(ctypes.Structure):
@@ -1241,7 +1252,7 @@ class _ExpertCall(ctypes.Structure):
 
     _fields_ = [
         *((name, _i64) for name in ("H", "k", "I", "A")),
-        *((name, _p) for name in ("layers", "rings_in", "staged_in", "rings_out")),
+        *((name, _p) for name in ("layers", "rings_out", "rings_in", "staged_in")),
         *((name, _i64) for name in ("cap_out", "cap_in", "spin_ns")),
         ("rows", _p),
         ("y", _p),
@@ -1261,10 +1272,8 @@ class ExpertCall:
     layer and micro-batch (on the 2-core CPU host, where a 16-token micro-batch's experts cost
     ~60 us).
 
-    Built once per rank from the hidden size, top_k, the experts' intermediate size, the base
-    address of the ring towards (``rings_out``) and from (``rings_in``) each attention rank with
-    their data bytes, the address of the count of bytes from each one the lane staged
-    (``staged_in``) and how long a call polls for a frame (``spin_ns``). `set_layers` gives the
+    Built once per rank from the hidden size, top_k, the experts' intermediate size and the
+    `Rings` with the attention ranks. `set_layers` gives the
     MoE layers' expert weights. ``layer(i)``'s return codes: 0 done; 1 the frame of attention
     rank `wait_rank` is not here whole (receive it at `receive_at`, then `got` it, and call
     again); 3 the buffers lack room for it (`grow`, then call again); 2 done, but the partial
@@ -1277,25 +1286,22 @@ class ExpertCall:
         hidden: int,
         top_k: int,
         intermediate: int,
-        rings_out: list[int],
-        rings_in: list[int],
-        staged_in: list[int],
-        capacities: tuple[int, int],
-        spin_ns: int,
+        rings: Rings,
     ):
         _check_mirrors()
         if top_k > MAX_TOP_K:
             raise ValueError(f"cpu kernels: expert calls take top_k <= {MAX_TOP_K}, got {top_k}")
-        A = len(rings_out)
+        A = len(rings.out)
         self.hidden, self.top_k, self.intermediate = hidden, top_k, intermediate
-        self._rings = torch.tensor([rings_in, staged_in, rings_out], dtype=torch.int64)
+        self._rings = rings.table()
         self._state = torch.zeros(3, A, dtype=torch.int64)  # counts, got, sent
         self.stamps = torch.zeros(4, dtype=torch.int64)
         self.counts, self._got, self._sent = self._state.numpy()
         self.stamps_np = self.stamps.numpy()
         self._c = _ExpertCall(
-            hidden, top_k, intermediate, A, 0, *(r.data_ptr() for r in self._rings), *capacities,
-            spin_ns, 0, 0, 0, *(t.data_ptr() for t in self._state), self.stamps.data_ptr(),
+            hidden, top_k, intermediate, A, 0, *(r.data_ptr() for r in self._rings),
+            *rings.capacities, rings.spin_ns, 0, 0, 0, *(t.data_ptr() for t in self._state),
+            self.stamps.data_ptr(),
         )  # fmt: skip
         self._layers = torch.zeros(0, 3, dtype=torch.int64)
         self._held: list = []
@@ -1358,9 +1364,15 @@ class ExpertCall:
     def unsent(self) -> list[tuple[int, int, int]]:
         """``(attention rank, byte offset in y, bytes)`` of the partial sums the last call
         left."""
-        counts, rb, out, at = self.counts.tolist(), self.hidden * 4, [], 0
-        for a, n in enumerate(counts):
-            if not self._sent[a]:
-                out.append((a, at * rb, n * rb))
-            at += n
-        return out
+        return _unsent(self.counts.tolist(), self._sent, self.hidden * 4)
+
+
+def _unsent(counts: list[int], sent, row_bytes: int) -> list[tuple[int, int, int]]:
+    """``(peer, byte offset, bytes)`` of each peer's ``counts[peer]`` rows (in peer order) whose
+    frame a native call could not send (``sent[peer]`` 0)."""
+    out, at = [], 0
+    for peer, n in enumerate(counts):
+        if not sent[peer]:
+            out.append((peer, at * row_bytes, n * row_bytes))
+        at += n
+    return out

@@ -1565,7 +1565,7 @@ int64_t splitmoe_remote_layer(struct remote_batch *b, int64_t layer) {
 struct expert_call {
     int64_t H, k, I, A;
     const int64_t *layers; /* [moe layers, 3]: each one's w13t and w2t addresses and expert count */
-    const int64_t *rings_in, *staged_in, *rings_out; /* [A], as struct remote_model's */
+    const int64_t *rings_out, *rings_in, *staged_in; /* [A], as struct remote_model's */
     int64_t cap_out, cap_in, spin_ns;
     uint8_t *rows;      /* [capacity, 4 H + 8 k] */
     float *y;           /* [capacity, H] */
