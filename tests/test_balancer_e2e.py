@@ -12,6 +12,16 @@ PROMPTS = [prompt_ids(n, seed=300 + i) for i, n in enumerate((3, 9, 17, 5, 12, 1
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
+def _finished(llm: LLM, rids: list[int]) -> dict:
+    """The final output of each of ``rids``, polled until all have finished."""
+    got = {}
+    while len(got) < len(rids):
+        for out, _ in llm.poll():
+            if out.finished:
+                got[out.request_id] = out
+    return got
+
+
 @pytest.mark.parametrize(
     "policy,attention_ranks,expert_ranks,redundant,micro_batches",
     [("static", 1, 2, 2, 1), ("local", 1, 3, 4, 1), ("global", 2, 2, 3, 2)],
@@ -55,11 +65,7 @@ def test_rebalance_mid_run_changes_no_token(tiny_ckpt, hf_ref):
         placed = llm.rebalance()
         rids = llm.submit(PROMPTS[3:], GREEDY)
         llm.rebalance()  # while the second batch is running
-        got = {}
-        while len(got) < len(rids):
-            for out, _ in llm.poll():
-                if out.finished:
-                    got[out.request_id] = out
+        got = _finished(llm, rids)
         stats = llm.stats()
     assert placed["placement_version"] >= 1
     assert any(s.get("weights_reloaded") for s in stats if s["role"] == "expert")
@@ -88,11 +94,7 @@ def test_static_rebalance_mid_run_with_native_decode_steps(tiny_ckpt, hf_ref):
         llm.generate(PROMPTS[:2], GREEDY)  # some load to place replicas by
         rids = llm.submit(PROMPTS, GREEDY)
         placed = llm.rebalance()  # while they run
-        got = {}
-        while len(got) < len(rids):
-            for out, _ in llm.poll():
-                if out.finished:
-                    got[out.request_id] = out
+        got = _finished(llm, rids)
         stats = llm.stats()
     assert placed["placement_version"] >= 1
     assert stats[0]["remote_decode_step"] and stats[0]["balancer"]["policy"] == "static"
