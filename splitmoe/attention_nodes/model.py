@@ -237,16 +237,20 @@ class AttentionModel:
         tensor) and cheaper than computing them: 162 -> 64 us per step at batch 256 with two
         micro-batches (in-process, one thread)."""
         if positions.is_cpu and positions.numel():
-            top = int(positions.max())
-            if self._rope_table is None or top >= self._rope_table[0].shape[0]:
-                n = max(2 * (top + 1), 1024)
-                cos, sin = rope_rows(self.inv_freq, torch.arange(n))
-                self._rope_table = (cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :])
-            cos, sin = self._rope_table
+            cos, sin = self.rope_table(int(positions.max()), dtype)
             if cos.dtype == dtype:
                 return cos.index_select(0, positions), sin.index_select(0, positions)
         cos, sin = rope_rows(self.inv_freq, positions)
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+    def rope_table(self, top: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope`'s CPU table ``cos, sin [n, 1, d]``, grown (by doubling) to hold position
+        ``top``: row p holds position p's values (the first table's dtype stays)."""
+        if self._rope_table is None or top >= self._rope_table[0].shape[0]:
+            n = max(2 * (top + 1), 1024)
+            cos, sin = rope_rows(self.inv_freq, torch.arange(n))
+            self._rope_table = (cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :])
+        return self._rope_table
 
     @staticmethod
     def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from splitmoe.attention_nodes.kv_cache import PagedKVCache
-from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
+from splitmoe.attention_nodes.model import AttentionModel
 from splitmoe.comm.transport import NativeFrames, Transport
+from splitmoe.kernels.cpu_native import DecodeInputs
 from splitmoe.scheduler.balancer import Balancer
 from splitmoe.timeline import Timeline
 
@@ -86,7 +87,7 @@ class RemoteDecodeStep:
         )
         return cls(model, kv_cache, transport, balancer, timeline, frames) if fits else None
 
-    def run(self, mbs: Sequence[MicroBatch], on_logits: Callable[[int, torch.Tensor], None]):
+    def run(self, mbs: Sequence[DecodeInputs], on_logits: Callable[[int, torch.Tensor], None]):
         """The step of micro-batches ``mbs`` of one-token sequences, layer by layer and
         micro-batch by micro-batch as `AttentionModel.forward` runs them (micro-batch j read when
         layer 0 reaches it); ``on_logits(j, logits [T_j, V])`` as soon as micro-batch j's are
@@ -102,9 +103,10 @@ class RemoteDecodeStep:
         for i in range(L + 1):
             for j in range(len(mbs)):
                 if i == 0:
-                    mb = mbs[j]
-                    cos, sin = self.model.rope(mb.positions, torch.float32)
-                    batches.append(self.native.batch(j, mb.input_ids, cos, sin, mb.meta))
+                    inputs = mbs[j]
+                    top = int(inputs.positions.max()) if len(inputs) else 0
+                    cos, sin = self.model.rope_table(top, torch.float32)
+                    batches.append(self.native.batch(j, inputs, cos, sin))
                 b = batches[j]
                 rc = b.layer(i)
                 while rc == 1:  # a frame of partial sums not here yet: the lane's wait

@@ -17,6 +17,7 @@ from splitmoe.attention_nodes.sampler import make_generator, sample
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
 from splitmoe.expert_nodes.experts import LocalExperts
+from splitmoe.kernels.cpu_native import DecodeInputs
 from splitmoe.kernels.paged_attention import AttentionMetadata
 from splitmoe.metrics import StepRecord
 from splitmoe.models.loader import load_attention_weights
@@ -231,6 +232,35 @@ class AttentionWorker:
         )
         return mb, sample_rows, to_sample
 
+    def _decode_inputs(self, reqs: list) -> tuple[DecodeInputs, list[int], list]:
+        """`_inputs` for a micro-batch of one token per request, as `RemoteDecodeStep` takes it
+        (the lengths, slots and RoPE rows are derived natively: the fewer Python and torch
+        calls between the native ones, the less the attention rank, which sets the pipeline's
+        pace, spends on them)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        to_sample = []
+        width = max((len(r.block_table) for r in reqs), default=0)
+        tables: list[int] = []
+        for i, req in enumerate(reqs):
+            start = req.num_computed_tokens
+            ids.append(req.token_at(start))
+            positions.append(start)
+            if start + 1 == req.num_tokens:
+                sample_rows.append(i)
+                to_sample.append(req)
+            table = req.block_table
+            tables += table
+            if len(table) < width:
+                tables += [0] * (width - len(table))
+        inputs = DecodeInputs(
+            np.array(ids, dtype=np.int64),
+            np.array(positions, dtype=np.int64),
+            np.array(tables, dtype=np.int32).reshape(len(reqs), width),
+        )
+        return inputs, sample_rows, to_sample
+
     def _tensor(self, values: list[int], dtype: type) -> torch.Tensor:
         """A list of ints as a 1-D tensor on this rank's device (via numpy: ~3x faster than
         ``torch.tensor`` on a list)."""
@@ -267,14 +297,19 @@ class AttentionWorker:
         parts = split_micro_batches(batch.num_new_tokens, micro_batches)
         rows, to_sample, scheduled = {}, {}, {}
 
-        def build(j: int) -> MicroBatch:
+        remote = self.remote_decode is not None and max(batch.num_new_tokens, default=0) == 1
+
+        def build(j: int) -> MicroBatch | DecodeInputs:
             # micro-batch j's inputs, when the forward first needs them: those of j > 0 are
             # packed while the experts work on micro-batch 0
             with self.timeline.span("inputs", "compute"):
                 reqs = [batch.requests[i] for i in parts[j]]
                 counts = [batch.num_new_tokens[i] for i in parts[j]]
-                mb, rows[j], to_sample[j] = self._inputs(reqs, counts)
                 scheduled[j] = list(zip(reqs, counts))
+                if remote:
+                    inputs, rows[j], to_sample[j] = self._decode_inputs(reqs)
+                    return inputs
+                mb, rows[j], to_sample[j] = self._inputs(reqs, counts)
                 return mb
 
         mbs = _Lazy(len(parts), build)
@@ -293,7 +328,7 @@ class AttentionWorker:
                     )
 
         with self.timeline.span(f"forward m={micro_batches}", "compute"):
-            if self.remote_decode is not None and max(batch.num_new_tokens, default=0) == 1:
+            if remote:
                 self.remote_decode.run(mbs, lambda j, logits: done(j, logits, logits=True))
             else:
                 self.model.forward(mbs, self.kv_cache, self.experts, on_done=done)

@@ -30,6 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from splitmoe import host_memory
@@ -1056,11 +1057,12 @@ class _RemoteBatch(ctypes.Structure):
     _fields_ = [
         ("m", _p),
         ("T", _i64),
-        *((name, _p) for name in ("input_ids", "cos_t", "sin_t")),
+        *((name, _p) for name in ("input_ids", "positions", "block_tables")),
+        *((name, _i64) for name in ("table_st", "table_width")),
+        *((name, _p) for name in ("rope_cos", "rope_sin")),
+        ("rope_rows", _i64),
+        *((name, _p) for name in ("cos_t", "sin_t")),
         ("cs_st", _i64),
-        ("block_tables", _p),
-        ("table_st", _i64),
-        ("table_width", _i64),
         *((name, _p) for name in ("seq_lens", "slots", "h", "x", "weights", "partial", "sum")),
         *((name, _p) for name in ("ids", "token_index", "rows", "counts", "sent", "got")),
         *((name, _p) for name in ("stamps", "logits")),
@@ -1124,6 +1126,7 @@ class RemoteDecode:
         self.pool = kv_pool
         self._held: list = []  # the maps' tensors
         self.num_layers, self.num_ranks, self.hidden, self.top_k, self.vocab = L, R, H, k, V
+        self.head_dim = d
         nb, bs = kv_pool.shape[2:4]
         self._model = _RemoteModel(
             self._layers.data_ptr(), L, H, nh, nkv, d, E, k, int(renorm), V, eps, scale,
@@ -1143,25 +1146,46 @@ class RemoteDecode:
         self._maps.copy_(torch.tensor(addresses, dtype=torch.int64).t())
         self._held = maps
 
-    def batch(self, j: int, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              meta: AttentionMetadata) -> RemoteBatch:  # fmt: skip
-        """Micro-batch j of this step: ``input_ids [T]`` int64, one per sequence of ``meta``,
-        and their RoPE rows as `DecodeLayer` takes them (its buffers are reused by the next
-        step's micro-batch j)."""
-        T = input_ids.shape[0]
-        _check_step_call(
-            "remote decode",
-            input_ids,
-            input_ids.dtype == torch.int64 and input_ids.dim() == 1 and input_ids.is_contiguous(),
-            "contiguous int64 input ids [T], one per sequence",
-            meta,
-            (("cos", cos), ("sin", sin)),
-        )
+    def batch(self, j: int, inputs: DecodeInputs, cos: torch.Tensor, sin: torch.Tensor
+              ) -> RemoteBatch:  # fmt: skip
+        """Micro-batch j of this step: its `DecodeInputs`, and a RoPE table ``cos, sin [n, 1,
+        d]`` float32 with a row for each position (`AttentionModel.rope_table`). Its buffers are
+        reused by the next step's micro-batch j."""
+        T = len(inputs)
         b = self._batches.get(j)
         if b is None or b.T != T:
             b = self._batches[j] = RemoteBatch(self, T)
-        b.start(input_ids, cos, sin, meta)
+        b.start(inputs, cos, sin)
         return b
+
+
+@dataclass
+class DecodeInputs:
+    """A micro-batch of one-token sequences as `RemoteDecode` takes it (numpy, C-contiguous):
+    ``token_ids [T]`` int64, each one's ``positions [T]`` int64 (the tokens before it in the
+    cache) and ``block_tables [T, width]`` int32, each row a sequence's block ids (padded). The
+    lengths, KV slots and RoPE rows are derived natively."""
+
+    token_ids: np.ndarray
+    positions: np.ndarray
+    block_tables: np.ndarray
+
+    def __post_init__(self) -> None:
+        T = self.token_ids.shape[0]
+        for name, a, dtype, dim in (
+            ("token_ids", self.token_ids, np.int64, 1),
+            ("positions", self.positions, np.int64, 1),
+            ("block_tables", self.block_tables, np.int32, 2),
+        ):
+            if a.dtype != dtype or a.ndim != dim or a.shape[0] != T or not a.flags.c_contiguous:
+                raise ValueError(
+                    f"cpu kernels: remote decode takes {name} as a C-contiguous {np.dtype(dtype)} "
+                    f"array of {dim} dimension(s) with a row per sequence ({T}); got "
+                    f"{a.dtype} {a.shape}"
+                )
+
+    def __len__(self) -> int:
+        return self.token_ids.shape[0]
 
 
 class RemoteBatch:
@@ -1183,6 +1207,8 @@ class RemoteBatch:
         self.T = T
         self.h, self.x, self.sum, self.weights = f32(T, H), f32(T, H), f32(T, H), f32(T, k)
         self.partial, self.logits = f32(P, H), f32(T, owner.vocab)
+        self.cos, self.sin = f32(T, owner.head_dim), f32(T, owner.head_dim)
+        self.seq_lens, self.slots = i64(T), i64(T)
         self.ids, self.token_index = i64(T, k), i64(P)
         self.rows = torch.empty(P, H * 4 + 8 * k, dtype=torch.uint8)
         self.counts, self.flags, self.stamps = i64(L, R), i64(2, R), i64(L + 1, 4)
@@ -1192,21 +1218,30 @@ class RemoteBatch:
         self._c = _RemoteBatch(ctypes.addressof(owner._model), T)
         for name in ("h", "x", "weights", "partial", "sum", "ids", "token_index", "rows"):
             setattr(self._c, name, getattr(self, name).data_ptr())
+        for name in ("seq_lens", "slots", "logits"):
+            setattr(self._c, name, getattr(self, name).data_ptr())
+        self._c.cos_t, self._c.sin_t = self.cos.data_ptr(), self.sin.data_ptr()
         self._c.counts, self._c.stamps = self.counts.data_ptr(), self.stamps.data_ptr()
         self._c.sent, self._c.got = self.flags[0].data_ptr(), self.flags[1].data_ptr()
-        self._c.logits = self.logits.data_ptr()
         self._address = ctypes.addressof(self._c)
         self._call = library().splitmoe_remote_layer
         self._inputs: tuple = ()
 
-    def start(self, input_ids, cos, sin, meta) -> None:
-        tables, lens, slots = _step_addresses(meta)
-        self._inputs = (input_ids, cos, sin, tables, lens, slots)  # alive for the step's calls
+    def start(self, inputs: DecodeInputs, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        d = self._owner.head_dim
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.dtype != torch.float32 or t.shape[-1] != d or not t.is_contiguous():
+                raise ValueError(
+                    f"cpu kernels: remote decode takes a contiguous float32 RoPE table {name} "
+                    f"[positions, 1, {d}]; got {t.dtype} {tuple(t.shape)}"
+                )
+        self._inputs = (inputs, cos, sin)  # alive for the step's calls
         c = self._c
-        c.input_ids, c.cos_t, c.sin_t = input_ids.data_ptr(), cos.data_ptr(), sin.data_ptr()
-        c.cs_st, c.block_tables = cos.stride(0), tables.data_ptr()
-        c.table_st, c.table_width = tables.stride(0), tables.shape[1]
-        c.seq_lens, c.slots = lens.data_ptr(), slots.data_ptr()
+        c.input_ids, c.positions = inputs.token_ids.ctypes.data, inputs.positions.ctypes.data
+        tables = inputs.block_tables
+        c.block_tables, c.table_st = tables.ctypes.data, tables.shape[1]
+        c.table_width = tables.shape[1]
+        c.rope_cos, c.rope_sin, c.rope_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         c.pending = c.waiting = 0
 
     def layer(self, i: int) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from small_default import write_small_model
@@ -912,3 +913,19 @@ def test_decode_step_refuses_bad_input_before_writing():
         cpu_native.DecodeStep(layers, experts, embed, final_norm, lm_head[:, :-1])
     with pytest.raises(ValueError, match="one expert pair per layer"):
         cpu_native.DecodeStep(layers, experts[:1], embed, final_norm, lm_head)
+
+
+def test_remote_decode_inputs_refuse_bad_arrays():
+    """A remote decode micro-batch's arrays are read by address: a wrong dtype, a missing row or
+    a strided view is refused by name before any call."""
+    ids, pos = np.arange(3, dtype=np.int64), np.arange(3, dtype=np.int64)
+    tables = np.zeros((3, 2), dtype=np.int32)
+    assert len(cpu_native.DecodeInputs(ids, pos, tables)) == 3
+    for bad, name in (
+        ((ids.astype(np.int32), pos, tables), "token_ids"),
+        ((ids, pos[:2], tables), "positions"),
+        ((ids, pos, tables.astype(np.int64)), "block_tables"),
+        ((ids, pos, np.zeros((3, 4), dtype=np.int32)[:, ::2]), "block_tables"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            cpu_native.DecodeInputs(*bad)

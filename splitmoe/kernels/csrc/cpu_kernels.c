@@ -1427,12 +1427,17 @@ struct remote_model {
 struct remote_batch {
     const struct remote_model *m;
     int64_t T;
-    const int64_t *input_ids;
-    const float *cos_t, *sin_t;
-    int64_t cs_st;
+    /* the step's inputs: each sequence's token, its position (the tokens before it in the
+     * cache) and its block table row; the RoPE table (rows 0 .. rope_rows - 1, d floats each) */
+    const int64_t *input_ids, *positions;
     const int32_t *block_tables;
     int64_t table_st, table_width;
-    const int64_t *seq_lens, *slots;
+    const float *rope_cos, *rope_sin;
+    int64_t rope_rows;
+    /* derived from them at layer 0: [T, d] RoPE rows (cs_st = d), [T] lengths and KV slots */
+    float *cos_t, *sin_t;
+    int64_t cs_st;
+    int64_t *seq_lens, *slots;
     float *h, *x, *weights, *partial, *sum; /* [T, H], [T, H], [T, k], [Pmax, H], [T, H] */
     int64_t *ids, *token_index;             /* [T, k], [Pmax] */
     uint8_t *rows;                          /* [Pmax, H * 4 + 8 k] */
@@ -1459,17 +1464,27 @@ struct remote_batch {
  * the frames taken; the caller receives that one into partial, sets got[wait_rank] and calls
  * again); 2 when done but some frames did not
  * fit their rings (sent[r] = 0: the caller sends them); -1 out of scratch memory; -2 a token id
- * outside 0..V-1; -3 a block table, sequence length or slot that does not fit the cache; -5 an
- * expert id or slot out of range; -6 the frame from wait_rank is not the size expected (nothing
+ * outside 0..V-1; -3 a position or block table that does not fit the cache or the RoPE table;
+ * -5 an expert id or slot out of range; -6 the frame from wait_rank is not the size expected (nothing
  * consumed: the caller reports the diverged calls). Before any work for -2 and -3. */
 int64_t splitmoe_remote_layer(struct remote_batch *b, int64_t layer) {
     const struct remote_model *m = b->m;
     const int64_t T = b->T, H = m->H, R = m->R, k = m->k;
     int64_t *stamps = b->stamps + 4 * layer;
     if (!b->waiting) stamps[0] = now_ns();
-    if (layer == 0) {
+    if (layer == 0) { /* the inputs' checks; each sequence's length, KV slot and RoPE rows */
+        const int64_t d = m->d, bs = m->block_size;
         for (int64_t t = 0; t < T; t++)
             if (b->input_ids[t] < 0 || b->input_ids[t] >= m->V) return -2;
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t pos = b->positions[t];
+            if (pos < 0 || pos >= b->rope_rows || pos / bs >= b->table_width) return -3;
+            b->seq_lens[t] = pos + 1;
+            b->slots[t] = (int64_t)b->block_tables[t * b->table_st + pos / bs] * bs + pos % bs;
+            memcpy(b->cos_t + t * d, b->rope_cos + pos * d, sizeof(float) * (size_t)d);
+            memcpy(b->sin_t + t * d, b->rope_sin + pos * d, sizeof(float) * (size_t)d);
+        }
+        b->cs_st = d;
         b->max_len = check_tables(b->block_tables, b->table_st, b->table_width, m->num_blocks,
                                   b->seq_lens, NULL, T, m->block_size);
         if (b->max_len < 0 || !slots_fit(b->slots, T, m->num_blocks * m->block_size)) return -3;
