@@ -1,4 +1,5 @@
-"""`AttentionModel.rope`'s table of positions (CPU) gives exactly the values it computes."""
+"""`AttentionModel.rope`'s table of positions (CPU, `rope_table`: the remote decode step reads its
+rows natively) gives exactly the values it computes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from splitmoe.attention_nodes.model import AttentionModel, rope_rows
 def test_rope_table_rows_equal_computed_values(d, theta):
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     model = SimpleNamespace(inv_freq=inv_freq, _rope_table=None)
+    model.rope_table = lambda top, dtype: AttentionModel.rope_table(model, top, dtype)
     g = torch.Generator().manual_seed(d)
     # decode-like and prefill-like positions, then past the table (it grows)
     for top in (16, 900, 3000, 70000):
