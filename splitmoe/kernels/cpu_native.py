@@ -1127,6 +1127,7 @@ class RemoteDecode:
         self._held: list = []  # the maps' tensors
         self.num_layers, self.num_ranks, self.hidden, self.top_k, self.vocab = L, R, H, k, V
         self.head_dim = d
+        self._rope: torch.Tensor | None = None  # the RoPE table `batch` last checked
         nb, bs = kv_pool.shape[2:4]
         self._model = _RemoteModel(
             self._layers.data_ptr(), L, H, nh, nkv, d, E, k, int(renorm), V, eps, scale,
@@ -1151,6 +1152,20 @@ class RemoteDecode:
         """Micro-batch j of this step: its `DecodeInputs`, and a RoPE table ``cos, sin [n, 1,
         d]`` float32 with a row for each position (`AttentionModel.rope_table`). Its buffers are
         reused by the next step's micro-batch j."""
+        if cos is not self._rope:  # (checked once per table: it changes only as it grows)
+            d = self.head_dim
+            for name, t in (("cos", cos), ("sin", sin)):
+                if t.dtype != torch.float32 or t.shape[-1] != d or not t.is_contiguous():
+                    raise ValueError(
+                        f"cpu kernels: remote decode takes a contiguous float32 RoPE table "
+                        f"{name} [positions, 1, {d}]; got {t.dtype} {tuple(t.shape)}"
+                    )
+            if sin.shape != cos.shape:
+                raise ValueError(
+                    f"cpu kernels: remote decode's RoPE tables differ in shape: cos "
+                    f"{tuple(cos.shape)}, sin {tuple(sin.shape)}"
+                )
+            self._rope = cos
         T = len(inputs)
         b = self._batches.get(j)
         if b is None or b.T != T:
@@ -1221,6 +1236,7 @@ class RemoteBatch:
         for name in ("seq_lens", "slots", "logits"):
             setattr(self._c, name, getattr(self, name).data_ptr())
         self._c.cos_t, self._c.sin_t = self.cos.data_ptr(), self.sin.data_ptr()
+        self._c.cs_st = owner.head_dim
         self._c.counts, self._c.stamps = self.counts.data_ptr(), self.stamps.data_ptr()
         self._c.sent, self._c.got = self.flags[0].data_ptr(), self.flags[1].data_ptr()
         self._address = ctypes.addressof(self._c)
@@ -1228,19 +1244,12 @@ class RemoteBatch:
         self._inputs: tuple = ()
 
     def start(self, inputs: DecodeInputs, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        d = self._owner.head_dim
-        for name, t in (("cos", cos), ("sin", sin)):
-            if t.dtype != torch.float32 or t.shape[-1] != d or not t.is_contiguous():
-                raise ValueError(
-                    f"cpu kernels: remote decode takes a contiguous float32 RoPE table {name} "
-                    f"[positions, 1, {d}]; got {t.dtype} {tuple(t.shape)}"
-                )
         self._inputs = (inputs, cos, sin)  # alive for the step's calls
         c = self._c
         c.input_ids, c.positions = inputs.token_ids.ctypes.data, inputs.positions.ctypes.data
-        tables = inputs.block_tables
+        tables = inputs.block_tables  # (C-contiguous: a row's stride is its width)
         c.block_tables, c.table_st = tables.ctypes.data, tables.shape[1]
-        c.table_width = tables.shape[1]
+        c.table_width = c.table_st
         c.rope_cos, c.rope_sin, c.rope_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         c.pending = c.waiting = 0
 

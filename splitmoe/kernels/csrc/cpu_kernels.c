@@ -1434,7 +1434,8 @@ struct remote_batch {
     int64_t table_st, table_width;
     const float *rope_cos, *rope_sin;
     int64_t rope_rows;
-    /* derived from them at layer 0: [T, d] RoPE rows (cs_st = d), [T] lengths and KV slots */
+    /* derived from them at layer 0: [T, d] RoPE rows (cs_st = d, set once), [T] lengths and KV
+     * slots */
     float *cos_t, *sin_t;
     int64_t cs_st;
     int64_t *seq_lens, *slots;
@@ -1477,17 +1478,19 @@ int64_t splitmoe_remote_layer(struct remote_batch *b, int64_t layer) {
         for (int64_t t = 0; t < T; t++)
             if (b->input_ids[t] < 0 || b->input_ids[t] >= m->V) return -2;
         for (int64_t t = 0; t < T; t++) {
+            if (b->positions[t] < 0 || b->positions[t] >= b->rope_rows) return -3;
+            b->seq_lens[t] = b->positions[t] + 1;
+        }
+        /* (every block up to each position exists, so each slot lies in the cache) */
+        b->max_len = check_tables(b->block_tables, b->table_st, b->table_width, m->num_blocks,
+                                  b->seq_lens, NULL, T, bs);
+        if (b->max_len < 0) return -3;
+        for (int64_t t = 0; t < T; t++) {
             const int64_t pos = b->positions[t];
-            if (pos < 0 || pos >= b->rope_rows || pos / bs >= b->table_width) return -3;
-            b->seq_lens[t] = pos + 1;
             b->slots[t] = (int64_t)b->block_tables[t * b->table_st + pos / bs] * bs + pos % bs;
             memcpy(b->cos_t + t * d, b->rope_cos + pos * d, sizeof(float) * (size_t)d);
             memcpy(b->sin_t + t * d, b->rope_sin + pos * d, sizeof(float) * (size_t)d);
         }
-        b->cs_st = d;
-        b->max_len = check_tables(b->block_tables, b->table_st, b->table_width, m->num_blocks,
-                                  b->seq_lens, NULL, T, m->block_size);
-        if (b->max_len < 0 || !slots_fit(b->slots, T, m->num_blocks * m->block_size)) return -3;
         for (int64_t t = 0; t < T; t++)
             memcpy(b->h + t * H, m->embed + b->input_ids[t] * H, sizeof(float) * (size_t)H);
         b->pending = 0;
