@@ -22,7 +22,9 @@ def test_long_prompt_is_chunked_while_others_keep_decoding(tiny_ckpt, hf_ref):
         str(ckpt), attention_ranks=1, expert_ranks=1, device="cpu", max_num_batched_tokens=8
     ) as llm:
         llm.reset_metrics()
-        rids = llm.submit(short, SamplingParams(max_tokens=40, **GREEDY))
+        # (long enough to outlast the prefill even when the ranks run far ahead of this
+        # process's polls: at 40 tokens, a slow first poll let them finish during it)
+        rids = llm.submit(short, SamplingParams(max_tokens=200, **GREEDY))
         produced = 0
         while produced < 4:  # both short requests are decoding
             produced += len(llm.poll())
@@ -42,7 +44,7 @@ def test_long_prompt_is_chunked_while_others_keep_decoding(tiny_ckpt, hf_ref):
     assert len(prefill_steps) >= 60 // 6
     assert all(s.num_tokens <= 8 for s in steps)
     assert all(s.num_decode == 2 for s in prefill_steps[1:])
-    for rid, p, n in [(rids[0], short[0], 40), (rids[1], short[1], 40), (long_id, long, 5)]:
+    for rid, p, n in [(rids[0], short[0], 200), (rids[1], short[1], 200), (long_id, long, 5)]:
         assert outs[rid].token_ids == hf_ref(ckpt, p, n)
 
 
