@@ -706,8 +706,9 @@ class LLM:
 
     def stats(self, timeout: float | None = None) -> list[dict]:
         """A snapshot from every rank, in rank order: role, resident memory (``rss_mb``,
-        ``peak_rss_mb``), KV blocks / running / waiting / preemptions (attention ranks), tokens
-        served (expert ranks), and the transport's counters under ``"comm"``."""
+        ``peak_rss_mb``), KV blocks / running / waiting / preemptions / ``steps_begun`` (decode
+        steps begun during the one before, see `runtime`) (attention ranks), tokens served
+        (expert ranks), and the transport's counters under ``"comm"``."""
         return self._ask("stats", timeout)
 
     def trace(self, timeout: float | None = None) -> list[dict]:

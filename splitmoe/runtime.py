@@ -4,6 +4,11 @@ Each iteration: attention ranks take new requests from their `Channel` and plan 
 all-gather ``(tokens, done)``; if any attention rank has tokens, every rank runs the step (attention
 ranks with zero tokens still join each dispatch/combine, expert ranks serve every MoE layer); when
 no rank has work and every attention rank's channel is closed, all ranks leave together.
+
+Decode steps of two or more micro-batches may begin the next step (`StepDecision.can_begin_next`):
+as each micro-batch is sampled, its requests that go on start the next step's first layer, so the
+expert ranks work through the step boundary rather than wait for the attention ranks' sampling,
+scheduling and sync. Such a begun step admits no new request and runs whatever its sync says.
 """
 
 from __future__ import annotations
@@ -380,6 +385,7 @@ def _loop(
 ) -> None:
     busy = False
     rebalance_asked = False  # this rank's channel asked; answered once done
+    begun = 0  # micro-batches of the step that the last one began (0: none)
     while True:
         idle = topo.is_attention and not (busy or worker.has_work)
         inbox = channel.poll(IDLE_POLL_S if idle else 0.0)
@@ -390,39 +396,75 @@ def _loop(
             channel.send_stats(
                 {"rank": topo.rank, "role": topo.role, "timeline": worker.timeline.export()}
             )
+        m, begun = begun, 0  # (m: the micro-batches of a step the last one began)
         if topo.is_attention:
             with worker.timeline.span("schedule", "compute"):
                 for spec in inbox.requests:
                     worker.add_request(spec)
-                tokens = worker.plan()
-            done = channel.closed and not worker.has_work
+                tokens = worker.plan()  # (a begun step: as it was begun)
+            row = (tokens, channel.closed and not worker.has_work)
+            # (one micro-batch begins nothing: not worth the check then)
+            can_begin_next = cfg.parallel.micro_batches != 1 and worker.can_begin_next()
         else:
-            tokens, done = 0, True
+            row, can_begin_next = (0, True), True
+        # A begun step runs whatever the sync says, with the micro-batches it began with, and a
+        # rebalance asked for meanwhile follows it (its first layers went out on the placement
+        # before): nothing in it waits for the sync's answer. Its first layer was sent before
+        # the sync, so an expert rank serves that first; where the sync's rows wait in the
+        # peers' rings, it serves the whole step, then reads the answer.
+        first = bool(m) and not topo.is_attention
+        if first:
+            worker.timeline.step += 1
+            worker.begin(m)
+        sync.post(*row, rebalance_asked, can_begin_next)
+        served = first and sync.split
+        if served:
+            worker.step(m, begun=True)
         with worker.timeline.span("sync", "wait"):
-            decision = sync.exchange(tokens, done, rebalance_asked)
-        if decision.finished:
+            decision = sync.collect()
+        if decision.finished and not m:
             return
-        if decision.rebalance:
-            if balance is not None:
-                with worker.timeline.span("rebalance", "comm"):
-                    balance.rebalance(worker)
-            if rebalance_asked:
-                channel.send_stats(
-                    {"rebalanced": True, "stats": None if balance is None else balance.stats()}
-                )
-                rebalance_asked = False
+        rebalance_after = decision.rebalance and bool(m)
+        if decision.rebalance and not m:
+            _rebalance(worker, channel, balance, rebalance_asked)
+            rebalance_asked = False
         busy = decision.run
-        if not busy:
+        if not (busy or m):
             continue
-        worker.timeline.step += 1
-        m = cfg.parallel.micro_batches_for(decision.tokens[: topo.num_attention], shared_gpu)
+        if not m or topo.is_attention:
+            worker.timeline.step += 1
+        begun_here = bool(m)
+        m = m or cfg.parallel.micro_batches_for(decision.tokens[: topo.num_attention], shared_gpu)
+        rebalance_after |= balance is not None and balance.due()
+        # Each micro-batch begins the next step's as soon as it is sampled, where every rank
+        # can, the step has tokens and no rebalance comes between: its first layer's dispatch
+        # overlaps the expert ranks' work on this step's later micro-batches, and they serve it
+        # (and the second layer, sent after the last) while the attention ranks emit, schedule
+        # and sync, instead of waiting for them.
+        begin_next = m > 1 and decision.can_begin_next and busy and not rebalance_after
         if topo.is_attention:
-            updates, record = worker.execute(m)
+            updates, record = worker.execute(m, begin_next)
             if record is not None:
                 with worker.timeline.span("emit", "comm"):
                     channel.emit(updates, record)
-        else:
-            worker.step(m)
-        if balance is not None and balance.due():
-            with worker.timeline.span("rebalance", "comm"):
-                balance.rebalance(worker)
+        elif not served:
+            worker.step(m, begun=begun_here)
+        if rebalance_after:
+            _rebalance(worker, channel, balance, rebalance_asked and decision.rebalance)
+            rebalance_asked &= not decision.rebalance
+        if begin_next:
+            begun = m
+        elif decision.finished:  # (a begun step with no tokens anywhere: the job's end)
+            return
+
+
+def _rebalance(worker, channel: Channel, balance: ExpertBalance | None, answer: bool) -> None:
+    """Every rank's rebalance (a collective; nothing to do colocated); ``answer``: this rank's
+    channel asked for it."""
+    if balance is not None:
+        with worker.timeline.span("rebalance", "comm"):
+            balance.rebalance(worker)
+    if answer:
+        channel.send_stats(
+            {"rebalanced": True, "stats": None if balance is None else balance.stats()}
+        )

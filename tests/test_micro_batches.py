@@ -85,3 +85,56 @@ def test_two_phase_with_micro_batches(tiny_ckpt, hf_ref):
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     for p, o in zip(PROMPTS, outs):
         assert o.token_ids == hf_ref(ckpt, p, 8)
+
+
+def _begun(llm: LLM) -> list[int]:
+    return [s["steps_begun"] for s in llm.stats() if s["role"] == "attention"]
+
+
+@pytest.mark.parametrize("attention_ranks,expert_ranks,m", [(1, 1, 2), (2, 2, 3)])
+def test_steps_begun_by_the_last_match_hf(tiny_ckpt, hf_ref, attention_ranks, expert_ranks, m):
+    """Native decode steps begin the next one as each micro-batch is sampled. Requests stop at
+    different steps (their micro-batches shrink, some to nothing, while the step goes on)."""
+    ckpt = tiny_ckpt("qwen3_moe")  # no shared expert: native remote decode steps
+    lengths = [12, 3, 9, 1, 6, 12, 4]
+    prompts = [prompt_ids(3 + 2 * i, seed=90 + i) for i in range(len(lengths))]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    with LLM(
+        str(ckpt),
+        attention_ranks=attention_ranks,
+        expert_ranks=expert_ranks,
+        micro_batches=m,
+        device="cpu",
+    ) as llm:
+        outs = llm.generate(prompts, params)
+        begun = _begun(llm)
+    for p, n, o in zip(prompts, lengths, outs):
+        assert o.token_ids == hf_ref(ckpt, p, n)
+    assert all(b >= 5 for b in begun), begun
+
+
+def test_a_request_arriving_during_begun_steps_is_admitted(tiny_ckpt, hf_ref):
+    """Begun steps admit no one: a request that arrives meanwhile ends them for a step, then
+    runs with the others (the steps after begin again); every token as HF's."""
+    ckpt = tiny_ckpt("qwen3_moe")
+    first = [prompt_ids(5 + i, seed=120 + i) for i in range(4)]
+    late = prompt_ids(7, seed=130)
+    n_first, n_late = 48, 12
+    with LLM(str(ckpt), attention_ranks=1, expert_ranks=1, micro_batches=2, device="cpu") as llm:
+        greedy = dict(temperature=0, ignore_eos=True)
+        rids = llm.submit(first, SamplingParams(max_tokens=n_first, **greedy))
+        outs: dict[int, list[int]] = {}
+        seen = 0
+        while seen < 4:  # (a few steps in: the first requests are far from done)
+            seen = max((len(out.token_ids) for out, _ in llm.poll()), default=seen)
+        rids += llm.submit([late], SamplingParams(max_tokens=n_late, **greedy))
+        while len(outs) < len(rids):
+            for out, _ in llm.poll():
+                if out.finished:
+                    outs[out.request_id] = out.token_ids
+        begun = _begun(llm)[0]
+        records = llm.step_records
+    for rid, p, n in zip(rids, first + [late], [n_first] * 4 + [n_late]):
+        assert outs[rid] == hf_ref(ckpt, p, n)
+    assert any(r.num_seqs == 5 for r in records)  # the late request ran with the others
+    assert begun >= n_first - 10, begun  # steps began the next one, but around its arrival

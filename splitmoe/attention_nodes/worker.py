@@ -149,6 +149,10 @@ class AttentionWorker:
         )
         self.generators: dict[int, torch.Generator | None] = {}
         self._batch = ScheduledBatch()
+        self._step_record: StepRecord | None = None
+        # a begun step: each micro-batch's requests and inputs (its layer 0 dispatched)
+        self._begun: list[tuple[list, DecodeInputs]] | None = None
+        self.steps_begun = 0  # steps begun by the one before (`execute` with ``begin_next``)
 
     @property
     def has_work(self) -> bool:
@@ -169,6 +173,7 @@ class AttentionWorker:
             "fused_decode_step": self.model.decode_step is not None,  # (colocated, native)
             # (experts on other ranks of this host, native: a call per layer and micro-batch)
             "remote_decode_step": self.remote_decode is not None,
+            "steps_begun": self.steps_begun,
         }
 
     def add_request(self, spec: RequestSpec) -> None:
@@ -178,9 +183,34 @@ class AttentionWorker:
         )
 
     def plan(self) -> int:
-        """Schedules this step; returns how many tokens it computes (0: only takes part)."""
-        self._batch = self.scheduler.schedule()
+        """Schedules this step; returns how many tokens it computes (0: only takes part). A step
+        that the last one began (`execute` with ``begin_next``) is planned as it was begun: its
+        requests, a token each, in its micro-batches; waiting requests wait for the next."""
+        if self._begun is not None:
+            reqs = [req for part, _ in self._begun for req in part]
+            self._batch = ScheduledBatch(reqs, [1] * len(reqs))
+        else:
+            self._batch = self.scheduler.schedule()
+        # (recorded here, before the sync, where a rank waits anyway: not between the sync and
+        # the forward, which the expert ranks wait on)
+        self._step_record = self._record(self._batch)
         return self._batch.total_tokens
+
+    def can_begin_next(self) -> bool:
+        """Whether the planned step can begin the next one as its micro-batches are sampled:
+        a native remote decode step of every running request (each sampled), no request
+        waiting to be admitted (the next step is then this one's requests again, less those
+        that finish) and a free KV block for each request whose next token needs one (so the
+        next step preempts no one)."""
+        batch, s = self._batch, self.scheduler
+        if self.remote_decode is None or s.waiting or len(batch) != len(s.running):
+            return False
+        blocks, need = self.blocks, 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+                return False
+            need += blocks.blocks_for(req.num_tokens + 1) > len(req.block_table)
+        return need <= blocks.num_free
 
     def _inputs(self, reqs: list, counts: list[int]) -> tuple[MicroBatch, list[int], list]:
         """Packs the tokens of ``reqs`` (``counts[i]`` new tokens each); returns the micro-batch,
@@ -286,18 +316,42 @@ class AttentionWorker:
         )
 
     @torch.inference_mode()
-    def execute(self, micro_batches: int = 1) -> tuple[list[RequestUpdate], StepRecord | None]:
+    def execute(
+        self, micro_batches: int = 1, begin_next: bool = False
+    ) -> tuple[list[RequestUpdate], StepRecord | None]:
         """Runs the planned step as ``micro_batches`` micro-batches (every attention and expert
         rank uses the same count; with zero tokens a rank still joins every dispatch/combine);
-        returns the requests' new tokens and a record of the step (None if it had no tokens)."""
-        batch = self._batch
-        record = self._record(batch)
+        returns the requests' new tokens and a record of the step (None if it had no tokens).
+
+        ``begin_next`` (every rank agreed, on a step `can_begin_next` allowed): as soon as a
+        micro-batch is sampled, its requests that go on begin the next step, as the same
+        micro-batch: their KV blocks, their inputs and layer 0 up to its dispatch; `plan` then
+        plans that step as begun."""
+        batch, begun, record = self._batch, self._begun, self._step_record
         if self.model.decode_step is not None and max(batch.num_new_tokens, default=0) == 1:
             return self._decode_step(batch), record  # (colocated: micro-batches overlap nothing)
-        parts = split_micro_batches(batch.num_new_tokens, micro_batches)
+        if begun is not None:
+            self._begun = None
+            self.steps_begun += 1
+            if len(begun) != micro_batches:
+                raise RuntimeError(
+                    f"rank {self.rank}: a step begun as {len(begun)} micro-batches was run as "
+                    f"{micro_batches}: the ranks' step decisions diverged"
+                )
+            at = [0]
+            for part, _ in begun:
+                at.append(at[-1] + len(part))
+            parts = [list(range(at[j], at[j + 1])) for j in range(micro_batches)]
+        else:
+            parts = split_micro_batches(batch.num_new_tokens, micro_batches)
         rows, to_sample, scheduled = {}, {}, {}
 
-        remote = self.remote_decode is not None and max(batch.num_new_tokens, default=0) == 1
+        # (a rank with no tokens joins a decode step's calls natively too)
+        remote = self.remote_decode is not None and max(batch.num_new_tokens, default=1) == 1
+        if (begun is not None or begin_next) and not remote:
+            raise RuntimeError(
+                f"rank {self.rank}: only native remote decode steps begin the next one"
+            )
 
         def build(j: int) -> MicroBatch | DecodeInputs:
             # micro-batch j's inputs, when the forward first needs them: those of j > 0 are
@@ -312,8 +366,14 @@ class AttentionWorker:
                 mb, rows[j], to_sample[j] = self._inputs(reqs, counts)
                 return mb
 
+        if begun is not None:  # (their inputs went out with layer 0: only the bookkeeping)
+            for j, (reqs, _) in enumerate(begun):
+                scheduled[j] = [(req, 1) for req in reqs]
+                rows[j], to_sample[j] = list(range(len(reqs))), reqs
         mbs = _Lazy(len(parts), build)
         updates: list[RequestUpdate] = []
+        following: list[tuple[list, DecodeInputs]] = []
+        chosen: dict[int, list[int]] = {}  # micro-batch j's tokens, where `begin` chose them
 
         def done(j: int, out: torch.Tensor, logits: bool = False) -> None:
             # micro-batch j's final hidden states (or logits) are ready: sample it while the
@@ -324,15 +384,59 @@ class AttentionWorker:
                 with self.timeline.span("sample", "compute"):
                     out = _select_rows(out, rows[j])
                     updates.extend(
-                        self._sample_logits(out if logits else self.model.logits(out), to_sample[j])
+                        self._sample_logits(
+                            out if logits else self.model.logits(out), to_sample[j], chosen.get(j)
+                        )
                     )
+
+        def begin(j: int, logits: torch.Tensor) -> DecodeInputs:
+            # micro-batch j's tokens and the next step's micro-batch j from them, first thing:
+            # the expert ranks wait for it; the bookkeeping (`done`) follows its dispatch
+            with self.timeline.span("begin next", "compute"):
+                reqs = to_sample[j]  # (every request of it: `can_begin_next`)
+                chosen[j] = self._choose(_select_rows(logits, rows[j]), reqs)
+                prev = mbs[j] if begun is None else begun[j][1]
+                following.append(self._begin(reqs, prev, chosen[j]))
+                return following[-1][1]
 
         with self.timeline.span(f"forward m={micro_batches}", "compute"):
             if remote:
-                self.remote_decode.run(mbs, lambda j, logits: done(j, logits, logits=True))
+                self.remote_decode.run(
+                    None if begun is not None else mbs,
+                    lambda j, logits: done(j, logits, logits=True),
+                    begin if begin_next else None,
+                )
             else:
                 self.model.forward(mbs, self.kv_cache, self.experts, on_done=done)
+        if begin_next:
+            self._begun = following
         return updates, record
+
+    def _begin(
+        self, reqs: list, inputs: DecodeInputs, tokens: list[int]
+    ) -> tuple[list, DecodeInputs]:
+        """The next step's micro-batch after that of ``reqs`` (with ``inputs``), whose next
+        ``tokens`` are chosen but not yet appended: the requests they do not finish, and their
+        inputs, each a token further (that token, one position on, in a new block where it
+        starts one). Derived from ``inputs`` in a few numpy ops rather than `_decode_inputs`'
+        loop over the requests: the expert ranks wait for this."""
+        keep = [i for i, (req, tok) in enumerate(zip(reqs, tokens)) if not req.finishes_with(tok)]
+        going = [reqs[i] for i in keep]
+        positions = inputs.positions[keep] + 1  # [T']
+        tables = inputs.block_tables[keep]  # [T', width] (a copy)
+        bs = self.blocks.block_size
+        for t in np.flatnonzero(positions % bs == 0).tolist():  # its token starts a block
+            req, col = going[t], int(positions[t]) // bs
+            if not self.blocks.grow(req.block_table, req.num_tokens + 1):
+                raise RuntimeError(  # (`can_begin_next` counted the blocks)
+                    f"rank {self.rank}: no KV block for request {req.request_id}'s next token "
+                    f"in a begun step"
+                )
+            if col >= tables.shape[1]:
+                tables = np.pad(tables, ((0, 0), (0, col + 1 - tables.shape[1])))
+            tables[t, col] = req.block_table[col]
+        ids = np.array(tokens, dtype=np.int64)[keep]
+        return going, DecodeInputs(ids, positions, tables)
 
     def _decode_step(self, batch: ScheduledBatch) -> list[RequestUpdate]:
         """A step of one-token sequences through the model's `decode_step` (one native call)."""
@@ -347,14 +451,22 @@ class AttentionWorker:
         with self.timeline.span("sample", "compute"):
             return self._sample_logits(_select_rows(logits, rows), to_sample)
 
-    def _sample_logits(self, logits: torch.Tensor, to_sample: list) -> list[RequestUpdate]:
-        """Next tokens of the requests whose prompt is done from their rows of ``logits``
-        ``[B, V]``, appended to them, as the front end's updates."""
-        tokens = sample(
+    def _choose(self, logits: torch.Tensor, to_sample: list) -> list[int]:
+        """Next tokens of ``to_sample`` from their rows of ``logits [B, V]``."""
+        return sample(
             logits,
             [r.params for r in to_sample],
             [self.generators[r.request_id] for r in to_sample],
         )
+
+    def _sample_logits(
+        self, logits: torch.Tensor, to_sample: list, tokens: list[int] | None = None
+    ) -> list[RequestUpdate]:
+        """Next tokens of the requests whose prompt is done from their rows of ``logits``
+        ``[B, V]`` (or ``tokens``, chosen from them already), appended to them, as the front
+        end's updates."""
+        if tokens is None:
+            tokens = self._choose(logits, to_sample)
         now = time.time()
         updates = []
         for req, tok in zip(to_sample, tokens):

@@ -595,17 +595,37 @@ class ShmLane:
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``torch.distributed.all_gather_into_tensor`` on this group."""
-        size = input.numel() * input.element_size()
+        size = self._gather_size(output, input)  # (before anything is sent)
+        self.all_gather_post(input)
+        self._gather(output, input, size)
+
+    def all_gather_post(self, input: torch.Tensor) -> None:
+        """`all_gather_single`'s first half: ``input`` to every member, where it waits in their
+        rings; `all_gather_collect` (at any later point) completes it. Between the two this rank
+        may do anything but a collective of this lane."""
         src = input.contiguous()
+        size = src.numel() * src.element_size()
+        for j in range(self.size):
+            if j != self.me:
+                self.send_frame(j, src, 0, size)
+
+    def all_gather_collect(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """`all_gather_single`'s second half: every member's ``input`` into ``output`` (this
+        rank's, as posted, from ``input``)."""
+        self._gather(output, input, self._gather_size(output, input))
+
+    def _gather_size(self, output: torch.Tensor, input: torch.Tensor) -> int:
+        """Bytes per member of an all-gather of ``input`` into ``output`` (checked)."""
+        size = input.numel() * input.element_size()
         if not output.is_contiguous() or output.numel() * output.element_size() != size * self.size:
             raise ValueError(
                 f"shared-memory all_gather_single: output must be contiguous and hold "
                 f"{self.size} x {size} bytes; got {output.numel() * output.element_size()}"
             )
-        for j in range(self.size):
-            if j != self.me:
-                self.send_frame(j, src, 0, size)
-        _flat_bytes(output)[self.me * size : (self.me + 1) * size] = _flat_bytes(src)
+        return size
+
+    def _gather(self, output: torch.Tensor, input: torch.Tensor, size: int) -> None:
+        _flat_bytes(output)[self.me * size : (self.me + 1) * size] = _flat_bytes(input)
         for j in range(self.size):
             if j != self.me:
                 self.recv_frame(j, output, j * size, size)

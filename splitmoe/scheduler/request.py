@@ -86,6 +86,10 @@ class Request:
         elif self.num_tokens >= self._max_num_tokens:
             self.finish_reason = "length"
 
+    def finishes_with(self, token: int) -> bool:
+        """Whether appending ``token`` next finishes this request (as `append_token` decides)."""
+        return token in self._stop_ids or self.num_tokens + 1 >= self._max_num_tokens
+
     def metrics(self) -> RequestMetrics:
         arrival = self.spec.arrival_time
         times = self.token_times or [time.time()]

@@ -79,7 +79,7 @@ def _job(rank, world, num_attention, ckpt, capacity, m, redundant, drain, fused,
             worker.remote_decode = None
         logits = []
         sample = worker._sample_logits
-        worker._sample_logits = lambda x, reqs: logits.append(x.clone()) or sample(x, reqs)
+        worker._sample_logits = lambda x, *rest: logits.append(x.clone()) or sample(x, *rest)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         for i, p in enumerate(_requests(rank)):
             worker.add_request(RequestSpec(i, p, params, time.time()))

@@ -40,6 +40,8 @@ def test_finish_reason(params, eos, max_model_len, tokens, reason):
     req = make([1, 2, 3], eos=eos, max_model_len=max_model_len, **params)
     for i, t in enumerate(tokens):
         assert req.finish_reason is None
+        ends = req.finishes_with(t)  # (what a begun step's micro-batch is built from)
         req.append_token(t, float(i))
+        assert ends == (req.finish_reason is not None)
     assert req.finish_reason == reason
     assert req.token_times == [float(i) for i in range(len(tokens))]
