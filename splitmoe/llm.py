@@ -464,7 +464,7 @@ class LLM:
             self._procs.append(p)
         bell.close()
         self._out = _Inboxes(readers, bell_reader)
-        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs))
+        self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._in_qs)
         atexit.register(self._finalizer)
         self._router = LeastLoadRouter(A)
         ready = 0
@@ -538,7 +538,7 @@ class LLM:
             deadline = time.monotonic() + 30
             for p in self._procs:
                 p.join(timeout=max(0.1, deadline - time.monotonic()))
-        _kill_all(self._procs)
+        _kill_all(self._procs, self._in_qs)
         self._procs = []
         self._out.close()
         self._finalizer.detach()
@@ -717,6 +717,8 @@ class LLM:
         return self._ask("trace", timeout)
 
     def _ask(self, command: str, timeout: float | None) -> list[dict]:
+        if not self._procs:
+            raise RuntimeError("this LLM is closed; create a new one")
         self._stats = {}
         for q in self._in_qs:
             q.put((command,))
@@ -792,7 +794,10 @@ class LLM:
         return list(self._steps)
 
 
-def _kill_all(procs: list[mp.Process]) -> None:
+def _kill_all(procs: list[mp.Process], in_qs: list) -> None:
+    """Stops the ranks, then lets this process exit without flushing what their queues still
+    hold: by default its exit waits until every message put reaches the rank's pipe, which a
+    stopped rank no longer drains."""
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -801,3 +806,6 @@ def _kill_all(procs: list[mp.Process]) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
+    for q in in_qs:
+        q.cancel_join_thread()
+        q.close()

@@ -53,6 +53,8 @@ def test_close_leaves_no_process(ckpt):
     assert _wait_gone(pids) == []
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate([[1]])
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.stats()
 
 
 @pytest.mark.parametrize("victim,role", [(2, "expert"), (0, "attention")])
@@ -69,9 +71,10 @@ def test_dead_rank_fails_generate_and_stops_all(ckpt, victim, role):
 
 _SCRIPT = textwrap.dedent(
     """
-    import sys
+    import faulthandler, signal, sys
     from splitmoe import LLM, SamplingParams
     if __name__ == "__main__":
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # (the test's view of a hang)
         llm = LLM(sys.argv[1], attention_ranks=1, expert_ranks=1, device="cpu")
         print(" ".join(str(p.pid) for p in llm._procs), flush=True)
         while True:
@@ -99,7 +102,13 @@ def test_interrupted_or_killed_front_end_takes_ranks_down(ckpt, tmp_path, sig):
         assert len(pids) == 2, proc.stderr.read()
         time.sleep(0.5)  # mid-generate
         proc.send_signal(sig)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # where the front end is stuck, every thread
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            proc.kill()
+            pytest.fail(f"the front end did not exit within 30 s:\n{proc.communicate()[1]}")
         assert _wait_gone(pids) == []
     finally:
         proc.kill()
