@@ -330,7 +330,8 @@ class AttentionWorker:
         batch, begun, record = self._batch, self._begun, self._step_record
         if self.model.decode_step is not None and max(batch.num_new_tokens, default=0) == 1:
             return self._decode_step(batch), record  # (colocated: micro-batches overlap nothing)
-        if begun is not None:
+        rows, to_sample, scheduled = {}, {}, {}
+        if begun is not None:  # (its inputs went out with layer 0: only the bookkeeping)
             self._begun = None
             self.steps_begun += 1
             if len(begun) != micro_batches:
@@ -338,13 +339,11 @@ class AttentionWorker:
                     f"rank {self.rank}: a step begun as {len(begun)} micro-batches was run as "
                     f"{micro_batches}: the ranks' step decisions diverged"
                 )
-            at = [0]
-            for part, _ in begun:
-                at.append(at[-1] + len(part))
-            parts = [list(range(at[j], at[j + 1])) for j in range(micro_batches)]
+            for j, (reqs, _) in enumerate(begun):
+                scheduled[j] = [(req, 1) for req in reqs]
+                rows[j], to_sample[j] = list(range(len(reqs))), reqs
         else:
             parts = split_micro_batches(batch.num_new_tokens, micro_batches)
-        rows, to_sample, scheduled = {}, {}, {}
 
         # (a rank with no tokens joins a decode step's calls natively too)
         remote = self.remote_decode is not None and max(batch.num_new_tokens, default=1) == 1
@@ -366,11 +365,7 @@ class AttentionWorker:
                 mb, rows[j], to_sample[j] = self._inputs(reqs, counts)
                 return mb
 
-        if begun is not None:  # (their inputs went out with layer 0: only the bookkeeping)
-            for j, (reqs, _) in enumerate(begun):
-                scheduled[j] = [(req, 1) for req in reqs]
-                rows[j], to_sample[j] = list(range(len(reqs))), reqs
-        mbs = _Lazy(len(parts), build)
+        mbs = _Lazy(micro_batches, build)  # (a begun step builds none)
         updates: list[RequestUpdate] = []
         following: list[tuple[list, DecodeInputs]] = []
         chosen: dict[int, list[int]] = {}  # micro-batch j's tokens, where `begin` chose them
