@@ -7,7 +7,6 @@ setup(
     packages=find_packages(include=["splitmoe", "splitmoe.*"]),
     package_data={
         "splitmoe.sim": ["profiles/*.json", "configs/*.json"],
-        "splitmoe.kernels": ["csrc/*.c"],  # built on first use (see splitmoe/kernels/cpu_native.py)
     },
     python_requires=">=3.10",
     # torch is pinned by the install scripts (scripts/setup_env.sh) to a CPU build on machines

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import inspect
 import itertools
 import math
 import os
@@ -114,10 +113,11 @@ def rate_value(text: str) -> float:
 
 
 def supported_options() -> tuple[set[str], set[str]]:
-    """`LLM` keyword arguments, and registered transports."""
+    """`LLM`'s engine options, and registered transports."""
     from splitmoe.comm.transport import TRANSPORTS
+    from splitmoe.config import engine_options
 
-    return set(inspect.signature(LLM).parameters), set(TRANSPORTS)
+    return set(engine_options()), set(TRANSPORTS)
 
 
 def plan_topologies(args, notes: list[str]) -> list[Topology]:

@@ -4,19 +4,40 @@ A job is described by four small pieces: the model (`ModelConfig`, read from a c
 ``config.json``), how ranks are split (`ParallelConfig`), the paged KV cache (`CacheConfig`) and the
 request scheduler (`SchedulerConfig`). `EngineConfig` bundles them for the rank processes. Each
 role receives only the slices it needs.
+
+This is the one place an engine option is declared (`option`: default and help): `LLM(**options)`
+goes through `engine_config`, and the launcher's flags come from `add_engine_args` (as vLLM
+builds its CLI from ``EngineArgs``), so a new option is one field here. Unknown options are an
+error.
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton", "cpu")
+from splitmoe.models.families import family_for
+
+# attention_backend / moe_backend: "auto" is Triton on CUDA and PyTorch on CPU
+# (`splitmoe.kernels.backends`, which registers a backend under each other name)
+BACKENDS = ("auto", "torch", "triton")
+# The transports `splitmoe.comm` registers and the balancer policies of `splitmoe.scheduler`:
+# named here so that checking a config needs nothing above this module.
+TRANSPORT_NAMES = ("flat", "two_phase", "auto")
+BALANCER_POLICIES = ("static", "local", "global")
+
+
+def option(default, help: str, *, flag: str | None = None, choices: tuple | None = None):
+    """A config field that is an engine option: ``LLM(name=...)`` and the launcher's
+    ``--name`` (``flag`` where the flag reads otherwise), described by ``help``."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
 
 _DTYPES = {
     "float32": torch.float32,
@@ -93,8 +114,6 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
         """Reads ``config.json`` of an HF-format checkpoint directory; errors name what is wrong."""
-        from splitmoe.models.families import family_for
-
         root = Path(path)
         if not root.exists():
             raise FileNotFoundError(
@@ -119,27 +138,46 @@ class ModelConfig:
 class ParallelConfig:
     """How the world is split: ranks ``0..A-1`` are attention ranks, ``A..A+E-1`` expert ranks."""
 
-    attention_ranks: int = 1
-    expert_ranks: int = 0
-    transport: str = "flat"
-    # Ranks that share a fast local link (a "node"). None: from the launcher (LOCAL_WORLD_SIZE,
-    # OMPI_COMM_WORLD_LOCAL_SIZE), or the whole world for `LLM`. Set it to emulate several nodes.
-    ranks_per_node: int | None = None
-    # Micro-batches per step (ping-pong: attention of one overlaps the experts of another).
-    # None: chosen each step from the batch (see `micro_batches_for`).
-    micro_batches: int | None = None
-    # Collective and start-up timeout: a rank that stops answering ends the job after this long.
-    timeout_s: float = 30.0
-    # Expert load balancing (see splitmoe.scheduler.balancer): extra expert slots per MoE layer
-    # holding replicas of hot experts, the per-step replica choice, and how often (steps) the
-    # placement is recomputed from observed load (None: only on `LLM.rebalance()`).
-    redundant_experts: int = 0
-    balancer: str = "static"
-    rebalance_interval: int | None = None
-    # Ranks on one host exchange tokens and control messages through shared memory (~15 us a
-    # round trip) rather than gloo over loopback TCP (~200 us), when the data plane is on the
-    # CPU. False: always torch.distributed.
-    shared_memory: bool = True
+    attention_ranks: int = option(1, "data-parallel attention ranks, each with its own KV cache")
+    expert_ranks: int = option(0, "ranks holding the routed experts (0: colocated)")
+    transport: str = option(
+        "flat",
+        "attention <-> expert scheme: flat, two_phase (aggregate inside a node, then one message "
+        "per destination across nodes) or auto (per layer, by an alpha/beta cost model)",
+        choices=TRANSPORT_NAMES,
+    )
+    ranks_per_node: int | None = option(
+        None,
+        "ranks that share a fast local link (default: from the launcher, or the whole world for "
+        "LLM); set it to emulate several nodes",
+    )
+    micro_batches: int | None = option(
+        None,
+        "micro-batches per step, so that attention and experts overlap (ping-pong; default: "
+        "chosen per step)",
+    )
+    timeout_s: float = option(
+        30.0,
+        "seconds a collective, a step or start-up may take before the job fails",
+        flag="--timeout",
+    )
+    # Expert load balancing (see splitmoe.scheduler.balancer)
+    redundant_experts: int = option(
+        0, "extra expert slots per MoE layer for replicas of hot experts"
+    )
+    balancer: str = option(
+        "static", "per-step replica choice", choices=BALANCER_POLICIES
+    )
+    rebalance_interval: int | None = option(
+        None, "recompute the expert placement from observed load every N steps (default: never)"
+    )
+    # ~15 us a round trip against ~200 us for gloo over loopback TCP (data plane on the CPU)
+    shared_memory: bool = option(
+        True,
+        "ranks on one host exchange through shared memory rather than torch.distributed "
+        "(the flag turns it off)",
+        flag="--no-shared-memory",
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_ranks, int) or self.attention_ranks < 1:
@@ -148,11 +186,10 @@ class ParallelConfig:
             raise ValueError(
                 f"expert_ranks={self.expert_ranks!r} must be an integer >= 0 (0 = colocated)"
             )
-        from splitmoe.comm.transport import TRANSPORTS
-
-        if self.transport not in TRANSPORTS:
+        if self.transport not in TRANSPORT_NAMES:
             raise ValueError(
-                f"transport={self.transport!r} is not available; choose one of {sorted(TRANSPORTS)}"
+                f"transport={self.transport!r} is not available; choose one of "
+                f"{', '.join(TRANSPORT_NAMES)}"
             )
         if not isinstance(self.shared_memory, bool):
             raise ValueError(f"shared_memory={self.shared_memory!r} must be True or False")
@@ -177,11 +214,10 @@ class ParallelConfig:
                 f"redundant_experts={self.redundant_experts!r} must be an integer >= 0 "
                 "(extra expert slots per MoE layer for replicas of hot experts)"
             )
-        from splitmoe.scheduler.balancer import POLICIES
-
-        if self.balancer not in POLICIES:
+        if self.balancer not in BALANCER_POLICIES:
             raise ValueError(
-                f"balancer={self.balancer!r} must be one of {', '.join(map(repr, POLICIES))}"
+                f"balancer={self.balancer!r} must be one of "
+                f"{', '.join(map(repr, BALANCER_POLICIES))}"
             )
         if self.balancer != "static" and self.expert_ranks == 0:
             raise ValueError(
@@ -243,8 +279,6 @@ class ParallelConfig:
                 f"{model.num_experts}"
             )
         if self.expert_ranks:
-            from splitmoe.scheduler.placement import check_fits
-
             check_fits(model.num_experts, self.expert_ranks, self.redundant_experts)
 
 
@@ -256,9 +290,11 @@ class CacheConfig:
     capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use.
     """
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    block_size: int = option(16, "tokens per KV-cache block")
+    num_kv_blocks: int | None = option(
+        None, "KV-cache blocks per layer and attention rank (default: from kv_cache_memory_gb)"
+    )
+    kv_cache_memory_gb: float = option(1.0, "KV-cache memory per attention rank, GiB")
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -291,9 +327,13 @@ class SchedulerConfig:
     """Per attention rank: at most ``max_num_seqs`` running requests and ``max_num_batched_tokens``
     new tokens per step (prompt chunks and decode tokens together)."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
+    max_num_seqs: int = option(64, "running requests per attention rank")
+    max_num_batched_tokens: int = option(
+        2048, "new tokens per step and attention rank (prompt chunks and decode tokens)"
+    )
+    max_model_len: int | None = option(
+        None, "prompt + generated tokens per request (default: the model's maximum)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -316,14 +356,25 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    dtype: str = "auto"
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
-    seed: int = 0
-    threads_per_rank: int | None = None
-    # "auto" (triton on CUDA; on CPU the native "cpu" kernels for float32 ranks where they
-    # build, else torch) | "torch" | "triton" | "cpu"
-    attention_backend: str = "auto"
-    moe_backend: str = "auto"
+    dtype: str = option(
+        "auto",
+        "auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, bfloat16 or float16",
+    )
+    device: str = option("auto", "where the ranks compute", choices=("auto", "cpu", "cuda"))
+    seed: int = option(
+        0,
+        "seeds the random streams of sampled requests without a seed of their own",
+        flag="--engine-seed",
+    )
+    threads_per_rank: int | None = option(
+        None, "torch's CPU threads per rank (default: the node's cores shared by its ranks)"
+    )
+    attention_backend: str = option(
+        "auto", "attention kernels (auto: triton on CUDA, torch on CPU)", choices=BACKENDS
+    )
+    moe_backend: str = option(
+        "auto", "expert kernels (auto: triton on CUDA, torch on CPU)", choices=BACKENDS
+    )
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -340,28 +391,16 @@ class EngineConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be an integer >= 0")
         for name in ("attention_backend", "moe_backend"):
-            if getattr(self, name) not in BACKENDS:
+            value = getattr(self, name)
+            if value == "cpu":
                 raise ValueError(
-                    f"{name}={getattr(self, name)!r} must be one of {', '.join(BACKENDS)}"
+                    f"{name}='cpu' (the native C kernels) no longer exists: the PyTorch backend "
+                    f"measured faster on realistic model sizes. Use {name}='auto' or 'torch'"
                 )
+            if value not in BACKENDS:
+                raise ValueError(f"{name}={value!r} must be one of {', '.join(BACKENDS)}")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank={self.threads_per_rank!r} must be None or >= 1")
-        for name in ("attention_backend", "moe_backend"):
-            if getattr(self, name) == "cpu":
-                self._check_cpu_kernels(name)
-
-    def _check_cpu_kernels(self, name: str) -> None:
-        from splitmoe.kernels import cpu_native
-
-        if not self.native_cpu_eligible:
-            raise ValueError(
-                f"{name}='cpu' runs float32 on CPU; this run is {self.torch_dtype} on "
-                f"{self.device_type}: use {name}='auto' or dtype='float32', device='cpu'"
-            )
-        try:
-            cpu_native.library()  # built here, once, before any rank starts
-        except (RuntimeError, OSError) as e:
-            raise ValueError(f"{name}='cpu' is not available here: {e}") from e
 
     @property
     def device_type(self) -> str:
@@ -373,26 +412,92 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.model.checkpoint_dtype, self.device_type)
 
-    def backend(self, name: str) -> str:
-        """Resolved ``attention_backend`` / ``moe_backend``: ``auto`` is Triton on CUDA; on CPU,
-        the native kernels for a rank that runs float32, where they build
-        (`kernels.cpu_native`), else the PyTorch paths."""
-        value = getattr(self, name)
-        if value != "auto":
-            return value
-        if self.device_type == "cuda":
-            return "triton"
-        if self.native_cpu_eligible:
-            from splitmoe.kernels import cpu_native
-
-            return "cpu" if cpu_native.available() else "torch"
-        return "torch"
-
-    @property
-    def native_cpu_eligible(self) -> bool:
-        """Whether this run's device and dtype are those of the native CPU kernels."""
-        return self.device_type == "cpu" and self.torch_dtype == torch.float32
-
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len or self.model.max_position_embeddings
+
+
+def check_fits(num_experts: int, num_ranks: int, redundant: int) -> None:
+    """Whether ``redundant`` replica slots per layer fit ``num_ranks`` expert ranks (a replica
+    lives on another rank than its original)."""
+    if redundant < 0:
+        raise ValueError(f"redundant_experts={redundant} must be >= 0")
+    if redundant and num_ranks < 2:
+        raise ValueError(
+            f"redundant_experts={redundant} needs >= 2 expert ranks (a replica must live on "
+            "another rank than its original); use redundant_experts=0 or more expert ranks"
+        )
+    if redundant > num_experts * (num_ranks - 1):
+        raise ValueError(
+            f"redundant_experts={redundant}: {num_experts} experts have at most one copy per "
+            f"expert rank, so at most {num_experts * (num_ranks - 1)} replicas fit on "
+            f"{num_ranks} expert ranks; lower redundant_experts"
+        )
+
+
+# ---- engine options: one declaration, for LLM(**options) and the launchers' flags ------------
+_SECTIONS = {"parallel": ParallelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+_DEST = "engine:"  # the flags' namespace in a parser (a front end's own flags may share names)
+
+
+def engine_options() -> dict[str, Field]:
+    """Every engine option, name -> its config field (sections first, then `EngineConfig`'s)."""
+    out = {f.name: f for cls in _SECTIONS.values() for f in fields(cls)}
+    out.update((f.name, f) for f in fields(EngineConfig) if "help" in f.metadata)
+    return out
+
+
+def engine_config(model: str | Path | ModelConfig, **options) -> EngineConfig:
+    """The `EngineConfig` of a checkpoint and engine options (`engine_options`); an unknown
+    option is a TypeError that names the closest known ones."""
+    known = engine_options()
+    unknown = [name for name in options if name not in known]
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=2)
+            hints.append(f"{name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+        raise TypeError(
+            f"unknown engine option {', '.join(hints)}; the options are: {', '.join(known)}"
+        )
+    if not isinstance(model, ModelConfig):
+        model = ModelConfig.from_hf(model)
+    sections = {
+        key: cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+        for key, cls in _SECTIONS.items()
+    }
+    top = {f.name: options[f.name] for f in fields(EngineConfig) if f.name in options}
+    return EngineConfig(model=model, **sections, **top)
+
+
+def _flag(f: Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """Adds a flag for every engine option but ``exclude`` to ``parser`` (read them back with
+    `engine_args`; an option left unset is absent there, so the config's default holds)."""
+    group = parser.add_argument_group("engine options")
+    for name, f in engine_options().items():
+        if name in exclude:
+            continue
+        kind = f.type.replace(" | None", "")
+        default = f.default if f.default is not MISSING else None
+        text = f.metadata["help"]
+        if "default" not in text and kind != "bool":
+            text += f" (default: {default})"
+        extra = {"help": text, "dest": _DEST + name}
+        if kind == "bool":
+            action = "store_false" if default else "store_true"
+            group.add_argument(_flag(f), action=action, default=argparse.SUPPRESS, **extra)
+            continue
+        if f.metadata.get("choices"):
+            extra["choices"] = f.metadata["choices"]
+        group.add_argument(_flag(f), type=_TYPES[kind], default=argparse.SUPPRESS, **extra)
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    """The engine options set on the command line (`add_engine_args`), as `engine_config`
+    takes them."""
+    return {k[len(_DEST) :]: v for k, v in vars(args).items() if k.startswith(_DEST)}

@@ -30,11 +30,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from splitmoe.comm.distributed import shutdown_groups
-from splitmoe.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from splitmoe.config import add_engine_args, engine_args, engine_config
 from splitmoe.inputs import check_request
 from splitmoe.metrics import StepRecord, summarize
+from splitmoe.models.loader import CheckpointReader
 from splitmoe.outputs import RequestOutput
-from splitmoe.runtime import Inbox
+from splitmoe.runtime import Inbox, run_rank
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.scheduler.request import RequestSpec
 from splitmoe.scheduler.router import LeastLoadRouter
@@ -212,12 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m splitmoe.launch", description="AF-disaggregated MoE batch generation"
     )
     ap.add_argument("--model", required=True, help="HF checkpoint directory")
-    ap.add_argument(
-        "--attention-ranks",
-        type=int,
-        default=1,
-        help="attention ranks A; the other WORLD_SIZE - A ranks are expert ranks",
-    )
     ap.add_argument("--prompts", required=True, type=Path, help="input JSONL")
     ap.add_argument("--output", required=True, type=Path, help="output JSONL (written by rank 0)")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -225,102 +220,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None, help="default per-request sampling seed")
-    ap.add_argument(
-        "--engine-seed",
-        type=int,
-        default=0,
-        help="seeds the streams of requests without a seed of their own",
-    )
     ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--transport", default="flat")
-    ap.add_argument(
-        "--ranks-per-node",
-        type=int,
-        default=None,
-        help="ranks per node (default: from the launcher); emulates several nodes",
-    )
-    ap.add_argument(
-        "--micro-batches",
-        type=int,
-        default=None,
-        help="micro-batches per step (default: chosen per step)",
-    )
-    ap.add_argument(
-        "--redundant-experts",
-        type=int,
-        default=0,
-        help="extra expert slots per MoE layer for replicas of hot experts (default 0)",
-    )
-    ap.add_argument(
-        "--balancer",
-        default="static",
-        choices=["static", "local", "global"],
-        help="per-step replica choice (default static)",
-    )
-    ap.add_argument(
-        "--rebalance-interval",
-        type=int,
-        default=None,
-        help="recompute the expert placement from observed load every N steps (default: never)",
-    )
-    ap.add_argument(
-        "--no-shared-memory",
-        action="store_true",
-        help="exchange through torch.distributed even between ranks on one host",
-    )
-    ap.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"]
-    )
-    ap.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton", "cpu"])
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-kv-blocks", type=int, default=None)
-    ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--threads-per-rank", type=int, default=None)
-    ap.add_argument("--timeout", type=float, default=30.0, help="collective timeout, seconds")
     ap.add_argument("--metrics", action="store_true", help="print serving metrics at the end")
     ap.add_argument("-v", "--verbose", action="store_true")
+    # every engine option; the expert ranks are the rest of the world
+    add_engine_args(ap, exclude=("expert_ranks",))
     return ap
 
 
 def prepare(args, env: LaunchEnv):
     """Everything that can fail on bad input, done on every rank before any rank joins the job."""
-    if args.attention_ranks > env.world_size:
+    options = engine_args(args)
+    attention_ranks = options.get("attention_ranks", 1)
+    if not isinstance(attention_ranks, int) or attention_ranks > env.world_size:
         raise ValueError(
-            f"--attention-ranks {args.attention_ranks} exceeds the world size {env.world_size}; "
+            f"--attention-ranks {attention_ranks} exceeds the world size {env.world_size}; "
             "start at least that many processes"
         )
-    cfg = EngineConfig(
-        model=ModelConfig.from_hf(args.model),
-        parallel=ParallelConfig(
-            attention_ranks=args.attention_ranks,
-            expert_ranks=env.world_size - args.attention_ranks,
-            transport=args.transport,
-            ranks_per_node=args.ranks_per_node,
-            micro_batches=args.micro_batches,
-            timeout_s=args.timeout,
-            redundant_experts=args.redundant_experts,
-            balancer=args.balancer,
-            rebalance_interval=args.rebalance_interval,
-            shared_memory=not args.no_shared_memory,
-        ),
-        cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory_gb),
-        scheduler=SchedulerConfig(
-            args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len
-        ),
-        dtype=args.dtype,
-        device=args.device,
-        threads_per_rank=args.threads_per_rank,
-        seed=args.engine_seed,
-        attention_backend=args.attention_backend,
-        moe_backend=args.moe_backend,
-    )
-    from splitmoe.models.loader import CheckpointReader
-
+    options["expert_ranks"] = env.world_size - attention_ranks
+    cfg = engine_config(args.model, **options)
     CheckpointReader(args.model)
     tokenizer = Tokenizer.from_checkpoint(args.model)
     defaults = SamplingParams(
@@ -341,8 +259,6 @@ def prepare(args, env: LaunchEnv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from splitmoe.runtime import run_rank
-
     args = build_parser().parse_args(argv)
     env = detect_env()
     logging.basicConfig(
@@ -401,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"splitmoe.launch: {len(items)} requests, {n_out} tokens in {elapsed:.2f}s "
         f"({n_out / elapsed:.1f} tok/s) on {cfg.parallel.attention_ranks} attention + "
-        f"{cfg.parallel.expert_ranks} expert ranks -> {args.output}"
+        f"{cfg.parallel.expert_ranks} expert ranks, {ctx.topo.num_nodes} node(s) -> {args.output}"
     )
     if args.metrics:
         print(summarize(list(results.values()), steps, elapsed).table())

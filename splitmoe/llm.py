@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection, wait
 from tqdm import tqdm
 
 from splitmoe.comm.topology import Topology
-from splitmoe.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from splitmoe.config import EngineConfig, engine_config
 from splitmoe.inputs import broadcast_params, check_request, normalize_prompts
 from splitmoe.metrics import ServingMetrics, StepRecord, summarize
 from splitmoe.outputs import RequestOutput, StreamDelta
@@ -277,6 +277,45 @@ def _die_with_parent() -> None:
         pass
 
 
+_MAIN_GUARD = 'if __name__ == "__main__":'
+
+
+def _check_not_bootstrapping() -> None:
+    """Refuses to build an `LLM` in a process that multiprocessing is still starting.
+
+    `LLM` starts its ranks with the "spawn" method, whose new process first runs the parent's
+    main script again (as module ``__mp_main__``): a script that builds its LLM at its top
+    level, outside the main guard, builds one in every rank, which multiprocessing then stops
+    with a message naming neither splitmoe nor the fix. ``_inheriting`` is the flag that
+    multiprocessing's own check reads (``multiprocessing.spawn._check_not_importing_main``)."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "LLM(...) was called while multiprocessing was starting this process with the "
+            "'spawn' method, the way LLM starts its rank processes: a new process first runs "
+            "the main script again, and this script creates an LLM at its top level. Put the "
+            f"code that creates and uses the LLM under `{_MAIN_GUARD}`:\n\n"
+            "    from splitmoe import LLM\n\n"
+            f"    {_MAIN_GUARD}\n"
+            "        llm = LLM(...)\n"
+            "        outputs = llm.generate(...)\n"
+        )
+
+
+def _spawn_failure_hint(procs: list[mp.Process]) -> str:
+    """The start-up failure's hint when ranks exited with an error code without reporting it:
+    `_rank_main` reports every failure, so they failed before it ran, while multiprocessing was
+    starting them, which runs the main script again (see `_check_not_bootstrapping`)."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if script is None or not any(p.exitcode is not None and p.exitcode > 0 for p in procs):
+        return ""
+    return (
+        f", before reporting in. A rank process first runs the main script {script} again "
+        "(multiprocessing's 'spawn' start method); a failure there ends it (see the rank's "
+        "traceback on stderr). If the script creates the LLM at its top level, put that code "
+        f"under `{_MAIN_GUARD}`."
+    )
+
+
 def _rank_main(cfg: EngineConfig, rank: int, init_method: str, in_q, out_conn, bell) -> None:
     from splitmoe.comm.distributed import shutdown_groups
     from splitmoe.runtime import run_rank
@@ -331,6 +370,9 @@ class _Detokenizer:
 class LLM:
     """Starts ``attention_ranks + expert_ranks`` rank processes and serves `generate` calls.
 
+    Options are those of the config dataclasses (`splitmoe.config.engine_options`: the same
+    as the launcher's flags); an unknown one is a TypeError.
+
     Args:
         model: HF-format checkpoint directory (config.json + *.safetensors [+ tokenizer.json]).
         attention_ranks: data-parallel attention ranks (each with its own KV cache and scheduler).
@@ -345,14 +387,12 @@ class LLM:
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         block_size, num_kv_blocks, kv_cache_memory_gb: paged KV cache (see `CacheConfig`).
         max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits per attention rank.
-        threads_per_rank: CPU threads per rank. A rank on the native CPU kernels gives them its
-            threads (default: the host's cores shared by its ranks) and runs torch on one; other
-            ranks give them to torch (default: cores / (ranks + 1)). See `runtime.set_threads`.
+        threads_per_rank: torch's CPU threads per rank (default: the host's cores shared by its
+            ranks). See `runtime.set_threads`.
         timeout_s: how long a collective, a step or start-up may take before the job is failed
             (a hung rank is detected within this bound; a dead one at once).
-        attention_backend, moe_backend: ``"auto"`` (Triton on CUDA; on CPU the native ``"cpu"``
-            kernels for ranks running float32, where a C compiler builds them, else PyTorch),
-            ``"torch"``, ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``), or ``"cpu"``.
+        attention_backend, moe_backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU),
+            ``"torch"`` or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``).
         seed: seeds the random streams of sampled requests that carry no seed of their own, so
             a `generate` call is reproducible.
         redundant_experts: extra expert slots per MoE layer on the expert ranks, holding
@@ -367,69 +407,10 @@ class LLM:
             this host) instead of gloo over loopback TCP; False forces torch.distributed.
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        attention_ranks: int = 1,
-        expert_ranks: int = 0,
-        transport: str = "flat",
-        ranks_per_node: int | None = None,
-        micro_batches: int | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_gb: float = 1.0,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        threads_per_rank: int | None = None,
-        timeout_s: float = 30.0,
-        seed: int = 0,
-        attention_backend: str = "auto",
-        moe_backend: str = "auto",
-        redundant_experts: int = 0,
-        balancer: str = "static",
-        rebalance_interval: int | None = None,
-        shared_memory: bool = True,
-    ):
+    def __init__(self, model: str, **options):
+        _check_not_bootstrapping()
         self._procs: list[mp.Process] = []
-        self.config = EngineConfig(
-            model=ModelConfig.from_hf(model),
-            parallel=ParallelConfig(
-                attention_ranks=attention_ranks,
-                expert_ranks=expert_ranks,
-                transport=transport,
-                ranks_per_node=ranks_per_node,
-                micro_batches=micro_batches,
-                timeout_s=timeout_s,
-                redundant_experts=redundant_experts,
-                balancer=balancer,
-                rebalance_interval=rebalance_interval,
-                shared_memory=shared_memory,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_memory_gb=kv_cache_memory_gb,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-            ),
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            threads_per_rank=threads_per_rank,
-            attention_backend=attention_backend,
-            moe_backend=moe_backend,
-        )
-        if self.config.native_cpu_eligible:  # the ranks may pick the native CPU kernels: built
-            from splitmoe.kernels import cpu_native  # once here, each rank loads the library
-
-            cpu_native.available()
+        self.config = engine_config(model, **options)
         # Reads and checks every tensor header before any rank starts.
         from splitmoe.models.loader import CheckpointReader
 
@@ -490,7 +471,8 @@ class LLM:
             except queue.Empty:
                 died = self._dead_ranks(exclude=-1, grace_s=0)
                 if died or any(p.exitcode is not None for p in self._procs):
-                    self._fail(f"{died or 'a rank exited early'} during {what}")
+                    hint = _spawn_failure_hint(self._procs) if what == "start-up" else ""
+                    self._fail(f"{died or 'a rank exited early'} during {what}{hint}")
                 if time.monotonic() >= deadline:
                     if not fail_on_timeout:
                         raise
@@ -527,7 +509,7 @@ class LLM:
 
     def _fail(self, message: str):
         self._shutdown(graceful=False)
-        raise RankFailure(message)
+        raise RankFailure(message) from None  # (not chained to a queue.Empty being handled)
 
     def _shutdown(self, graceful: bool) -> None:
         if not self._procs:
@@ -706,8 +688,8 @@ class LLM:
 
     def stats(self, timeout: float | None = None) -> list[dict]:
         """A snapshot from every rank, in rank order: role, resident memory (``rss_mb``,
-        ``peak_rss_mb``), KV blocks / running / waiting / preemptions / ``steps_begun`` (decode
-        steps begun during the one before, see `runtime`) (attention ranks), tokens served
+        ``peak_rss_mb``), KV blocks / running / waiting / preemptions and the backends (attention
+        ranks), tokens served
         (expert ranks), and the transport's counters under ``"comm"``."""
         return self._ask("stats", timeout)
 

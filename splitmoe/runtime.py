@@ -4,11 +4,6 @@ Each iteration: attention ranks take new requests from their `Channel` and plan 
 all-gather ``(tokens, done)``; if any attention rank has tokens, every rank runs the step (attention
 ranks with zero tokens still join each dispatch/combine, expert ranks serve every MoE layer); when
 no rank has work and every attention rank's channel is closed, all ranks leave together.
-
-Decode steps of two or more micro-batches may begin the next step (`StepDecision.can_begin_next`):
-as each micro-batch is sampled, its requests that go on start the next step's first layer, so the
-expert ranks work through the step boundary rather than wait for the attention ranks' sampling,
-scheduling and sync. Such a begun step admits no new request and runs whatever its sync says.
 """
 
 from __future__ import annotations
@@ -28,17 +23,11 @@ import torch.distributed as dist
 from splitmoe.attention_nodes.worker import AttentionWorker, RequestUpdate
 from splitmoe.comm.control import StepSync
 from splitmoe.comm.distributed import Groups, init_groups, new_collective, rank_device
-from splitmoe.comm.shm import (
-    CONTROL_CAPACITY,
-    CONTROL_SPIN_S,
-    COUNTS_CAPACITY,
-    OWN_CORE_SPIN_S,
-)
+from splitmoe.comm.shm import CONTROL_CAPACITY, CONTROL_SPIN_S, COUNTS_CAPACITY, OWN_CORE_SPIN_S
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import TRANSPORTS
 from splitmoe.config import EngineConfig
 from splitmoe.expert_nodes.worker import ExpertWorker
-from splitmoe.kernels import cpu_native
 from splitmoe.metrics import StepRecord
 from splitmoe.scheduler.balancer import Balancer, ExpertCost
 from splitmoe.scheduler.placement import Placement
@@ -95,7 +84,6 @@ def rank_stats(topo: Topology, worker, transport, balance: ExpertBalance | None 
         "rss_mb": rss / 2**20,
         "peak_rss_mb": peak_kb / 1024,
         "threads": torch.get_num_threads(),
-        "kernel_threads": cpu_native.threads(),
         "cores": available_cores(),
     }
     out.update(worker.stats())
@@ -220,32 +208,16 @@ class ExpertBalance:
 
 
 def set_threads(cfg: EngineConfig, topo: Topology) -> bool:
-    """CPU threads per rank (`threads_per_rank`, else a default), then `pin_cores`; returns
-    whether this rank has cores of its own.
-
-    A rank whose kernels are all native (`cpu_native`) gives its threads to them: their pool
-    splits the decode layer and the fused MoE, and torch runs one thread, because torch's
-    OpenMP workers spin between ops and take the cores the pool needs (colocated at batch 32 on
-    2 cores, 2 threads with torch's also at 2 decoded 0.8-0.9x as fast as 1 thread; with torch
-    at 1, 1.1-1.3x). By default it takes the node's cores shared among its ranks. Other ranks give
-    their threads to torch and by default keep one core back for the front end and the
-    communication threads (on 2 cores, 1 thread per rank decoded a small model ~1.4x faster
-    than 2 competing threads: 5.3 vs 7.4 ms per step at batch 32)."""
+    """CPU threads per rank (`threads_per_rank`, else the node's cores shared by its ranks), then
+    `pin_cores`; returns whether this rank has cores of its own."""
     if cfg.device_type != "cpu":
         return False
-    kinds = (
-        ("attention_backend", "moe_backend")
-        if topo.colocated
-        else (("attention_backend",) if topo.is_attention else ("moe_backend",))
-    )
-    native = all(cfg.backend(kind) == "cpu" for kind in kinds)
     cores, ranks = len(available_cores()), max(1, topo.local_world_size)
-    n = cfg.threads_per_rank or max(1, cores // ranks if native else cores // (ranks + 1))
-    torch.set_num_threads(1 if native else n)
+    n = cfg.threads_per_rank or max(1, cores // ranks)
+    torch.set_num_threads(n)
     pinned = None
     if os.environ.get("SPLITMOE_PIN_CORES", "1") != "0":
         pinned = pin_cores(topo.local_rank, topo.local_world_size, n)
-    cpu_native.set_threads(n if native else 1)  # (after pinning: its threads inherit the cores)
     return pinned is not None
 
 
@@ -338,7 +310,6 @@ def run_rank(
             device,
             timeout=par.timeout,
             hub=groups.hub,
-            native=cfg.backend("attention_backend") == "cpu",
         )
         balance = ExpertBalance(cfg, topo, groups, device)
     if topo.is_attention:
@@ -385,7 +356,6 @@ def _loop(
 ) -> None:
     busy = False
     rebalance_asked = False  # this rank's channel asked; answered once done
-    begun = 0  # micro-batches of the step that the last one began (0: none)
     while True:
         idle = topo.is_attention and not (busy or worker.has_work)
         inbox = channel.poll(IDLE_POLL_S if idle else 0.0)
@@ -396,66 +366,35 @@ def _loop(
             channel.send_stats(
                 {"rank": topo.rank, "role": topo.role, "timeline": worker.timeline.export()}
             )
-        m, begun = begun, 0  # (m: the micro-batches of a step the last one began)
         if topo.is_attention:
             with worker.timeline.span("schedule", "compute"):
                 for spec in inbox.requests:
                     worker.add_request(spec)
-                tokens = worker.plan()  # (a begun step: as it was begun)
+                tokens = worker.plan()
             row = (tokens, channel.closed and not worker.has_work)
-            # (one micro-batch begins nothing: not worth the check then)
-            can_begin_next = cfg.parallel.micro_batches != 1 and worker.can_begin_next()
         else:
-            row, can_begin_next = (0, True), True
-        # A begun step runs whatever the sync says, with the micro-batches it began with, and a
-        # rebalance asked for meanwhile follows it (its first layers went out on the placement
-        # before): nothing in it waits for the sync's answer. Its first layer was sent before
-        # the sync, so an expert rank serves that first; where the sync's rows wait in the
-        # peers' rings, it serves the whole step, then reads the answer.
-        first = bool(m) and not topo.is_attention
-        if first:
-            worker.timeline.step += 1
-            worker.begin(m)
-        sync.post(*row, rebalance_asked, can_begin_next)
-        served = first and sync.split
-        if served:
-            worker.step(m, begun=True)
+            row = (0, True)
         with worker.timeline.span("sync", "wait"):
-            decision = sync.collect()
-        if decision.finished and not m:
+            decision = sync.exchange(*row, rebalance_asked)
+        if decision.finished:
             return
-        rebalance_after = decision.rebalance and bool(m)
-        if decision.rebalance and not m:
+        if decision.rebalance:
             _rebalance(worker, channel, balance, rebalance_asked)
             rebalance_asked = False
         busy = decision.run
-        if not (busy or m):
+        if not busy:
             continue
-        if not m or topo.is_attention:
-            worker.timeline.step += 1
-        begun_here = bool(m)
-        m = m or cfg.parallel.micro_batches_for(decision.tokens[: topo.num_attention], shared_gpu)
-        rebalance_after |= balance is not None and balance.due()
-        # Each micro-batch begins the next step's as soon as it is sampled, where every rank
-        # can, the step has tokens and no rebalance comes between: its first layer's dispatch
-        # overlaps the expert ranks' work on this step's later micro-batches, and they serve it
-        # (and the second layer, sent after the last) while the attention ranks emit, schedule
-        # and sync, instead of waiting for them.
-        begin_next = m > 1 and decision.can_begin_next and busy and not rebalance_after
+        worker.timeline.step += 1
+        m = cfg.parallel.micro_batches_for(decision.tokens[: topo.num_attention], shared_gpu)
         if topo.is_attention:
-            updates, record = worker.execute(m, begin_next)
+            updates, record = worker.execute(m)
             if record is not None:
                 with worker.timeline.span("emit", "comm"):
                     channel.emit(updates, record)
-        elif not served:
-            worker.step(m, begun=begun_here)
-        if rebalance_after:
-            _rebalance(worker, channel, balance, rebalance_asked and decision.rebalance)
-            rebalance_asked &= not decision.rebalance
-        if begin_next:
-            begun = m
-        elif decision.finished:  # (a begun step with no tokens anywhere: the job's end)
-            return
+        else:
+            worker.step(m)
+        if balance is not None and balance.due():
+            _rebalance(worker, channel, balance, False)
 
 
 def _rebalance(worker, channel: Channel, balance: ExpertBalance | None, answer: bool) -> None:

@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 KINDS = ("compute", "comm", "wait")
-# Steps whose spans (and stats) a rank that times its native calls in bulk may owe before it
-# records them (`RemoteDecodeStep.record`, `ExpertWorker.record`; `Timeline.export` calls them).
-UNRECORDED_STEPS = 64
 
 
 @dataclass(frozen=True)
@@ -32,9 +28,6 @@ class Timeline:
     def __init__(self, max_spans: int = 20000):
         self.spans: deque[tuple] = deque(maxlen=max_spans)
         self.step = 0
-        # whoever times spans elsewhere and records them later (`RemoteDecodeStep`): called by
-        # `export` first, so that nothing timed is missing
-        self.deferred: list[Callable[[], None]] = []
 
     def span(self, name: str, kind: str) -> _Timed:
         """``with timeline.span(name, kind): ...`` records the block's span (also when it
@@ -42,8 +35,6 @@ class Timeline:
         return _Timed(self, name, kind)
 
     def export(self) -> list[Span]:
-        for record in self.deferred:
-            record()
         return [Span(*s) for s in self.spans]
 
 

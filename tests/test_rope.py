@@ -1,5 +1,5 @@
-"""`AttentionModel.rope`'s table of positions (CPU, `rope_table`: the remote decode step reads its
-rows natively) gives exactly the values it computes."""
+"""`AttentionModel.rope`'s table of positions (CPU, `rope_table`) gives exactly the values it
+computes."""
 
 from __future__ import annotations
 

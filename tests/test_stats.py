@@ -9,7 +9,6 @@ import pytest
 from tiny_models import prompt_ids
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.kernels import cpu_native
 from splitmoe.runtime import available_cores, pin_cores
 
 
@@ -29,22 +28,16 @@ def test_stats_from_every_rank(tiny_ckpt):
     assert [s["experts"] for s in stats[2:]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert all(s["tokens_served"] > 0 for s in stats[2:])
     assert all(0 < s["rss_mb"] <= s["peak_rss_mb"] + 1 for s in stats)
-    # one thread per rank here, float32 on CPU: "auto" ran the native kernels where they build
-    native = "cpu" if cpu_native.available() else "torch"
-    assert [s["attention_backend"] for s in stats[:2]] == [native] * 2
-    assert [s["moe_backend"] for s in stats] == [None, None, native, native]
-    # the native kernels get the rank's threads (the node's cores shared by its 4 ranks) and
-    # torch one; else torch gets them, one core kept back for the front end
+    # "auto" on CPU is the PyTorch backend
+    assert [s["attention_backend"] for s in stats[:2]] == ["torch"] * 2
+    assert [s["moe_backend"] for s in stats] == [None, None, "torch", "torch"]
+    # torch gets the node's cores shared by its 4 ranks
     cores = available_cores()
-    if native == "cpu":
-        assert all(s["kernel_threads"] == max(1, len(cores) // 4) for s in stats)
-        assert all(s["threads"] == 1 for s in stats)
-    else:
-        assert all(s["threads"] == max(1, len(cores) // 5) for s in stats)
+    n = max(1, len(cores) // 4)
+    assert all(s["threads"] == n for s in stats)
     # each rank on cores of its own (as many as its threads) where the 4 ranks fit side by
     # side; else all share
     if len(cores) >= 4:
-        n = stats[0]["kernel_threads"] if native == "cpu" else stats[0]["threads"]
         assert [s["cores"] for s in stats] == [cores[i * n : (i + 1) * n] for i in range(4)]
     else:
         assert all(s["cores"] == cores for s in stats)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from splitmoe import host_memory
-
 
 class PagedKVCache:
     """``k[layer], v[layer]: [num_blocks, block_size, num_kv_heads, head_dim]``."""
@@ -23,11 +21,7 @@ class PagedKVCache:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeroed, not torch.empty: attention reads whole blocks and masks the unwritten slots
         # with probability 0, and 0 * NaN (garbage memory) would still poison the output.
-        # On CPU: on huge pages (see host_memory), zeroed by the kernel where first touched.
-        if torch.device(device).type == "cpu":
-            self.pool = host_memory.empty(shape, dtype)
-        else:
-            self.pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.pool = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
         # each layer's views, made once (two indexings cost ~5 us, once per layer and step)

@@ -7,7 +7,6 @@ passed to `forward` explicitly: local experts in colocated mode, dispatch/combin
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,10 +14,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from splitmoe import host_memory
 from splitmoe.attention_nodes.kv_cache import PagedKVCache
 from splitmoe.config import ModelConfig
-from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention, store_kv
+from splitmoe.kernels.backends import AttentionBackend
+from splitmoe.kernels.paged_attention import AttentionMetadata
 
 
 class ExpertExecutor(Protocol):
@@ -130,50 +129,14 @@ class AttentionModel:
         global_weights: dict[str, torch.Tensor],
         layer_weights: list[dict[str, torch.Tensor]],
         device: torch.device,
-        attention_backend: str = "torch",
+        attention: AttentionBackend,
     ):
         self.cfg = cfg
         self.embed = global_weights["embed"]  # [V, H]
         self.final_norm = global_weights["final_norm"]
         self.lm_head = global_weights["lm_head"]  # [V, H]
         self.layers = [LayerWeights.from_tensors(t, cfg) for t in layer_weights]
-        self._pack_weights()
-        self.attention_backend = attention_backend
-        # The "cpu" backend also runs the layer's norms, RoPE, KV store and router top-k as native
-        # kernels (float32).
-        self.native = None
-        self.norm = rms_norm
-        # Where q/k are normed per head (or not) and not clipped, the heads are normed and rotated
-        # natively, and a decode micro-batch runs each layer's attention half in one native call.
-        self.native_heads = False
-        self.decode_layers = None
-        if attention_backend == "cpu":
-            from splitmoe.kernels import cpu_native
-
-            self.native = cpu_native
-            self.norm = cpu_native.rms_norm
-            self.native_heads = cfg.qk_norm != "full" and cfg.clip_qkv is None
-            if self.native_heads:
-                self.decode_layers = [
-                    cpu_native.DecodeLayer(
-                        layer.input_norm,
-                        layer.post_norm,
-                        layer.w_qkv,
-                        layer.b_qkv,
-                        layer.qk_head_norm,
-                        layer.o_proj,
-                        layer.router,
-                        cfg.num_heads,
-                        cfg.num_kv_heads,
-                        cfg.head_dim,
-                        cfg.rms_norm_eps,
-                        cfg.top_k,
-                        cfg.norm_topk_prob,
-                    )
-                    for layer in self.layers
-                ]
-        # A whole decode step in one native call, where `fuse_experts` finds the experts here.
-        self.decode_step = None
+        self.attention_backend = attention
         d = cfg.head_dim
         self.inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
@@ -182,49 +145,6 @@ class AttentionModel:
         self.scale = d**-0.5
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
-
-    def fuse_experts(self, experts) -> bool:
-        """Colocated on the native kernels: runs each decode step of this model as one native
-        call (`cpu_native.DecodeStep`, then `decode_logits`) where every layer is a MoE layer
-        without a shared expert and ``experts`` (a `LocalExperts`) holds every expert on the
-        native backend. Returns whether it does."""
-        E = self.cfg.num_experts
-        fits = (
-            self.decode_layers is not None
-            and getattr(experts, "backend", None) == "cpu"
-            and all(layer.router is not None and layer.mlp_gate_up is None for layer in self.layers)
-            and all(experts.layer_experts.get(i) == list(range(E)) for i in range(len(self.layers)))
-            and self.cfg.top_k <= self.native.MAX_TOP_K
-        )
-        if fits:
-            self.decode_step = self.native.DecodeStep(
-                self.decode_layers,
-                [experts.weights[i] for i in range(len(self.layers))],
-                self.embed,
-                self.final_norm,
-                self.lm_head,
-            )
-        return fits
-
-    def decode_logits(self, mb: MicroBatch, kv_cache: PagedKVCache) -> torch.Tensor:
-        """Logits ``[T, V]`` of a micro-batch of one-token sequences through `decode_step`:
-        bit-identical to `forward` then `logits` on the native backend, and the same K / V
-        stored."""
-        cos, sin = self.rope(mb.positions, torch.float32)
-        return self.decode_step(mb.input_ids, cos, sin, kv_cache.pool, mb.meta, self.scale)
-
-    def _pack_weights(self) -> None:
-        """On CPU, every weight of this rank in one huge-page arena (see host_memory)."""
-        owners = [(self, name) for name in ("embed", "final_norm", "lm_head")]
-        owners += [
-            (layer, f.name)
-            for layer in self.layers
-            for f in dataclasses.fields(layer)
-            if getattr(layer, f.name) is not None
-        ]
-        packed = host_memory.pack([getattr(obj, name) for obj, name in owners])
-        for (obj, name), t in zip(owners, packed):
-            setattr(obj, name, t)
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -261,8 +181,6 @@ class AttentionModel:
     def route(self, layer: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax over experts (float32) -> top-k -> optional renormalisation."""
         logits = F.linear(x, layer.router)  # [T, E]
-        if self.native is not None:  # the same steps in one native call
-            return self.native.route(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)  # [T, k]
         if self.cfg.norm_topk_prob:
@@ -281,16 +199,6 @@ class AttentionModel:
         T = x.shape[0]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = F.linear(x, layer.w_qkv, layer.b_qkv)  # [T, (nh + 2 nkv) d]
-        if self.native_heads:
-            # q and k heads normed (per head) and rotated in place, in one pass
-            qkv = qkv.view(T, nh + 2 * nkv, d)
-            w = layer.qk_head_norm if cfg.qk_norm == "head" else None
-            self.native.norm_rope_(qkv[:, : nh + nkv], w, cfg.rms_norm_eps, *cos_sin)
-            q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
-            k_cache, v_cache = kv
-            self.native.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, "cpu")
-            return F.linear(o.view(T, self.q_size), layer.o_proj)
         if cfg.qk_norm == "full" or cfg.clip_qkv is not None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if cfg.qk_norm == "full":
@@ -306,10 +214,8 @@ class AttentionModel:
         qk = self.apply_rope(qk, cos_sin)
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
         k_cache, v_cache = kv
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if self.attention_backend != "torch":
-            q = q.contiguous()
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale, self.attention_backend)
+        self.attention_backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = self.attention_backend.attend(q, k_cache, v_cache, meta, self.scale)
         return F.linear(o.reshape(T, self.q_size), layer.o_proj)
 
     def start_moe(
@@ -356,7 +262,6 @@ class AttentionModel:
         n = len(mbs)
         hs: list[torch.Tensor] = [None] * n  # [T_j, H]
         rope: list[tuple[torch.Tensor, torch.Tensor]] = [None] * n
-        fused = [False] * n
         in_flight: list[_MoeInFlight | None] = [None] * n
         for i, layer in enumerate(self.layers):
             kv = kv_cache.layer(i)
@@ -364,24 +269,13 @@ class AttentionModel:
                 if i == 0:
                     hs[j] = F.embedding(mb.input_ids, self.embed)
                     rope[j] = self.rope(mb.positions, hs[j].dtype)
-                    # decode micro-batches: each layer's attention half in one native call
-                    decode = max(mb.meta.query_lens, default=0) == 1
-                    fused[j] = self.decode_layers is not None and decode
                 h = hs[j]
                 if in_flight[j] is not None:
                     h = h + self.finish_moe(in_flight[j], experts)
                     in_flight[j] = None
-                if fused[j]:
-                    x, ids, weights = self.decode_layers[i](h, *rope[j], *kv, mb.meta, self.scale)
-                    if layer.router is None:
-                        h = h + gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)
-                    else:
-                        in_flight[j] = self.start_moe(i, x, experts, (ids, weights))
-                    hs[j] = h
-                    continue
-                x = self.norm(h, layer.input_norm, eps)
+                x = rms_norm(h, layer.input_norm, eps)
                 h = h + self.attention(layer, x, rope[j], kv, mb.meta)
-                x = self.norm(h, layer.post_norm, eps)
+                x = rms_norm(h, layer.post_norm, eps)
                 if layer.router is None:
                     h = h + gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)
                 else:
@@ -390,14 +284,11 @@ class AttentionModel:
         for j, moe in enumerate(in_flight):
             if moe is not None:
                 hs[j] = hs[j] + self.finish_moe(moe, experts)
-            hs[j] = self.norm(hs[j], self.final_norm, eps)
+            hs[j] = rms_norm(hs[j], self.final_norm, eps)
             if on_done is not None:
                 on_done(j, hs[j])
         return hs
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """``[B, V]`` float32. On the native backend its LM head, the one `decode_step` runs, so
-        a request's logits do not depend on which path computed its step."""
-        if self.native is not None and h.dtype == torch.float32:
-            return self.native.lm_head(h.contiguous(), self.lm_head)
+        """``[B, V]`` float32."""
         return F.linear(h, self.lm_head).float()

@@ -18,13 +18,11 @@ from splitmoe.comm.distributed import Collective
 class StepDecision:
     """``tokens[r]``: tokens attention rank ``r`` computes this step (0 for expert ranks);
     ``rebalance``: some rank asked for an expert rebalance, which every rank then runs before
-    this iteration's step; ``can_begin_next``: every rank can begin the next step during this
-    one (see `runtime`)."""
+    this iteration's step."""
 
     tokens: tuple[int, ...]
     finished: bool
     rebalance: bool = False
-    can_begin_next: bool = False
 
     @property
     def run(self) -> bool:
@@ -32,62 +30,25 @@ class StepDecision:
 
 
 class StepSync:
-    """All-gathers ``(tokens this step, done, rebalance wanted, can begin the next step)`` from
-    every rank over a CPU collective of the whole world (shared memory on one host, else the
-    gloo group)."""
+    """All-gathers ``(tokens this step, done, rebalance wanted)`` from every rank over a CPU
+    collective of the whole world (shared memory on one host, else the gloo group)."""
 
     def __init__(self, group: Collective, world_size: int):
         self.group = group
         self.world_size = world_size
-        self._out = torch.zeros(world_size, 4, dtype=torch.int64)
-        self._mine: torch.Tensor | None = None
-        # Whether `post` sends this rank's row at once (shared memory: it waits in the peers'
-        # rings), so that the rank may work between `post` and `collect` while the others
-        # exchange; else `collect` does the whole exchange.
-        self.split = world_size > 1 and hasattr(group, "all_gather_post")
+        self._out = torch.zeros(world_size, 3, dtype=torch.int64)
 
-    def exchange(
-        self, tokens: int, done: bool, rebalance: bool = False, can_begin_next: bool = False
-    ) -> StepDecision:
-        self.post(tokens, done, rebalance, can_begin_next)
-        return self.collect()
-
-    def post(
-        self, tokens: int, done: bool, rebalance: bool = False, can_begin_next: bool = False
-    ) -> None:
-        """This rank's row of the next exchange (see `split`)."""
-        if self._mine is not None:
-            raise RuntimeError("step sync: a row was posted twice without a collect")
-        self._mine = torch.tensor(
-            [tokens, int(done), int(rebalance), int(can_begin_next)], dtype=torch.int64
-        )
-        if self.split:
-            self.group.all_gather_post(self._mine)
-
-    def collect(self) -> StepDecision:
-        """The decision from every rank's posted row (waits for the rows not here yet)."""
-        mine, self._mine = self._mine, None
-        if mine is None:
-            raise RuntimeError("step sync: collect without a posted row")
+    def exchange(self, tokens: int, done: bool, rebalance: bool = False) -> StepDecision:
         if self.world_size == 1:  # nothing to agree on
-            tokens, done, rebalance, can_begin_next = mine.tolist()
-            return StepDecision(
-                tokens=(tokens,),
-                finished=not tokens and bool(done),
-                rebalance=bool(rebalance),
-                can_begin_next=bool(can_begin_next),
-            )
-        if self.split:
-            self.group.all_gather_collect(self._out.view(-1), mine)
-        else:
-            self.group.all_gather_single(self._out.view(-1), mine)
+            return StepDecision(tokens=(tokens,), finished=not tokens and done, rebalance=rebalance)
+        mine = torch.tensor([tokens, int(done), int(rebalance)], dtype=torch.int64)
+        self.group.all_gather_single(self._out.view(-1), mine)
         rows = self._out.tolist()
         counts = tuple(r[0] for r in rows)
         return StepDecision(
             tokens=counts,
             finished=not any(counts) and all(r[1] for r in rows),
             rebalance=any(r[2] for r in rows),
-            can_begin_next=all(r[3] for r in rows),
         )
 
     def warm_up(self, data_group: dist.ProcessGroup, comm_device: torch.device) -> None:

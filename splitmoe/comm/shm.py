@@ -29,12 +29,6 @@ sleeping process costs on the order of 100 us in this VM, twice per layer when a
 experts take turns. A peer whose process has exited, or that sent nothing for ``timeout``, ends
 the wait with an error naming it.
 
-Where splitmoe's native CPU kernels build (`splitmoe.kernels.cpu_native`), a frame that fits its
-ring now, or that has arrived whole, is written or taken by one C call, which also polls for it
-for a short while (``NATIVE_SPIN_S``) first: the same bytes and positions, at a fraction of the
-~8 us of interpreter work per frame and side. Everything else (waits past that spin, full rings,
-frames larger than a ring, bytes already moved into staging) takes the Python path.
-
 The files are unlinked as soon as every member has mapped them, so nothing is left in
 ``/dev/shm`` however the job ends. Ordering relies on x86's total store order (data bytes are
 written before the position that publishes them); `host_shm_supported` refuses other CPUs.
@@ -72,10 +66,6 @@ OWN_CORE_SPIN_S = 0.005
 # core rather than ~7% at the full 5 ms.
 CONTROL_SPIN_S = 0.002
 SLEEP_S = (0.001, 0.01)  # futex sleeps: the first 10 ms of a wait, then
-# How long a native receive polls before the Python wait takes over: as long as the Python side's
-# first `SPIN` polls, or the lane's spin up to 1 ms (the Python wait drains the other rings, which
-# a wait in C does not).
-NATIVE_SPIN_S = (20e-6, 1e-3)
 LIVENESS_S = 0.5  # how often a long wait checks that the peer's process still exists
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE): the words live in shared files
@@ -136,16 +126,6 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X", "x")
 
 
-def _native_rings():
-    """The native ring calls (`cpu_native`'s ``splitmoe_ring_*``), or None where the kernels do
-    not build."""
-    from splitmoe.kernels import cpu_native
-
-    if not cpu_native.available():
-        return None
-    return cpu_native.library()
-
-
 class _Completed:
     """The work handle of a shared-memory send: done once `all_to_all_single` returns."""
 
@@ -183,13 +163,10 @@ class ShmHub:
         group: dist.ProcessGroup,
         timeout: timedelta,
         spin_s: float = 0.0,
-        native: bool = True,
     ):
         """``spin_s``: how long a wait polls before it sleeps (beyond the first `SPIN` polls);
-        more than 0 only for a rank that has its cores to itself. ``native``: move frames with
-        the native ring calls where they build (see the module doc; the bytes are the same)."""
+        more than 0 only for a rank that has its cores to itself."""
         self.rank = rank
-        self.native = native
         self.timeout_s = timeout.total_seconds()
         self.spin_s = spin_s
         key = [secrets.token_hex(6) if rank == 0 else None]
@@ -277,17 +254,8 @@ class ShmLane:
             # memory lives until the last mapping goes.
             os.unlink(path)
         self.staged = [bytearray() for _ in range(self.size)]
-        # len(staged[j]), where native calls that take frames off the rings look (`native_inbox`)
-        self.staged_bytes = np.zeros(self.size, dtype=np.int64)
         self._head = np.empty(1, dtype=np.int64)  # a frame's length
         self._head_bytes = self._head.view(np.uint8)
-        # The native calls take a ring by its address (its header's; the data follow it)
-        self._native = _native_rings() if hub.native else None
-        self._in_at = [ring.wpos_addr for ring in self.inbox]
-        self._out_at = [0 if ring is None else ring.wpos_addr for ring in self.outbox]
-        spin_min, spin_max = NATIVE_SPIN_S
-        self._native_spin_ns = int(1e9 * max(spin_min, min(self.spin_s, spin_max)))
-
     def _attach(self, prefix: str, nbytes: int, stride: int) -> None:
         """Maps every peer's inbox, then waits until every peer has mapped this one."""
         deadline = time.monotonic() + self.hub.timeout_s
@@ -375,7 +343,6 @@ class ShmLane:
                 self.staged[j] += ring.data[off : off + first].tobytes()
                 if n > first:
                     self.staged[j] += ring.data[: n - first].tobytes()
-                self.staged_bytes[j] = len(self.staged[j])
                 self._consumed(ring, r + n)
 
     @staticmethod
@@ -424,7 +391,6 @@ class ShmLane:
                 n = min(len(staged), total - done)
                 out[done : done + n] = np.frombuffer(staged, dtype=np.uint8, count=n)
                 del staged[:n]
-                self.staged_bytes[j] = len(staged)
                 done += n
                 waiter = None
                 continue
@@ -444,38 +410,9 @@ class ShmLane:
             done += n
             waiter = None  # the peer sent something: the timeout counts from now
 
-    def native_ring(self, j: int) -> int | None:
-        """The address of this rank's ring towards member j, for native calls that frame and
-        send on it as `send_frame` does (`cpu_native.DispatchSend`); None where frames go
-        through Python (the native kernels do not build, or were not asked for)."""
-        if self._native is None or j == self.me:
-            return None
-        return self._out_at[j]
-
-    def native_inbox(self, j: int) -> tuple[int, int] | None:
-        """For native calls that take member j's frames as `recv_frame` does
-        (`cpu_native.RemoteDecode`): the address of its ring towards this rank, and that of the
-        count (int64) of its bytes a wait has moved into staging here, which come before the
-        ring's (a native call must leave the frame to `recv_frame` while there are any); None
-        where frames go through Python."""
-        if self._native is None or j == self.me:
-            return None
-        return self._in_at[j], self.staged_bytes.ctypes.data + 8 * j
-
-    @property
-    def native_spin_ns(self) -> int:
-        """How long a native receive polls for a frame before the Python wait takes over."""
-        return self._native_spin_ns
-
     def send_frame(self, j: int, src: torch.Tensor, start: int, size: int) -> None:
-        """Frames bytes ``start .. start + size`` of ``src`` (contiguous) to member j, natively
-        when the frame fits the ring now, else here (waiting for room as needed); wakes member j
-        once it is all in the ring."""
-        native = self._native
-        if native is not None and native.splitmoe_ring_send(
-            self._out_at[j], self.capacity, src.data_ptr() + start, size
-        ):
-            return
+        """Frames bytes ``start .. start + size`` of ``src`` (contiguous) to member j (waiting
+        for room as needed); wakes member j once it is all in the ring."""
         self._head[0] = size
         self._write(j, self._head_bytes)
         self._write(j, _flat_bytes(src)[start : start + size])
@@ -492,25 +429,10 @@ class ShmLane:
         member j (a frame's, after `recv_header`), waiting for them as needed."""
         self._read(j, _flat_bytes(dst)[start : start + size])
 
-    def _peek(self, j: int) -> int:
-        """The byte length of member j's next frame if it can be taken natively (it has arrived
-        whole within the native spin; nothing consumed), else -1."""
-        if self._native is None or self.staged[j]:
-            return -1
-        return self._native.splitmoe_ring_peek(self._in_at[j], self.capacity, self._native_spin_ns)
-
     def recv_frame(self, j: int, dst: torch.Tensor, start: int, size: int) -> None:
         """Fills bytes ``start .. start + size`` of ``dst`` (contiguous) with the next frame from
-        member j, which must be ``size`` bytes long: natively if it arrives whole within the
-        native spin (and nothing of it waits in staging), else here."""
-        native = self._native
-        if native is not None and not self.staged[j]:
-            got = native.splitmoe_ring_recv(
-                self._in_at[j], self.capacity, dst.data_ptr() + start, size, self._native_spin_ns
-            )
-            if got == size:
-                return
-        n = self.recv_header(j)  # (a frame of another size: read its header to report it)
+        member j, which must be ``size`` bytes long."""
+        n = self.recv_header(j)
         if n != size:
             raise RuntimeError(
                 f"rank {self.hub.rank}: rank {self.ranks[j]} sent {n} bytes on "
@@ -571,11 +493,8 @@ class ShmLane:
             return input[:0], [0] * self.size
         row_bytes = input.element_size() * math.prod(input.shape[1:])
         sizes = [0] * self.size
-        whole = [False] * self.size  # arrived whole, header not read: taken natively below
         for j in senders:  # every sender has a ring of its own: all headers first
-            n = self._peek(j)
-            whole[j] = n >= 0
-            sizes[j] = n if whole[j] else self.recv_header(j)
+            sizes[j] = self.recv_header(j)
             if sizes[j] % row_bytes:
                 raise RuntimeError(
                     f"rank {self.hub.rank}: rank {self.ranks[j]} sent {sizes[j]} bytes on "
@@ -585,47 +504,24 @@ class ShmLane:
         data = torch.empty(sum(sizes), dtype=torch.uint8)
         at = 0
         for j in senders:  # then each payload straight into its place
-            if whole[j]:
-                self.recv_frame(j, data, at, sizes[j])
-            else:
-                self._read(j, data.numpy()[at : at + sizes[j]])
+            self._read(j, data.numpy()[at : at + sizes[j]])
             at += sizes[j]
         rows = [n // row_bytes for n in sizes]
         return data.view(input.dtype).view(-1, *input.shape[1:]), rows
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``torch.distributed.all_gather_into_tensor`` on this group."""
-        size = self._gather_size(output, input)  # (before anything is sent)
-        self.all_gather_post(input)
-        self._gather(output, input, size)
-
-    def all_gather_post(self, input: torch.Tensor) -> None:
-        """`all_gather_single`'s first half: ``input`` to every member, where it waits in their
-        rings; `all_gather_collect` (at any later point) completes it. Between the two this rank
-        may do anything but a collective of this lane."""
-        src = input.contiguous()
-        size = src.numel() * src.element_size()
-        for j in range(self.size):
-            if j != self.me:
-                self.send_frame(j, src, 0, size)
-
-    def all_gather_collect(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """`all_gather_single`'s second half: every member's ``input`` into ``output`` (this
-        rank's, as posted, from ``input``)."""
-        self._gather(output, input, self._gather_size(output, input))
-
-    def _gather_size(self, output: torch.Tensor, input: torch.Tensor) -> int:
-        """Bytes per member of an all-gather of ``input`` into ``output`` (checked)."""
         size = input.numel() * input.element_size()
+        src = input.contiguous()
         if not output.is_contiguous() or output.numel() * output.element_size() != size * self.size:
             raise ValueError(
                 f"shared-memory all_gather_single: output must be contiguous and hold "
                 f"{self.size} x {size} bytes; got {output.numel() * output.element_size()}"
             )
-        return size
-
-    def _gather(self, output: torch.Tensor, input: torch.Tensor, size: int) -> None:
-        _flat_bytes(output)[self.me * size : (self.me + 1) * size] = _flat_bytes(input)
+        for j in range(self.size):
+            if j != self.me:
+                self.send_frame(j, src, 0, size)
+        _flat_bytes(output)[self.me * size : (self.me + 1) * size] = _flat_bytes(src)
         for j in range(self.size):
             if j != self.me:
                 self.recv_frame(j, output, j * size, size)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,9 +35,7 @@ from splitmoe.comm.cost_model import DEFAULT_COST_MODEL, LINK_CLASSES, CostModel
 from splitmoe.comm.distributed import Collective, new_collective
 from splitmoe.comm.shm import ShmHub, ShmLane
 from splitmoe.comm.topology import Topology
-
-if TYPE_CHECKING:
-    from splitmoe.kernels.cpu_native import Rings
+from splitmoe.config import TRANSPORT_NAMES
 
 DIRECTIONS = ("dispatch", "combine")  # attention -> experts / experts -> attention
 # Where a layer's communication time goes: the two-phase scheme's per-layer count all-gather,
@@ -73,8 +71,7 @@ class DispatchHandle:
 class ExpertBatch:
     """Tokens an expert rank received for one layer.
 
-    rows: ``[N, row_bytes]`` uint8, the packed rows as they came (`Transport.pack`), which the
-        native expert kernel reads in place (`LocalExperts.compute_batch`);
+    rows: ``[N, row_bytes]`` uint8, the packed rows as they came (`Transport.pack`);
     recv_counts: rows received from each world rank (the partial sums go back with these);
     unpack: the transport's `Transport.unpack`, for ``x`` ``[N, H]`` hidden states,
         ``expert_ids`` ``[N, k]`` int32 *local* expert ids (-1 where the slot is served by
@@ -225,15 +222,12 @@ class Transport(ABC):
         cost_model: CostModel | None = None,
         timeout: timedelta | None = None,
         hub: ShmHub | None = None,
-        native: bool = False,
     ):
         """Every transport takes the same arguments. ``cost_model``: link profile for transports
         that choose a scheme per layer (default: NVLink 4 + 400 Gb/s InfiniBand); ``timeout``: for
         process groups a transport creates (default: torch's); ``hub``: carries the collectives
         of ranks that share a host over shared memory (`splitmoe.comm.shm`), instead of
-        ``torch.distributed``; ``native``: route and pack the rows with the native CPU kernel
-        (`cpu_native.route_pack`, the same bytes), as ranks on the ``"cpu"`` backend (CPU
-        tensors only) do."""
+        ``torch.distributed``."""
         self.topo = topo
         self.group = group
         self.comm_device = comm_device
@@ -254,7 +248,6 @@ class Transport(ABC):
         )  # [S] slot -> local slot id on its rank
         self._slot_rank_np = self.slot_rank.cpu().numpy()
         self._slot_local_np = self.slot_local.cpu().numpy()
-        self.native = native
         # link class from this rank to every world rank
         self.links = [
             "intra" if topo.node_of(r) == topo.node else "inter" for r in range(topo.world_size)
@@ -313,11 +306,6 @@ class Transport(ABC):
         `flush` waits for all of them."""
         self.all_to_all(y, batch.recv_counts, self._zeros, batch.layer, "combine", async_op=True)
 
-    def native_frames(self) -> NativeFrames | None:
-        """Where this rank's native calls can move the frames themselves (`FlatTransport`
-        on shared-memory lanes); None here."""
-        return None
-
     def stats_snapshot(self) -> dict:
         """This rank's cumulative statistics, JSON-serialisable::
 
@@ -351,8 +339,7 @@ class Transport(ABC):
     def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`pack`'s inverse: ``x [N, H]``, ``ids [N, k]`` int32, ``w [N, k]`` float32. On CPU
         they are views into ``rows`` (row stride ``row_bytes``; three copies cost ~10 us a
-        message, as much as the rest of receiving it), on other devices contiguous copies. The
-        native expert kernel needs neither: it reads the rows themselves (`fused_moe_rows`)."""
+        message, as much as the rest of receiving it), on other devices contiguous copies."""
         hb, k = self.hidden_size * self.elem, self.top_k
         if rows.device.type == "cpu" and self.row_bytes % 4 == 0 and hb % 4 == 0:
             words = rows.view(torch.int32)  # [N, row_bytes / 4]
@@ -383,13 +370,6 @@ class Transport(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """`route` and `pack`: ``token_index [P]``, the packed rows ``[P, row_bytes]`` grouped
         by destination, and the row count per world rank."""
-        if self.native:
-            from splitmoe.kernels import cpu_native
-
-            token_index, rows, per_rank = cpu_native.route_pack(
-                x, slots, topk_weights, self.slot_rank, self.slot_local, self.topo.num_expert
-            )  # in situ ~20 against ~130 us of numpy routing and torch packing at 64 tokens
-            return token_index, rows, [0] * self.topo.num_attention + per_rank
         token_index, ids, w, counts = self.route(slots, topk_weights)
         return token_index, self.pack(x[token_index], ids, w), counts
 
@@ -486,21 +466,6 @@ class Transport(ABC):
         self._in_flight.clear()
 
 
-@dataclass
-class NativeFrames:
-    """`FlatTransport.native_frames`: the rings towards and from each peer (the expert ranks of
-    an attention rank, the attention ranks of an expert rank) as the native calls take them
-    (``rings``), and the lanes' sends and receives that wait by the shared-memory rules for the
-    frames the native calls leave: ``send(r, src, byte offset, bytes)`` to peer r, ``recv``
-    likewise (a frame of that size), ``recv_header(r)`` (a frame's size) then ``recv_bytes``."""
-
-    rings: Rings
-    send: Callable[[int, torch.Tensor, int, int], None]
-    recv: Callable[[int, torch.Tensor, int, int], None]
-    recv_header: Callable[[int], int]
-    recv_bytes: Callable[[int, torch.Tensor, int, int], None]
-
-
 TRANSPORTS: dict[str, type[Transport]] = {}
 
 
@@ -524,121 +489,14 @@ class FlatTransport(Transport):
     def __init__(self, topo: Topology, *args, **kwargs):
         super().__init__(topo, *args, **kwargs)  # same arguments as every transport
         self._attention_ranks = list(range(topo.num_attention))
-        # Where the lanes are shared memory, an attention rank's dispatch under a fixed expert
-        # -> slot map is one native call (`dispatch_static`), and the partial sums go from
-        # expert to attention ranks as frames straight on the rings (`send_back`, `combine`),
-        # without the general collective's bookkeeping (~25 us a layer and micro-batch on the
-        # attention rank, ~10 on the expert rank, paid twice as often with two micro-batches).
+        # Where the lanes are shared memory, the partial sums go from expert to attention ranks
+        # as frames straight on the rings (`send_back`, `combine`), without the general
+        # collective's bookkeeping (~25 us a layer and micro-batch on the attention rank, ~10 on
+        # the expert rank, paid twice as often with two micro-batches).
         self._frames: ShmLane | None = None
-        self._dispatch_send = None
-        A = topo.num_attention
         lanes = (self.lanes["dispatch"], self.lanes["combine"])
         if self.device.type == "cpu" and all(isinstance(lane, ShmLane) for lane in lanes):
             self._frames = lanes[1]  # (expert ranks send their partial sums on it: `send_back`)
-        if self._frames is not None and topo.role == "attention":
-            rings = [lanes[0].native_ring(A + r) for r in range(topo.num_expert)]
-            if self.native and None not in rings:
-                from splitmoe.kernels import cpu_native
-
-                self._dispatch_send = cpu_native.DispatchSend(
-                    self.slot_rank, self.slot_local, rings, lanes[0].capacity
-                )
-
-    @property
-    def dispatches_static(self) -> bool:
-        """Whether `dispatch_static` runs here (else it is `route` and `dispatch`)."""
-        return self._dispatch_send is not None
-
-    def dispatch_static(
-        self,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        expert_slot: torch.Tensor | None,
-        load: torch.Tensor | None,
-        layer: int = UNKNOWN_LAYER,
-    ) -> DispatchHandle:
-        """`dispatch` of ``x [T, H]`` routed to expert *ids* ``topk_ids [T, k]`` under a fixed
-        map ``expert_slot [E]`` (None: slot = expert id), each (token, expert) counted into
-        ``load [E]`` (None: not counted): the static balancer's `Balancer.choose` and then
-        `dispatch`, the same rows and frames, in one native call where `dispatches_static`
-        (the stage's seconds then include the routing, a few us)."""
-        if self._dispatch_send is None:
-            raise RuntimeError("dispatch_static needs native kernels and shared-memory lanes")
-        self.stats.call(layer, "flat")
-        t0 = time.perf_counter()
-        token_index, rows, per_rank, unsent = self._dispatch_send(
-            x, topk_ids, topk_weights, expert_slot, load
-        )
-        A = self.topo.num_attention
-        if unsent:  # rings without room for the frame now: sent here, waiting as needed
-            lane, rb = self.lanes["dispatch"], rows.shape[1]
-            starts = np.cumsum([0] + per_rank).tolist()
-            for r in unsent:
-                lane.send_frame(A + r, rows, starts[r] * rb, per_rank[r] * rb)
-        self.stats.record(layer)["seconds"]["exchange"] += time.perf_counter() - t0
-        counts = [0] * A + per_rank
-        self._account(layer, "dispatch", counts, rows)
-        return DispatchHandle(
-            token_index=token_index, send_counts=counts, num_tokens=x.shape[0], layer=layer
-        )
-
-    def native_frames(self) -> NativeFrames | None:
-        """Where this rank can move its frames in its own native calls, the same frames as
-        `dispatch_static` and `combine` on an attention rank (`cpu_native.RemoteDecode`), as
-        `receive` and `send_back` on an expert rank (`cpu_native.ExpertCall`): the rings towards
-        and from each peer of the other role, and the lanes' waiting paths; None where frames
-        go through Python (not shared-memory lanes, or no native kernels)."""
-        if self._frames is None or not self.native:
-            return None
-        A, E = self.topo.num_attention, self.topo.num_expert
-        dispatch, back = self.lanes["dispatch"], self._frames
-        if self.topo.role == "attention":
-            peers, out, into = range(A, A + E), dispatch, back
-        else:
-            peers, out, into = range(A), back, dispatch
-        rings = [out.native_ring(p) for p in peers]
-        inboxes = [into.native_inbox(p) for p in peers]
-        if None in rings or None in inboxes:
-            return None
-        from splitmoe.kernels.cpu_native import Rings
-
-        return NativeFrames(
-            Rings(
-                out=rings,
-                into=[ring for ring, _ in inboxes],
-                staged=[staged for _, staged in inboxes],
-                capacities=(out.capacity, into.capacity),
-                spin_ns=into.native_spin_ns,
-            ),
-            send=lambda r, src, start, size: out.send_frame(peers[r], src, start, size),
-            recv=lambda r, dst, start, size: into.recv_frame(peers[r], dst, start, size),
-            recv_header=lambda r: into.recv_header(peers[r]),
-            recv_bytes=lambda r, dst, start, size: into.recv_bytes(peers[r], dst, start, size),
-        )
-
-    def account_native(
-        self, layer: int, per_peer: list[list[int]], row_bytes: int, seconds: float
-    ) -> None:
-        """The stats of a layer's micro-batches whose frames `native_frames`' user moved:
-        ``per_peer[j]`` the rows of ``row_bytes`` micro-batch j sent to each peer (dispatched to
-        each expert rank, or partial sums back to each attention rank), ``seconds`` of
-        exchange in all. (What `_account` and `CommStats.call` record, in one call a layer: a
-        step's bookkeeping runs on the attention rank between its steps.)"""
-        rec = self.stats.record(layer)
-        rec["calls"] += len(per_peer)
-        rec["schemes"]["flat"] += len(per_peer)
-        rec["seconds"]["exchange"] += seconds
-        A, E = self.topo.num_attention, self.topo.num_expert
-        attention = self.topo.role == "attention"
-        sent = rec["dispatch" if attention else "combine"]
-        peers = range(A, A + E) if attention else range(A)
-        for counts in per_peer:
-            for peer, n in zip(peers, counts):
-                if n:
-                    link = sent[self.links[peer]]
-                    link["messages"] += 1
-                    link["bytes"] += n * row_bytes
 
     def _dispatch_rows(self, rows: torch.Tensor, counts: list[int], layer: int):
         rows = rows.to(self.comm_device)
@@ -704,3 +562,6 @@ class FlatTransport(Transport):
 # The two-phase and adaptive transports register themselves; imported last because they build on
 # the classes above.
 from splitmoe.comm import two_phase as _two_phase  # noqa: E402, F401
+
+# (the config checks names against its own list, which must name exactly these)
+assert tuple(TRANSPORTS) == TRANSPORT_NAMES, (tuple(TRANSPORTS), TRANSPORT_NAMES)

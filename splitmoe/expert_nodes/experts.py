@@ -6,11 +6,9 @@ import time
 
 import torch
 
-from splitmoe import host_memory
 from splitmoe.comm.transport import ExpertBatch
 from splitmoe.config import ModelConfig
-from splitmoe.kernels import cpu_native
-from splitmoe.kernels.fused_moe import fused_moe, weight_layout
+from splitmoe.kernels.backends import MoeBackend
 from splitmoe.models.loader import load_expert_weights
 
 
@@ -29,7 +27,7 @@ class LocalExperts:
         expert_ids: list[int] | dict[int, list[int]],
         dtype: torch.dtype,
         device: torch.device,
-        backend: str = "torch",
+        backend: MoeBackend,
     ):
         self.cfg = cfg
         self.dtype = dtype
@@ -38,15 +36,8 @@ class LocalExperts:
             expert_ids = {layer: list(expert_ids) for layer in cfg.moe_layers}
         self.layer_experts = {layer: list(ids) for layer, ids in expert_ids.items()}
         self.backend = backend
-        # Per MoE layer (w13, w2) in the layout the backend computes with: the loader's
-        # [n, 2I, H] / [n, H, I], or transposed for the native CPU kernel.
-        weights = {
-            layer: weight_layout(*w, backend)
-            for layer, w in load_expert_weights(cfg, self.layer_experts, dtype, str(device)).items()
-        }
-        # On CPU, every layer's experts in one huge-page arena (see host_memory)
-        flat = host_memory.pack([t for pair in weights.values() for t in pair])
-        self.weights = {layer: (flat[2 * i], flat[2 * i + 1]) for i, layer in enumerate(weights)}
+        # per MoE layer: w13 [n, 2I, H], w2 [n, H, I]
+        self.weights = load_expert_weights(cfg, self.layer_experts, dtype, str(device))
         self.weights_reloaded = 0  # (layer, slot) weights replaced by rebalances
 
     @property
@@ -73,7 +64,7 @@ class LocalExperts:
         for layer, slots in changed.items():
             w13, w2 = self.weights[layer]
             idx = torch.tensor(slots, device=w13.device)
-            new13, new2 = weight_layout(*fresh[layer], self.backend)
+            new13, new2 = fresh[layer]
             w13[idx] = new13
             w2[idx] = new2
             self.layer_experts[layer] = list(expert_ids[layer])
@@ -86,15 +77,10 @@ class LocalExperts:
     ) -> torch.Tensor:
         """``x [N, H]``, ``local_ids / weights [N, k]`` (-1: not here) -> sums ``[N, H]``."""
         w13, w2 = self.weights[layer]
-        return fused_moe(x, w13, w2, local_ids, weights, self.backend)
+        return self.backend.experts(x, w13, w2, local_ids, weights)
 
     def compute_batch(self, layer: int, batch: ExpertBatch) -> torch.Tensor:
-        """`compute` on a received batch: the native CPU kernel (float32 on CPU, which the
-        ``"cpu"`` backend implies) reads its packed rows in place, the other backends take them
-        unpacked."""
-        if self.backend == "cpu":
-            w13t, w2t = self.weights[layer]
-            return cpu_native.fused_moe_rows(batch.rows, self.cfg.top_k, w13t, w2t)
+        """`compute` on a received batch."""
         return self.compute(layer, batch.x, batch.expert_ids, batch.weights)
 
     def measure_cost(self, pairs: int = 64, repeats: int = 15) -> tuple[float, float]:

@@ -1,4 +1,5 @@
-"""Compute kernels behind two public entries, each with a PyTorch reference and Triton kernels.
+"""Compute kernels, each a function from tensors to tensors with a PyTorch reference, and the
+backend objects (`backends`) through which the model and the expert worker call them.
 
 * `paged_attention.paged_attention`: causal attention over the paged KV cache. Triton:
   `prefill_attention` (FlashAttention-2 for multi-token rows) and `decode_attention` (split-KV
@@ -6,11 +7,6 @@
 * `fused_moe.fused_moe`: the grouped expert FFN. Triton: `moe_gemm` (sorted, padded grouped
   GEMMs with SiLU-and-multiply fused); on CUDA also ``torch._grouped_mm``, whichever is faster.
 
-`cpu_native`: the ``"cpu"`` backend, plain-C kernels for float32 on CPU (decode attention over the
-paged cache, RMSNorm, q/k norm + RoPE, router top-k, KV store, the routed experts), built on first
-use with the system C compiler and called through ctypes.
-
-The references are the oracle in tests; ``"triton"`` is the default on CUDA and ``"cpu"`` on CPU
-in float32 where it builds (else the references). Modules that import triton are imported only
-when that backend runs. See docs/kernels.md.
+The references are the oracle in tests; ``"triton"`` is the default on CUDA and ``"torch"`` on
+CPU. Modules that import triton are imported only when that backend runs. See docs/kernels.md.
 """

@@ -37,13 +37,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from splitmoe.config import BALANCER_POLICIES
 from splitmoe.kernels.fused_moe import count_keys
 from splitmoe.scheduler.placement import Placement
 
 if TYPE_CHECKING:
     from splitmoe.comm.distributed import Collective
 
-POLICIES = ("static", "local", "global")
+POLICIES = BALANCER_POLICIES
 _BIG = 1 << 50  # cost of a padding replica: never worth using
 
 

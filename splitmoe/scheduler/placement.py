@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from splitmoe.comm.topology import contiguous_placement
+from splitmoe.config import check_fits
 
 
 @dataclass(frozen=True)
@@ -108,22 +109,6 @@ class Placement:
         ]
         return Placement(
             self.num_experts, self.num_ranks, self.layers, torch.tensor(rows), self.version + 1
-        )
-
-
-def check_fits(num_experts: int, num_ranks: int, redundant: int) -> None:
-    if redundant < 0:
-        raise ValueError(f"redundant_experts={redundant} must be >= 0")
-    if redundant and num_ranks < 2:
-        raise ValueError(
-            f"redundant_experts={redundant} needs >= 2 expert ranks (a replica must live on "
-            "another rank than its original); use redundant_experts=0 or more expert ranks"
-        )
-    if redundant > num_experts * (num_ranks - 1):
-        raise ValueError(
-            f"redundant_experts={redundant}: {num_experts} experts have at most one copy per "
-            f"expert rank, so at most {num_experts * (num_ranks - 1)} replicas fit on "
-            f"{num_ranks} expert ranks; lower redundant_experts"
         )
 
 

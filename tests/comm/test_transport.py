@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -94,66 +91,3 @@ def test_each_token_sent_once_per_destination_rank():
     assert served == expected_rows
     row_bytes = H * 4 + 8 * K
     assert out[0][2] == expected_rows * row_bytes  # attention rank's sent bytes
-
-
-def _static_job(rank, world, num_attention, capacity):
-    """Each attention rank dispatches every layer twice, by `dispatch_static` (one native call:
-    the expert -> slot map, the load counts, routing and the frames) and by the balancer's
-    steps then `dispatch`; the expert ranks receive both and send partial sums back."""
-    import splitmoe.comm.transport as tr
-    from splitmoe.comm.shm import ShmHub
-
-    lane = tr.new_collective  # rings of ``capacity`` bytes (a frame may not fit one)
-    tr.new_collective = lambda ranks, hub, timeout, group=None: lane(
-        ranks, hub, timeout, capacity=capacity, group=group
-    )
-    parallel = ParallelConfig(attention_ranks=num_attention, expert_ranks=world - num_attention)
-    topo = Topology.build(rank, parallel, NUM_EXPERTS)
-    hub = ShmHub(rank, world, dist.group.WORLD, timedelta(seconds=20))
-    t = FlatTransport(
-        topo, dist.group.WORLD, torch.device("cpu"), H, K, torch.float32, torch.device("cpu"),
-        hub=hub, native=True,
-    )  # fmt: skip
-    w13, w2 = _weights()
-    slot_of = torch.tensor([3, 0, 1, 2, 7, 4, 5, 6])  # expert -> slot (any map: bytes only)
-    out = {"static": t.dispatches_static, "sums": [], "rows": []}
-    for layer in range(2):
-        if topo.is_attention:
-            n, experts = PLAN[rank][layer]
-            x, ids, w = _tokens(rank * 10 + layer, n, experts)
-            load = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
-            handle = t.dispatch_static(x, ids, w, slot_of, load, layer)
-            fast = t.combine(handle)
-            slow = t.combine(t.dispatch(x, slot_of[ids], w, layer))
-            ref = fused_moe_ref(x, w13, w2, slot_of[ids], w)
-            counts = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)
-            out["sums"].append((fast, slow, ref, torch.equal(load, counts)))
-        else:
-            mine = topo.experts_of(topo.expert_index)
-            for _ in range(2):  # the native call's rows, then the general path's
-                batch = t.receive(layer)
-                out["rows"].append(batch.rows.clone())
-                ids, w = batch.expert_ids.long(), batch.weights
-                y = fused_moe_ref(batch.x, w13[mine], w2[mine], ids, w)
-                t.send_back(y, batch)
-    hub.close()
-    return out
-
-
-@pytest.mark.parametrize("capacity", [1 << 16, 256])  # 256: some frames wait for room
-def test_static_dispatch_in_one_native_call_matches_the_general_path(capacity):
-    """`dispatch_static` sends the same rows in the same frames as the static balancer's map
-    then `dispatch`, counts each (token, expert) into the load, and the partial sums come back
-    the same (2 attention + 2 expert ranks over shared memory, rings large and small)."""
-    out = run_ranks(_static_job, 4, 2, capacity)
-    for rank in (0, 1):
-        assert out[rank]["static"]
-        for fast, slow, ref, counted in out[rank]["sums"]:
-            assert torch.equal(fast, slow) and counted
-            torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
-    for rank in (2, 3):
-        assert not out[rank]["static"]  # (an expert rank dispatches nothing)
-        rows = out[rank]["rows"]
-        for layer in range(2):
-            assert torch.equal(rows[2 * layer], rows[2 * layer + 1])
-    assert out[2]["rows"][1].shape[0] > 0 and out[3]["rows"][2].shape[0] == 0
