@@ -36,7 +36,7 @@ import torch
 from splitmoe.comm.cost_model import CostModel
 from splitmoe.comm.local_job import run_ranks
 from splitmoe.comm.topology import Topology
-from splitmoe.comm.transport import TRANSPORTS
+from splitmoe.comm.transports import TRANSPORTS
 from splitmoe.comm.two_phase import NodeLayout, scheme_times
 from splitmoe.config import ParallelConfig, resolve_dtype
 

@@ -114,7 +114,7 @@ def rate_value(text: str) -> float:
 
 def supported_options() -> tuple[set[str], set[str]]:
     """`LLM`'s engine options, and registered transports."""
-    from splitmoe.comm.transport import TRANSPORTS
+    from splitmoe.comm.transports import TRANSPORTS
     from splitmoe.config import engine_options
 
     return set(engine_options()), set(TRANSPORTS)

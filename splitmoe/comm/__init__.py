@@ -1,7 +1,7 @@
 """Communication between ranks.
 
 `Topology` says who is who (roles, nodes); `transport` moves tokens from attention ranks to expert
-ranks and partial sums back (dispatch / combine) and registers the schemes in ``TRANSPORTS``:
+ranks and partial sums back (dispatch / combine); `transports` names the schemes (``TRANSPORTS``):
 ``"flat"`` (one all-to-all per direction, the baseline and oracle), ``"two_phase"`` (aggregate a
 node's rows on proxy ranks over the intra-node link, then one message per destination across
 nodes; `two_phase`) and ``"auto"`` (per layer, whichever `cost_model` predicts faster, decided

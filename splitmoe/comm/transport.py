@@ -11,8 +11,8 @@ dtype, then ``k`` int32 local expert ids (-1: served elsewhere) and ``k`` float3
 message per (source, destination) carries everything.
 
 `FlatTransport` (one all-to-all per direction) is the baseline and the oracle; the two-phase and
-adaptive transports live in `splitmoe.comm.two_phase`. All register in `TRANSPORTS` and account
-their traffic the same way in `CommStats`.
+adaptive transports live in `splitmoe.comm.two_phase`; `splitmoe.comm.transports` names them
+all. Each accounts its traffic the same way in `CommStats`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from splitmoe.comm.cost_model import DEFAULT_COST_MODEL, LINK_CLASSES, CostModel
 from splitmoe.comm.distributed import Collective, new_collective
 from splitmoe.comm.shm import ShmHub, ShmLane
 from splitmoe.comm.topology import Topology
-from splitmoe.config import TRANSPORT_NAMES
 
 DIRECTIONS = ("dispatch", "combine")  # attention -> experts / experts -> attention
 # Where a layer's communication time goes: the two-phase scheme's per-layer count all-gather,
@@ -466,25 +465,12 @@ class Transport(ABC):
         self._in_flight.clear()
 
 
-TRANSPORTS: dict[str, type[Transport]] = {}
-
-
-def register_transport(name: str):
-    """Class decorator: makes ``ParallelConfig(transport=name)`` build this transport."""
-
-    def deco(cls: type[Transport]) -> type[Transport]:
-        cls.name = name
-        TRANSPORTS[name] = cls
-        return cls
-
-    return deco
-
-
-@register_transport("flat")
 class FlatTransport(Transport):
     """One uneven all-to-all over all ranks per direction; the expert ranks learn their row
     counts with the rows (`all_to_all_counted`: frames that carry their size over shared memory,
     a count exchange first over torch.distributed)."""
+
+    name = "flat"
 
     def __init__(self, topo: Topology, *args, **kwargs):
         super().__init__(topo, *args, **kwargs)  # same arguments as every transport
@@ -557,11 +543,3 @@ class FlatTransport(Transport):
         self.stats.call(layer, "flat")
         rows, recv_counts = self._dispatch_rows(self._no_rows, self._zeros, layer)
         return ExpertBatch(rows.to(self.device), recv_counts, self.unpack, layer)
-
-
-# The two-phase and adaptive transports register themselves; imported last because they build on
-# the classes above.
-from splitmoe.comm import two_phase as _two_phase  # noqa: E402, F401
-
-# (the config checks names against its own list, which must name exactly these)
-assert tuple(TRANSPORTS) == TRANSPORT_NAMES, (tuple(TRANSPORTS), TRANSPORT_NAMES)

@@ -48,7 +48,6 @@ from splitmoe.comm.transport import (
     DispatchHandle,
     ExpertBatch,
     Transport,
-    register_transport,
 )
 
 
@@ -190,10 +189,11 @@ class LayerPlan:
         return sum(self.recv1)
 
 
-@register_transport("two_phase")
 class TwoPhaseTransport(Transport):
     """Aggregating transport (see the module doc). The intra-node groups it creates use the
     constructor's ``timeout``; its ``cost_model`` only serves `choose` in the adaptive subclass."""
+
+    name = "two_phase"
 
     def __init__(self, topo: Topology, *args, **kwargs):
         super().__init__(topo, *args, **kwargs)  # same arguments as every transport
@@ -336,13 +336,14 @@ class TwoPhaseTransport(Transport):
         return ExpertBatch(rows, plan.recv2, self.unpack, layer, plan)
 
 
-@register_transport("auto")
 class AutoTransport(TwoPhaseTransport):
     """Per layer, the scheme the cost model predicts faster (flat on a tie).
 
     Both predictions (seconds per layer, dispatch + combine) are added to the layer's
     ``predicted_s`` statistics.
     """
+
+    name = "auto"
 
     def choose(self, counts, traffic, layer):
         t = scheme_times(

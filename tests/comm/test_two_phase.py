@@ -17,7 +17,7 @@ from comm_ref import reference_layer
 from splitmoe.comm.cost_model import CostModel, LinkProfile
 from splitmoe.comm.local_job import run_ranks
 from splitmoe.comm.topology import Topology
-from splitmoe.comm.transport import TRANSPORTS
+from splitmoe.comm.transports import TRANSPORTS
 from splitmoe.comm.two_phase import NodeLayout, scheme_times, segment_index
 from splitmoe.config import ParallelConfig
 from splitmoe.kernels.fused_moe import fused_moe_ref
