@@ -369,6 +369,12 @@ class EngineConfig:
     threads_per_rank: int | None = option(
         None, "torch's CPU threads per rank (default: the node's cores shared by its ranks)"
     )
+    pin_cores: bool = option(
+        True,
+        "CPU ranks run on cores of their own where the node's ranks fit side by side, and then "
+        "poll rather than sleep through short waits (the flag turns it off: jobs sharing a host)",
+        flag="--no-pin-cores",
+    )
     attention_backend: str = option(
         "auto", "attention kernels (auto: triton on CUDA, torch on CPU)", choices=BACKENDS
     )
@@ -399,6 +405,8 @@ class EngineConfig:
                 )
             if value not in BACKENDS:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(BACKENDS)}")
+        if not isinstance(self.pin_cores, bool):
+            raise ValueError(f"pin_cores={self.pin_cores!r} must be True or False")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank={self.threads_per_rank!r} must be None or >= 1")
 

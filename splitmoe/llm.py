@@ -73,8 +73,8 @@ class _Outbox:
     end that needs only some messages (`LLM.generate` wants finished requests, not each
     step's tokens) waits on the bell alone: a write into a pipe that nobody waits on wakes
     nobody. Waking the front end after every step cost the ranks it shares cores with ~0.2 ms
-    a step (1+1 ranks on 2 cores, batch 32: decode 1.12x faster at m=1 and 1.25x at m=2 without
-    those wake-ups; see docs/comm.md)."""
+    a step (1+1 ranks on 2 cores, batch 32, default model: decode 1.12x faster at m=1 and 1.25x
+    at m=2 without those wake-ups)."""
 
     def __init__(self, conn: Connection, bell: Connection | None = None):
         self._conn, self._bell = conn, bell  # (kept: they own the descriptors)

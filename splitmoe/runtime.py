@@ -100,7 +100,7 @@ def set_threads(cfg: EngineConfig, topo: Topology) -> bool:
     n = cfg.threads_per_rank or max(1, cores // ranks)
     torch.set_num_threads(n)
     pinned = None
-    if os.environ.get("SPLITMOE_PIN_CORES", "1") != "0":
+    if cfg.pin_cores:
         pinned = pin_cores(topo.local_rank, topo.local_world_size, n)
     return pinned is not None
 
@@ -119,10 +119,8 @@ def pin_cores(local_rank: int, local_world_size: int, threads: int) -> list[int]
     the available cores side by side; returns them (None: not pinned, the ranks would share).
 
     Left to the OS, the two busy ranks of a 1+1 job on 2 cores can land on one core for a
-    while: m=2 decode at batch 256 had run medians of 19.4 and 19.9 K tok/s unpinned against
-    24.4, 22.4 and 23.6 K pinned (m=1 gained less). The front end and other processes stay
-    unpinned.
-    ``SPLITMOE_PIN_CORES=0`` turns this off (several jobs sharing one host)."""
+    while. The front end and other processes stay unpinned; ``pin_cores=False`` turns this
+    off (several jobs sharing one host)."""
     cores = available_cores()
     if not hasattr(os, "sched_setaffinity") or local_world_size * threads > len(cores):
         return None
