@@ -1,14 +1,18 @@
-"""Native CPU kernels (`splitmoe.kernels.cpu_native`) against the PyTorch paths, one thread.
+"""The PyTorch CPU kernels against their references, on the built-in models' shapes.
 
-    python scripts/bench_cpu_kernels.py            # default model's heads and Qwen3-30B-A3B's
-    python scripts/bench_cpu_kernels.py --smoke    # tiny shapes, a few seconds
+    python scripts/bench_cpu_kernels.py             # default and realistic presets, 1 and 2 threads
+    python scripts/bench_cpu_kernels.py --smoke     # tiny sizes, a few seconds
+    python scripts/bench_cpu_kernels.py --threads 2 --only moe
 
-Decode attention runs over a paged cache with scattered blocks, as many layers' pools as a
-4-layer model holds, touching other memory between calls (``--hot``: the same pool again and
-again instead), because inside a model step each layer finds its KV cold in cache. Each row gives
-µs per call (median of interleaved repeats) of the reference and the native kernel, their ratio,
-and the largest difference between their outputs. Then RMSNorm, the fused q/k norm + RoPE, and
-the routed experts of the default model (16 experts, H 128) and of Qwen3-30B-A3B (128, H 2048).
+Routed experts: `fused_moe` (``"torch"``, on CPU `fused_moe_cpu`) against `fused_moe_ref`, and
+each GEMM path `cpu_moe_path` chooses among (W-left grouped, one oneDNN GEMM per expert, x-left
+grouped) forced, for a decode or prefill step of N tokens: ms per step through all of the
+preset's layers, each layer its own weights, as in a model step (the realistic preset's 288 MB
+of experts stream from memory; the default model's stay in cache). Decode attention: the torch
+path of `paged_attention` over a paged cache with scattered blocks against dense SDPA on
+contiguous K/V (the same math without the paging gather), us per layer. Each figure is the
+median of interleaved rounds, each round warmed up by an untimed call; memory is kept for reuse
+as in a rank (`runtime.keep_freed_memory`).
 """
 
 from __future__ import annotations
@@ -18,21 +22,99 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
-from splitmoe.attention_nodes.model import AttentionModel, rms_norm
-from splitmoe.kernels import cpu_native
-from splitmoe.kernels.fused_moe import fused_moe
-from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention_ref
+import splitmoe.kernels.fused_moe as fm
+from splitmoe.kernels.fused_moe import fused_moe, fused_moe_ref
+from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention
+from splitmoe.models.default_model import PRESETS
+from splitmoe.runtime import keep_freed_memory
 
-# (name, query heads, kv heads, head_dim)
-HEADS = [("default", 4, 2, 32), ("qwen3-30b", 32, 4, 128)]
+PATHS = ("wleft", "per_expert", "xleft")
 
 
-def decode_case(B: int, ctx: int, nh: int, nkv: int, d: int, layers: int, block_size: int = 16):
+def timed(fns: dict, rounds: int) -> dict[str, float]:
+    """Median seconds per call of each of ``fns``, rounds interleaved (on a shared machine the
+    load drifts, and interleaving exposes every candidate to the same drift)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            fn()  # the first call after other work wakes the threads up: untimed
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def moe_weights(cfg: dict, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    E, H, I = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+    return [
+        (
+            torch.randn(E, 2 * I, H, generator=g) * H**-0.5,
+            torch.randn(E, H, I, generator=g) * I**-0.5,
+        )
+        for _ in range(cfg["num_hidden_layers"])
+    ]
+
+
+def moe_row(name: str, cfg: dict, layers, N: int, rounds: int) -> str:
+    E, H, k = cfg["num_experts"], cfg["hidden_size"], cfg["num_experts_per_tok"]
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(N, H, generator=g)
+    ids = torch.randn(N, E, generator=g).topk(k, dim=1).indices.to(torch.int32)
+    w = torch.rand(N, k, generator=g).softmax(-1)
+    w13, w2 = layers[0]
+    err = (fused_moe(x, w13, w2, ids, w, "torch") - fused_moe_ref(x, w13, w2, ids, w)).abs().max()
+    rows = N * k / len(ids.unique())
+    chosen = fm.cpu_moe_path(rows, w13[0].numel() + w2[0].numel())
+
+    def step(fn):
+        return lambda: [fn(x, w13, w2, ids, w) for w13, w2 in layers]
+
+    def forced(path):
+        def run():
+            fm.cpu_moe_path = lambda rows, elems: path
+            try:
+                step(fm.fused_moe_cpu)()
+            finally:
+                fm.cpu_moe_path = choose
+
+        return run
+
+    choose = fm.cpu_moe_path
+    fns = {"torch": step(lambda *a: fused_moe(*a, "torch")), "ref": step(fused_moe_ref)}
+    fns.update({path: forced(path) for path in PATHS})
+    t = timed(fns, rounds)
+    cells = "".join(f"{t[n] * 1e3:>11.2f}" for n in ("torch", "ref", *PATHS))
+    speedup = t["ref"] / t["torch"]
+    return f"{name:<10}{N:>6}{rows:>7.1f}  {chosen:<11}{cells}{speedup:>8.2f}x{err:>9.1e}"
+
+
+def bench_moe(args) -> None:
+    print("routed experts, ms per step (every layer, each its own weights)")
+    print(
+        f"{'preset':<10}{'tokens':>6}{'rows':>7}  {'path':<11}{'torch':>11}{'ref':>11}"
+        + "".join(f"{p:>11}" for p in PATHS)
+        + f"{'speedup':>9}{'max err':>9}"
+    )
+    tokens = [1, 32] if args.smoke else [1, 8, 32, 64, 128, 512, 2048]
+    for name in args.presets:
+        cfg = PRESETS[name]
+        if args.smoke:
+            cfg = {**cfg, "num_hidden_layers": 1}
+        layers = moe_weights(cfg)
+        for N in tokens:
+            print(moe_row(name, cfg, layers, N, args.rounds if N <= 512 else 3))
+
+
+def decode_case(cfg: dict, B: int, ctx: int, block_size: int = 16):
+    """A decode step of ``B`` sequences of ``ctx`` tokens over scattered cache blocks, each
+    layer its own pool; and the same K/V contiguous per sequence."""
+    nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     g = torch.Generator().manual_seed(0)
     nblk = -(-ctx // block_size)
-    pool = B * nblk
-    tables = torch.randperm(pool, generator=g)[: B * nblk].to(torch.int32).view(B, nblk)
+    tables = torch.randperm(B * nblk, generator=g).to(torch.int32).view(B, nblk)
     meta = AttentionMetadata(
         query_start_loc=torch.arange(B + 1, dtype=torch.int64),
         seq_lens=torch.full((B,), ctx, dtype=torch.int64),
@@ -41,150 +123,89 @@ def decode_case(B: int, ctx: int, nh: int, nkv: int, d: int, layers: int, block_
         query_lens=[1] * B,
         seq_lens_list=[ctx] * B,
     )
-    caches = [
+    pools = [
         (
-            torch.randn(pool, block_size, nkv, d, generator=g),
-            torch.randn(pool, block_size, nkv, d, generator=g),
+            torch.randn(B * nblk, block_size, nkv, d, generator=g),
+            torch.randn(B * nblk, block_size, nkv, d, generator=g),
         )
-        for _ in range(layers)
+        for _ in range(cfg["num_hidden_layers"])
     ]
-    return torch.randn(B, nh, d, generator=g), caches, meta
+    # the same K/V as [B, nkv, ctx, d] contiguous: what attention reads without the paging
+    dense = [
+        tuple(
+            p[tables.long()]
+            .view(B, nblk * block_size, nkv, d)[:, :ctx]
+            .transpose(1, 2)
+            .contiguous()
+            for p in pool
+        )
+        for pool in pools
+    ]
+    return torch.randn(B, nh, d, generator=g), pools, dense, meta
 
 
-def timed(fn, rounds: int, between=None) -> list[float]:
-    out = []
-    for _ in range(rounds):
-        if between is not None:
-            between()
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
-
-
-def row(label: str, size: str, t_ref: list[float], t_nat: list[float], err: float) -> str:
-    a, b = statistics.median(t_ref) * 1e6, statistics.median(t_nat) * 1e6
-    return f"{label:<24}{size:>12}{a:>10.1f}{b:>10.1f}{a / b:>8.2f}x{err:>10.1e}"
-
-
-HEADER = f"{'':<24}{'':>12}{'torch':>10}{'native':>10}{'speedup':>9}{'max err':>10}"
-
-
-def decode_row(args, name: str, B: int, ctx: int, nh: int, nkv: int, d: int, other) -> str:
-    q, caches, meta = decode_case(B, ctx, nh, nkv, d, 1 if args.hot else 4)
-    out = torch.empty_like(q)
+def decode_row(name: str, cfg: dict, B: int, ctx: int, rounds: int) -> str:
+    q, pools, dense, meta = decode_case(cfg, B, ctx)
+    nh, nkv, d = q.shape[1], pools[0][0].shape[2], q.shape[2]
     scale = d**-0.5
-    k, v = caches[0]
-    cpu_native.decode_attention(q, k, v, meta, scale, out)
-    err = (out - paged_attention_ref(q, k, v, meta, scale)).abs().max().item()
-    layer = [0]
 
-    def between():  # the next layer's pool; other work evicts it from cache meanwhile
-        layer[0] = (layer[0] + 1) % len(caches)
-        if not args.hot:
-            other.mul_(1.0)
+    def paged():
+        meta.derived.clear()  # the plan is built once per step, as in a model step
+        return [paged_attention(q, k, v, meta, scale, "torch") for k, v in pools]
 
-    def ref():
-        k, v = caches[layer[0]]
-        meta.derived.clear()  # the reference's plan is built once per step, not per layer
-        paged_attention_ref(q, k, v, meta, scale)
+    def contiguous():
+        qg = q.view(-1, nkv, nh // nkv, d)  # a GQA group's heads as its query rows
+        return [
+            F.scaled_dot_product_attention(qg, k, v, scale=scale).view(-1, nh, d) for k, v in dense
+        ]
 
-    def native():
-        k, v = caches[layer[0]]
-        cpu_native.decode_attention(q, k, v, meta, scale, out)
-
-    t_ref, t_nat = [], []
-    for _ in range(args.repeat):
-        t_ref += timed(ref, 3, between)
-        t_nat += timed(native, 3, between)
-    return row(f"decode {name}", f"{B} x {ctx}", t_ref, t_nat, err)
+    err = (paged()[0] - contiguous()[0]).abs().max().item()
+    t = timed({"paged": paged, "dense": contiguous}, rounds)
+    n = len(pools)
+    a, b = t["paged"] * 1e6 / n, t["dense"] * 1e6 / n
+    return f"{name:<10}{B:>6}{ctx:>7}{a:>11.1f}{b:>11.1f}{a / b:>8.2f}x{err:>9.1e}"
 
 
 def bench_decode(args) -> None:
-    print(f"decode attention ({'hot' if args.hot else 'cold'} cache), µs per call: batch x ctx")
-    print(HEADER)
-    other = torch.randn(4 << 20)  # 16 MB touched between calls: another layer's work
-    batches = [1, 8] if args.smoke else [1, 8, 32, 128]
+    print(
+        "\ndecode attention, us per layer: paged (torch path) against dense SDPA on contiguous K/V"
+    )
+    print(
+        f"{'preset':<10}{'batch':>6}{'ctx':>7}{'paged':>11}{'dense':>11}{'ratio':>9}{'max err':>9}"
+    )
+    batches = [1, 32] if args.smoke else [1, 8, 32, 128]
     contexts = [64, 300] if args.smoke else [64, 512, 2048]
-    for name, nh, nkv, d in HEADS[:1] if args.smoke else HEADS:
+    for name in args.presets:
+        cfg = PRESETS[name]
+        if args.smoke:
+            cfg = {**cfg, "num_hidden_layers": 1}
         for B in batches:
             for ctx in contexts:
-                if B * ctx * nkv * d <= 64 << 20:  # pools under ~2 GB
-                    print(decode_row(args, name, B, ctx, nh, nkv, d, other))
-
-
-def norm_rows(args, T: int) -> list[str]:
-    n = 20 * args.repeat
-    x, w = torch.randn(T, 2048), torch.randn(2048)
-    err = (rms_norm(x, w, 1e-6) - cpu_native.rms_norm(x, w, 1e-6)).abs().max().item()
-    t_ref = timed(lambda: rms_norm(x, w, 1e-6), n)
-    t_nat = timed(lambda: cpu_native.rms_norm(x, w, 1e-6), n)
-    rows = [row("rms_norm H 2048", f"T {T}", t_ref, t_nat, err)]
-    nh, nkv, d = 32, 4, 128  # Qwen3-30B-A3B's heads
-    qkv = torch.randn(T, nh + 2 * nkv, d)
-    wh = torch.randn(nh + nkv, d)
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    holder = type("Rope", (), {"inv_freq": inv_freq})()
-    cos_sin = AttentionModel.rope(holder, torch.arange(T), torch.float32)
-    qk = qkv[:, : nh + nkv]
-
-    def ref():
-        return AttentionModel.apply_rope(rms_norm(qk, None, 1e-6) * wh, cos_sin)
-
-    got = cpu_native.norm_rope_(qkv.clone()[:, : nh + nkv], wh, 1e-6, *cos_sin)
-    err = (got - ref()).abs().max().item()
-    work = qkv.clone()[:, : nh + nkv]
-    t_nat = timed(lambda: cpu_native.norm_rope_(work, wh, 1e-6, *cos_sin), n)
-    rows.append(row("qk norm + rope 32/4x128", f"T {T}", timed(ref, n), t_nat, err))
-    return rows
-
-
-def bench_norms(args) -> None:
-    print("\nRMSNorm and q/k head norm + RoPE, µs per call")
-    print(HEADER)
-    for T in [1, 32] if args.smoke else [1, 32, 128, 512]:
-        print("\n".join(norm_rows(args, T)))
-
-
-def moe_row(args, T: int, E: int, H: int, I: int, k: int) -> str:
-    g = torch.Generator().manual_seed(T)
-    w13 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5
-    w2 = torch.randn(E, H, I, generator=g) * I**-0.5
-    x = torch.randn(T, H, generator=g)
-    ids = torch.randn(T, E, generator=g).topk(k, dim=1).indices.to(torch.int32)
-    w = torch.rand(T, k, generator=g)
-    w13t, w2t = cpu_native.expert_layout(w13, w2)
-    want = fused_moe(x, w13, w2, ids, w, "torch")
-    err = (cpu_native.fused_moe(x, w13t, w2t, ids, w) - want).abs().max().item()
-    n = 5 * args.repeat
-    t_ref = timed(lambda: fused_moe(x, w13, w2, ids, w, "torch"), n)
-    t_nat = timed(lambda: cpu_native.fused_moe(x, w13t, w2t, ids, w), n)
-    return row(f"moe {E}e top-{k} {H}/{I}", f"T {T}", t_ref, t_nat, err)
-
-
-def bench_moe(args) -> None:
-    print("\nrouted experts (fused_moe, torch = the grouped CPU path), µs per call")
-    print(HEADER)
-    shapes = [(16, 128, 64, 4)] if args.smoke else [(16, 128, 64, 4), (128, 2048, 768, 8)]
-    for E, H, I, k in shapes:
-        tokens = [1, 32] if args.smoke else [1, 8, 32, 128, 512]
-        for T in tokens if H < 1024 else [1, 32, 128]:
-            print(moe_row(args, T, E, H, I, k))
+                if B * ctx <= 1 << 17:  # pools under ~0.5 GB per layer
+                    print(decode_row(name, cfg, B, ctx, args.rounds))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes")
-    ap.add_argument("--hot", action="store_true", help="one pool, warm in cache")
-    ap.add_argument("--repeat", type=int, default=5, help="interleaved rounds per shape")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one layer")
+    ap.add_argument("--presets", default="default,realistic", help="comma-separated presets")
+    ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    ap.add_argument("--only", choices=("moe", "decode"), default=None)
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per figure")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    if not cpu_native.available():
-        raise SystemExit("the native CPU kernels do not build here (see the warning above)")
+    args.presets = args.presets.split(",")
+    unknown = sorted(set(args.presets) - set(PRESETS))
+    if unknown:
+        ap.error(f"unknown presets {unknown}; use some of {sorted(PRESETS)}")
+    keep_freed_memory()  # as a rank does: freed temporaries are reused, not faulted in again
     with torch.inference_mode():
-        bench_decode(args)
-        bench_norms(args)
-        bench_moe(args)
+        for threads in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            print(f"\n=== {threads} thread{'s' if threads > 1 else ''} ===")
+            if args.only != "decode":
+                bench_moe(args)
+            if args.only != "moe":
+                bench_decode(args)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ Given tokens ``x [N, H]``, the experts each token uses *here* (``expert_ids [N, 
 -1 for a slot served elsewhere) and their router weights, computes for every token
 ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over its local experts ``e = expert_ids[:, j]``.
 
-Backends: ``"torch"`` runs `fused_moe_ref`. ``"triton"`` runs the fused Triton grouped GEMMs
-(`splitmoe.kernels.moe_gemm`); on CUDA it also measures ``torch._grouped_mm`` (CUTLASS grouped
-GEMM, where this torch build and GPU have it) once per (device, dtype, shapes, batch-size bucket)
-and keeps whichever is faster, provided both agree with each other.
+Backends: ``"torch"`` runs `fused_moe_cpu` on CPU (grouped MKL GEMMs at decode sizes, oneDNN
+GEMMs per expert above) and `fused_moe_ref` elsewhere. ``"triton"`` runs the fused Triton
+grouped GEMMs (`splitmoe.kernels.moe_gemm`); on CUDA it also measures ``torch._grouped_mm``
+(CUTLASS grouped GEMM, where this torch build and GPU have it) once per (device, dtype, shapes,
+batch-size bucket) and keeps whichever is faster, provided both agree with each other.
 """
 
 from __future__ import annotations
@@ -137,92 +138,173 @@ def _grouped_ffn(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ends: tor
     return torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)
 
 
-def fused_moe_padded_bmm(
+def cpu_moe_path(rows: float, expert_elems: int) -> str:
+    """Which GEMMs `fused_moe_cpu` runs, from the mean ``rows`` (token, expert pairs) per expert
+    in use and the elements of one expert's weights (``3 H I``):
+
+    * ``"per_expert"``: one oneDNN GEMM per expert and projection, once a call has work enough
+      (rows x elements) to pay for its ~20 us of Python and dispatch, and more so when the
+      groups are wide, where MKL's grouped GEMM slows down;
+    * ``"wleft"``: one ``torch._grouped_mm`` per projection, weights on the left
+      (`_grouped_ffn_wleft`), for up to 8 rows per expert of weights that stream from memory;
+    * ``"xleft"``: one ``torch._grouped_mm`` per projection, tokens on the left (`_grouped_ffn`),
+      for experts small enough to stay in cache.
+
+    ms on 1 / 2 threads, W-left | per expert | x-left (scripts/bench_cpu_kernels.py; the last
+    two shapes timed the same way): realistic preset (32 experts top-4, H 512, I 256, 6 layers),
+    32 tokens (4 rows) 17.6 / 12.8 | 32.1 / 25.6 | 29.9 / 29.6; 64 tokens 33.0 / 20.7 | 33.6 /
+    26.9 | 36.6 / 34.8; 128 tokens 73.2 / 44.1 | 38.9 / 30.7 | 48.8 / 43.7; 2048 tokens 462 /
+    283 | 205 / 130 | 407 / 238. Default model (16 experts top-4, H 128, I 64, 4 layers): 32
+    tokens 1.04 / 1.41 | 2.56 / 3.29 | 0.71 / 1.29; 2048 tokens 25.0 / 26.4 | 11.3 / 10.9 |
+    19.6 / 13.1. 64 experts top-8 of H 1024, I 384 (4 layers): 32 tokens 75 / 43 | 84 / 53 |
+    105 / 94; 64 tokens 162 / 88 | 95 / 59 | 132 / 96. Qwen3-30B-A3B's experts (128 top-8,
+    H 2048, I 768, 2 layers): 8 tokens 101 / 62 | 88 / 65 | 113 / 116; 64 tokens 459 / 243 |
+    257 / 173 | 439 / 386."""
+    work = rows * expert_elems
+    if work >= 1 << 23 or (rows > 8 and work >= 1 << 21):
+        return "per_expert"
+    if rows <= 8 and expert_elems >= 1 << 16:
+        return "wleft"
+    return "xleft"
+
+
+def fused_moe_cpu(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
 ) -> torch.Tensor:
-    """The same math as two batched GEMMs over ``[E, cap, H]``, each expert's tokens padded to
-    the busiest expert's count ``cap``: two calls instead of 2 x experts, at the price of the
-    padding rows' FLOPs."""
-    N, H = x.shape
-    E, I, k = w13.shape[0], w2.shape[2], expert_ids.shape[1]
-    flat = expert_ids.reshape(-1)  # [P]
-    key = torch.where(flat >= 0, flat, E).long()
-    counts = torch.bincount(key, minlength=E + 1)  # [E+1]; bucket E: slots served elsewhere
-    cap = int(counts[:E].max())
-    order = torch.argsort(key, stable=True)  # [P]
-    skey = key[order]
-    keep = skey < E
-    order, skey = order[keep], skey[keep]
-    starts = torch.cumsum(counts, 0) - counts
-    slot = skey * cap + torch.arange(order.numel(), device=x.device) - starts[skey]  # [P']
-    xb = x.new_zeros(E * cap, H)
-    xb[slot] = x[order // k]
-    h = torch.bmm(xb.view(E, cap, H), w13.transpose(1, 2))  # [E, cap, 2I]
-    a = F.silu(h[..., :I]) * h[..., I:]
-    y = torch.bmm(a, w2.transpose(1, 2)).view(E * cap, H)[slot]  # [P', H]
-    y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
-    out = torch.zeros_like(x)
-    out.index_add_(0, order // k, y)
-    return out
-
-
-def fused_moe_cpu(x, w13, w2, expert_ids, weights) -> torch.Tensor:
-    """The faster torch path on CPU: `fused_moe_grouped_cpu` when the strides allow
-    ``torch._grouped_mm`` (no padding rows), else padded batched GEMMs while padding costs at
-    most 2x the real rows, else the per-expert loop. 16 experts top-4, H 128, I 64, 1 thread:
-    the grouped path takes ~300 us at 32 tokens and ~600 us at 128 (the padded one ~450 / ~910)."""
-    if _grouped_mm_fits(x, w2):
-        return fused_moe_grouped_cpu(x, w13, w2, expert_ids, weights)
-    valid = expert_ids[expert_ids >= 0]
-    if valid.numel() == 0:
-        return torch.zeros_like(x)
-    cap = int(torch.bincount(valid.long(), minlength=w13.shape[0]).max())
-    if cap * w13.shape[0] <= 2 * valid.numel():
-        return fused_moe_padded_bmm(x, w13, w2, expert_ids, weights)
-    return fused_moe_ref(x, w13, w2, expert_ids, weights)
-
-
-def fused_moe_grouped_cpu(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    expert_ids: torch.Tensor,
-    weights: torch.Tensor,
-) -> torch.Tensor:
-    """`fused_moe_ref`'s order of work (pairs sorted by expert, each expert's rows added into
-    their tokens, experts in ascending order) with one ``torch._grouped_mm`` per projection
-    instead of a loop over experts. On CPU the host holds every count, so slots served elsewhere
-    are cut off instead of masked, the sort is numpy's radix argsort of 16-bit keys, and rows
-    move with ``index_select`` / ``index_add_``: bit-identical to `fused_moe_ref`, and 1.2-1.3x
-    faster than `fused_moe_grouped_mm` at 32-128 tokens of the default model on one thread."""
+    """The torch path on CPU: pairs sorted by expert on the host (numpy's radix argsort of
+    16-bit keys; slots served elsewhere are cut off), rows gathered with ``index_select``, the
+    expert FFN of each expert's rows by `cpu_moe_path`'s GEMMs, weighted, and added into their
+    tokens with ``index_add_``."""
     E, k = w13.shape[0], expert_ids.shape[1]
-    flat = expert_ids.reshape(-1).numpy()
+    flat = expert_ids.reshape(-1).cpu().numpy()
     key = np.where(flat >= 0, flat, E).astype(np.uint16 if E < 1 << 16 else np.int64)
-    counts = np.bincount(key, minlength=E + 1)[:E]
+    counts = np.bincount(key, minlength=E + 1)[:E]  # [E] pairs per expert
     pairs = int(counts.sum())
+    out = torch.zeros_like(x)
     if pairs == 0:
-        return torch.zeros_like(x)
-    order = torch.from_numpy(np.argsort(key, kind="stable")[:pairs])  # [P] pair index
-    ends = torch.from_numpy(counts.cumsum().astype(np.int32))  # [E]
-    tokens = order // k  # [P]
-    y = _grouped_ffn(x.index_select(0, tokens), w13, w2, ends)  # [P, H]
-    y.mul_(weights.reshape(-1).index_select(0, order).to(y.dtype)[:, None])
-    return torch.zeros_like(x).index_add_(0, tokens, y)
+        return out
+    order = np.argsort(key, kind="stable")[:pairs]  # [P] pair index, grouped by expert
+    path = "per_expert"
+    if _grouped_mm_fits(x, w13, w2):
+        path = cpu_moe_path(pairs / np.count_nonzero(counts), w13[0].numel() + w2[0].numel())
+    if path == "wleft":
+        # An expert's single row goes twice (the copy weighted 0): MKL runs a one-column GEMM
+        # as a GEMV at ~half the speed of two columns (68 vs 32 us per 512 x 512 weight, 2
+        # threads).
+        rep = np.where(counts[key[order]] == 1, 2, 1)  # [P]
+        order = np.repeat(order, rep)  # [P'], each single row doubled
+        ws = weights.reshape(-1).index_select(0, torch.from_numpy(order))  # [P']
+        if len(order) > pairs:
+            ws[torch.from_numpy(np.cumsum(rep)[rep == 2] - 1)] = 0
+        counts = counts + (counts == 1)
+    else:
+        ws = weights.reshape(-1).index_select(0, torch.from_numpy(order))  # [P]
+    tokens = torch.from_numpy(order // k)  # [P]
+    ws = ws.to(x.dtype)
+    if path == "per_expert":
+        spare = tokens[:1].expand(ROW_ALIGN - 1)  # any real row: finite, and never kept
+        xs = x.index_select(0, torch.cat([tokens, spare]))  # [P + ROW_ALIGN - 1, H]
+        ws = torch.cat([ws, ws[:1].expand(ROW_ALIGN - 1)])
+        y = _per_expert_ffn(xs, ws, w13, w2, counts)[: len(tokens)]
+    else:
+        xs = x.index_select(0, tokens)  # [P, H] grouped by expert
+        ends = torch.from_numpy(counts.cumsum().astype(np.int32))  # [E]
+        ffn = _grouped_ffn_wleft if path == "wleft" else _grouped_ffn
+        y = ffn(xs, w13, w2, ends).mul_(ws[:, None])  # [P, H]
+    return out.index_add_(0, tokens, y)
 
 
-def _grouped_mm_fits(x: torch.Tensor, w2: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` on CPU needs row strides that are multiples of 16 bytes."""
-    if not hasattr(torch, "_grouped_mm") or x.device.type != "cpu" or x.shape[0] == 0:
+def _grouped_ffn_wleft(
+    xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor
+) -> torch.Tensor:
+    """The expert FFN of rows ``xs [P, H]`` grouped by expert (expert ``e``'s end at ``ends[e]``)
+    as two ``torch._grouped_mm`` with the weights on the left: ``h^T = W13_e x^T``. On CPU each
+    group is an MKL GEMM, and weight-on-the-left reads each weight row once for the group's few
+    columns: at 4 rows per expert ~1.7x faster than ``x W^T`` (`_grouped_ffn`, the GPU's form),
+    17.6 vs 29.9 ms for the realistic preset's 6 layers at 32 tokens on one thread."""
+    I = w2.shape[2]
+    h = torch._grouped_mm(w13, xs.t(), offs=ends)  # [2I, P]
+    # a [P, I] row-major, passed transposed: a column-major [I, P] operand slices its groups
+    # into strided column blocks, which MKL reads ~4x slower
+    a = (F.silu(h[:I]) * h[I:]).t().contiguous()  # [P, I]
+    y = torch._grouped_mm(w2, a.t(), offs=ends)  # [H, P]
+    return y.t().contiguous()  # [P, H]
+
+
+# `_per_expert_ffn` runs each expert's GEMMs on a multiple of this many rows: oneDNN builds a
+# kernel for each new GEMM shape (~0.3 ms; the default model's 2048-token prefill took 60 ms
+# instead of 35 with every expert's row count new), so the shapes must come from a small set.
+ROW_ALIGN = 16
+
+
+def _per_expert_ffn(
+    xs: torch.Tensor, ws: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: np.ndarray
+) -> torch.Tensor:
+    """The expert FFN of rows ``xs [P + ROW_ALIGN - 1, H]`` grouped by expert (``counts [E]``
+    rows each; spare rows at the end), each row weighted by ``ws [P + ROW_ALIGN - 1]``, one GEMM
+    per expert and projection: oneDNN's, where it takes the dtype, else ``F.linear`` (MKL). On
+    the dev box's AMD EPYC (AVX-512), oneDNN runs a 256-row GEMM at ~250 GFLOP/s per core, MKL's
+    sgemm at ~110. Each expert computes its rows rounded up to `ROW_ALIGN` (the next expert's,
+    read before they are written, or the spare ones) and keeps its own: ``xs[:P]`` becomes the
+    result."""
+    linear = _onednn_linear if _onednn_takes(xs) else F.linear
+    I = w2.shape[2]
+    start = 0
+    for e in np.flatnonzero(counts).tolist():
+        n = int(counts[e])
+        m = -(-n // ROW_ALIGN) * ROW_ALIGN
+        h = linear(xs[start : start + m], w13[e])  # [m, 2I]
+        # the router weight scales the [m, I] activations, not the [m, H] outputs
+        a = F.silu(h[:, :I]).mul_(h[:, I:]).mul_(ws[start : start + m, None])
+        xs[start : start + n] = linear(a, w2[e])[:n]  # [n, H]
+        start += n
+    return xs
+
+
+def _onednn_linear_op():
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return None
+
+
+_ONEDNN_LINEAR = _onednn_linear_op() if torch.backends.mkldnn.is_available() else None
+
+
+def _onednn_takes(x: torch.Tensor) -> bool:
+    """Whether `_onednn_linear` runs ``x``: on CPU, float32 or bfloat16 (float16 needs
+    AVX512-FP16)."""
+    return (
+        _ONEDNN_LINEAR is not None
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+    )
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)`` as oneDNN's inner product (the op Inductor's CPU freezing uses), on
+    the weight as it is (no prepacked copy: at 256 rows 92% of the prepacked speed)."""
+    return _ONEDNN_LINEAR(x, w, None, "none", [], "")
+
+
+def _grouped_mm_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` on CPU needs float32 / bfloat16 and row strides that are multiples
+    of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type != "cpu":
         return False
     row = 16 // x.element_size()
     return (
         x.dtype in (torch.float32, torch.bfloat16)
         and w2.shape[1] % row == 0
-        and (w2.shape[2] % row == 0)
+        and w2.shape[2] % row == 0
+        and w13.stride(-1) == 1
+        and w2.stride(-1) == 1
+        and w13.stride(-2) % row == 0
+        and w2.stride(-2) % row == 0
     )
 
 
@@ -319,19 +401,6 @@ def _faster_path(x, w13, w2, expert_ids, weights) -> str:
     return path
 
 
-def weight_layout(
-    w13: torch.Tensor, w2: torch.Tensor, backend: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loader's expert weights ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` in the form `fused_moe`
-    takes them with ``backend``: as they are, or transposed for ``"cpu"``
-    (`cpu_native.expert_layout`)."""
-    if backend != "cpu":
-        return w13, w2
-    from splitmoe.kernels import cpu_native
-
-    return cpu_native.expert_layout(w13, w2)
-
-
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -344,22 +413,16 @@ def fused_moe(
 
     x ``[N, H]``; w13 ``[E, 2I, H]`` (gate rows, then up rows); w2 ``[E, H, I]``; expert_ids
     ``[N, k]`` local expert ids (-1: the slot is served by another rank); weights ``[N, k]``
-    router weights (float32, or x's dtype). ``backend``: ``"torch"``, ``"triton"`` or ``"cpu"``
-    (the native kernel, float32 on CPU, which takes the weights in `weight_layout`'s form).
+    router weights (float32, or x's dtype). ``backend``: ``"torch"`` (`fused_moe_cpu` on CPU,
+    else `fused_moe_ref`) or ``"triton"``.
     """
-    if backend == "cpu":
-        from splitmoe.kernels import cpu_native
-
-        return cpu_native.fused_moe(x, w13, w2, expert_ids, weights)
     if backend == "torch":
         _check_shapes(x, w13, w2, expert_ids, weights)
-        if x.device.type == "cpu" and x.shape[0]:
+        if x.device.type == "cpu":
             return fused_moe_cpu(x, w13, w2, expert_ids, weights)
         return fused_moe_ref(x, w13, w2, expert_ids, weights)
     if backend != "triton":
-        raise ValueError(
-            f"moe backend {backend!r} is not available; use 'torch', 'triton' or 'cpu'"
-        )
+        raise ValueError(f"moe backend {backend!r} is not available; use 'torch' or 'triton'")
     from splitmoe.kernels.triton_utils import require_triton
 
     require_triton("moe_backend", x.device)

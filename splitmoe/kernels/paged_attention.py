@@ -6,11 +6,11 @@ A step's queries are packed: sequence ``i`` contributes ``query_lens[i]`` consec
 last ``query_lens[i]`` of its ``seq_lens[i]`` tokens (a prefill chunk, an extension of a cached
 prefix, or one decode token), and each attends causally to every earlier token of its sequence.
 
-Backends: ``"torch"`` runs `paged_attention_ref`; ``"triton"`` sends one-token rows to the
-split-KV decode kernel (`decode_attention`) and longer rows to the FlashAttention prefill/extend
-kernel (`prefill_attention`), both of which read K/V through the block table; ``"cpu"`` (float32
-on CPU) sends one-token rows to the native kernel of `cpu_native` and longer rows to the
-reference.
+Backends: ``"torch"`` runs `paged_attention_ref` (on CPU the fast path too: each step's K/V
+gathered by whole blocks, one SDPA call for the decode rows and one for the prompt chunks);
+``"triton"`` sends one-token rows to the split-KV decode kernel (`decode_attention`) and longer
+rows to the FlashAttention prefill/extend kernel (`prefill_attention`), both of which read K/V
+through the block table.
 """
 
 from __future__ import annotations
@@ -79,19 +79,13 @@ class AttentionMetadata:
 class DecodePlan:
     """How the reference reads the cache for the one-token rows of a step (the same in every
     layer): ``rows [Bd]`` their query rows (None when they are all of ``q``, in order),
-    ``slots [Bd * L]`` the flat cache slot of every key position, ``L`` keys per row (padded to
-    whole blocks), ``mask [Bd, 1, 1, L]`` 0 for a key of the sequence, -inf past its end."""
+    ``blocks [Bd * nblk]`` the cache blocks of each row in order, ``L`` keys per row (whole
+    blocks), ``mask [Bd, 1, 1, L]`` 0 for a key of the sequence, -inf past its end."""
 
     rows: torch.Tensor | None
-    slots: torch.Tensor
+    blocks: torch.Tensor
     length: int
     mask: torch.Tensor
-
-
-def _key_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Block tables ``[B, nblk]`` -> the flat cache slot of every key position ``[B * L]``."""
-    offsets = torch.arange(block_size, device=tables.device)
-    return (tables.long()[:, :, None] * block_size + offsets).view(-1)
 
 
 def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -101,13 +95,16 @@ def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _gather_keys(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, length: int
+    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V at ``slots`` as ``[B, num_kv_heads, length, head_dim]`` (one ``index_select`` of
-    whole blocks each on the flat pool: ~5x faster on CPU than advanced indexing)."""
+    """K and V of ``blocks`` as ``[B, num_kv_heads, length, head_dim]``: one ``index_select``
+    of whole blocks each on the pool (as fast as one of every token's slot, with 1/block_size
+    as many indices). The copy is about half of decode attention's time on CPU (batch 32,
+    context 96, 8/2 heads of 64: 94 of 220 us per layer on two threads), and SDPA reading the
+    pool through the block table instead would need a kernel of its own."""
     nkv, d = k_cache.shape[-2:]
-    k = k_cache.view(-1, nkv, d).index_select(0, slots).view(-1, length, nkv, d)
-    v = v_cache.view(-1, nkv, d).index_select(0, slots).view(-1, length, nkv, d)
+    k = k_cache.index_select(0, blocks).view(-1, length, nkv, d)
+    v = v_cache.index_select(0, blocks).view(-1, length, nkv, d)
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
@@ -138,7 +135,8 @@ def _decode_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -
         lens = meta.seq_lens if everything else meta.seq_lens[idx]
         seen = torch.arange(L, device=dev)[None, :] < lens[:, None]  # [Bd, L]
         mask = _additive_mask(seen, dtype)[:, None, None, :]
-        plan = DecodePlan(rows=rows, slots=_key_slots(tables, block_size), length=L, mask=mask)
+        blocks = tables.reshape(-1).long()  # [Bd * nblk]
+        plan = DecodePlan(rows=rows, blocks=blocks, length=L, mask=mask)
     return plan
 
 
@@ -160,14 +158,13 @@ class PrefillPlan:
     """The rows of a step's multi-token sequences (prompt chunks) as one padded batch, built once
     per step: ``rows [Bp * Q]`` the packed query row of each (sequence, position) (padding
     repeats a real row), ``kept`` the padded positions that are real and ``out_rows`` their query
-    rows, ``slots [Bp * L]`` the flat cache slot of every key position, ``mask [Bp, 1, g * Q, L]``
-    0 where a query may attend a key (causal within its sequence), -inf elsewhere, repeated for
-    the ``g`` query heads of a GQA group."""
+    rows, ``blocks [Bp * nblk]`` the cache blocks of each sequence, ``mask [Bp, 1, Q, L]`` 0
+    where a query may attend a key (causal within its sequence), -inf elsewhere."""
 
     rows: torch.Tensor
     kept: torch.Tensor
     out_rows: torch.Tensor
-    slots: torch.Tensor
+    blocks: torch.Tensor
     queries: int
     length: int
     mask: torch.Tensor
@@ -181,16 +178,16 @@ PREFILL_MAX_PADDING = 2.0
 
 
 def prefill_plan(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, heads: int = 1, group: int = 1
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, heads: int = 1
 ) -> PrefillPlan | None:
-    """The `PrefillPlan` of ``meta`` for ``heads`` query heads in GQA groups of ``group`` (None:
-    no multi-token rows, or too much padding), built once per step."""
-    key = ("prefill", block_size, dtype)  # one model per step: heads and group never vary
-    return _derived(meta, key, lambda m: _prefill_plan(m, block_size, dtype, heads, group))
+    """The `PrefillPlan` of ``meta`` for ``heads`` query heads (None: no multi-token rows, or
+    too much padding), built once per step."""
+    key = ("prefill", block_size, dtype)  # one model per step: the heads never vary
+    return _derived(meta, key, lambda m: _prefill_plan(m, block_size, dtype, heads))
 
 
 def _prefill_plan(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, heads: int, group: int
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, heads: int
 ) -> PrefillPlan | None:
     seqs = [i for i, n in enumerate(meta.query_lens) if n > 1]
     plan = None
@@ -211,19 +208,19 @@ def _prefill_plan(
             t = torch.arange(Q, device=dev)[None, :]  # [1, Q]
             valid = t < n  # [Bp, Q]
             rows = starts[:, None] + torch.where(valid, t, 0)
-            slots = _key_slots(meta.block_tables[idx, :nblk], block_size)  # [Bp * L]
+            blocks = meta.block_tables[idx, :nblk].reshape(-1).long()  # [Bp * nblk]
             qpos = c - n + t  # [Bp, Q] position of each query in its sequence
             kpos = torch.arange(L, device=dev)[None, None, :]
             # padding query rows may see key 0, so that their (discarded) softmax stays finite
             allowed = (kpos <= qpos[:, :, None]) | ((kpos == 0) & ~valid[:, :, None])
-            mask = _additive_mask(allowed, dtype)[:, None].repeat(1, 1, group, 1)
+            mask = _additive_mask(allowed, dtype)[:, None]  # [Bp, 1, Q, L]
             kept = valid.view(-1).nonzero().view(-1)
             rows = rows.view(-1)
             plan = PrefillPlan(
                 rows=rows,
                 kept=kept,
                 out_rows=rows.index_select(0, kept),
-                slots=slots,
+                blocks=blocks,
                 queries=Q,
                 length=L,
                 mask=mask,
@@ -239,17 +236,18 @@ def _batched_prefill(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Attention of every prompt chunk of a step in one SDPA call (see `PrefillPlan`)."""
+    """Attention of every prompt chunk of a step in one SDPA call (see `PrefillPlan`), GQA by
+    SDPA's head groups (``enable_gqa``): as fast as folding a group's heads into the query rows
+    (32 chunks of 64 tokens, 8/2 heads of 64: 4.2 / 2.7 ms per layer on 1 / 2 threads), with a
+    mask ``g`` times smaller."""
     T, nh, d = q.shape
-    nkv = k_cache.shape[2]
-    g = nh // nkv
     Bp, Q, L = plan.mask.shape[0], plan.queries, plan.length
-    k, v = _gather_keys(k_cache, v_cache, plan.slots, L)
-    # queries as [Bp, nkv, g * Q, d]: a GQA group's heads share their KV head
-    qp = q.index_select(0, plan.rows).view(Bp, Q, nkv, g, d).permute(0, 2, 3, 1, 4)
-    qp = qp.reshape(Bp, nkv, g * Q, d)
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.mask, scale=scale)
-    o = o.view(Bp, nkv, g, Q, d).permute(0, 3, 1, 2, 4).reshape(Bp * Q, nh, d)
+    k, v = _gather_keys(k_cache, v_cache, plan.blocks, L)  # [Bp, nkv, L, d]
+    qp = q.index_select(0, plan.rows).view(Bp, Q, nh, d).transpose(1, 2)  # [Bp, nh, Q, d]
+    o = F.scaled_dot_product_attention(
+        qp, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True
+    )  # [Bp, nh, Q, d]
+    o = o.transpose(1, 2).reshape(Bp * Q, nh, d)
     out.index_copy_(0, plan.out_rows, o.index_select(0, plan.kept))
 
 
@@ -272,18 +270,48 @@ def paged_attention_ref(
         return torch.empty_like(q)
     plan = decode_plan(meta, bs, q.dtype)
     if plan is not None:
-        k, v = _gather_keys(k_cache, v_cache, plan.slots, plan.length)
         qd = (q if plan.rows is None else q[plan.rows]).view(-1, nkv, g, d)  # a GQA group
-        # shares its KV head. SDPA's math path on CPU (softmax in float32 for float32 inputs)
-        # with an additive mask: ~1.6x faster than with a boolean one at decode batch 32.
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.mask, scale=scale)
+        # shares its KV head
+        o = _decode_rows(qd, k_cache, v_cache, plan, scale)  # [Bd, nkv, g, d]
         if plan.rows is None:
-            return o.reshape(T, nh, d)
+            return o.view(T, nh, d)
     out = torch.empty_like(q)
     if plan is not None:
-        out[plan.rows] = o.reshape(-1, nh, d)
+        out[plan.rows] = o.view(-1, nh, d)
     prefill_ref(q, k_cache, v_cache, meta, scale, out)
     return out
+
+
+# Decode rows gather at most this many bytes of K (as many of V) at a time. The whole batch at
+# once gathers every context of the layer: at batch 32, context 2048 (8/2 heads of 64), 34 MB
+# each, fresh memory past glibc's 32 MB mmap threshold, page-faulted on every layer, and read
+# back by SDPA from DRAM: 23 ms per layer on 2 threads, 4.3 in chunks of 4 MB (which stay in
+# cache between the gather and SDPA); at context 512, 1.32 -> 1.08 ms.
+DECODE_GATHER_BYTES = 4 << 20
+
+
+def _decode_rows(
+    qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+) -> torch.Tensor:
+    """Attention of one-token rows ``qd [Bd, nkv, g, d]`` (a GQA group's heads as its query
+    rows) over their blocks (`DecodePlan`): SDPA's CPU path (softmax in float32 for float32
+    inputs) with an additive mask (~1.6x faster than a boolean one at decode batch 32), in
+    chunks of rows of at most `DECODE_GATHER_BYTES` of K."""
+    Bd, nkv, _, d = qd.shape
+    L = plan.length
+    nblk = L // k_cache.shape[1]
+    step = max(1, DECODE_GATHER_BYTES // (L * nkv * d * k_cache.element_size()))
+    if step >= Bd:
+        k, v = _gather_keys(k_cache, v_cache, plan.blocks, L)
+        return F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.mask, scale=scale)
+    o = torch.empty_like(qd)
+    for s in range(0, Bd, step):
+        e = min(Bd, s + step)
+        k, v = _gather_keys(k_cache, v_cache, plan.blocks[s * nblk : e * nblk], L)
+        o[s:e] = F.scaled_dot_product_attention(
+            qd[s:e], k, v, attn_mask=plan.mask[s:e], scale=scale
+        )
+    return o
 
 
 def prefill_ref(
@@ -299,7 +327,7 @@ def prefill_ref(
     T, nh, d = q.shape
     bs, nkv = k_cache.shape[1], k_cache.shape[2]
     g = nh // nkv
-    chunks = prefill_plan(meta, bs, q.dtype, nh, g)
+    chunks = prefill_plan(meta, bs, q.dtype, nh)
     if chunks is not None:
         _batched_prefill(q, k_cache, v_cache, chunks, scale, out)
         return
@@ -395,8 +423,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of the packed queries ``q [T, num_heads, head_dim]`` over the paged cache
     ``k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]``; returns ``[T, num_heads,
-    head_dim]`` in q's dtype. ``backend``: ``"torch"`` (reference), ``"triton"`` or ``"cpu"``
-    (see the module doc)."""
+    head_dim]`` in q's dtype. ``backend``: ``"torch"`` (reference) or ``"triton"`` (see the
+    module doc)."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"paged_attention: q must be [T, H, D] and caches [blocks, block_size, KVH, D]; got "
@@ -409,17 +437,8 @@ def paged_attention(
         )
     if backend == "torch":
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
-    if backend == "cpu":  # native decode rows; prompt chunks stay on the reference
-        from splitmoe.kernels import cpu_native
-
-        out = torch.empty(q.shape, dtype=q.dtype)
-        if cpu_native.decode_attention(q, k_cache, v_cache, meta, scale, out) < meta.num_seqs:
-            prefill_ref(q, k_cache, v_cache, meta, scale, out)
-        return out
     if backend != "triton":
-        raise ValueError(
-            f"attention backend {backend!r} is not available; use 'torch', 'triton' or 'cpu'"
-        )
+        raise ValueError(f"attention backend {backend!r} is not available; use 'torch' or 'triton'")
     from splitmoe.kernels.triton_utils import require_triton
 
     require_triton("attention_backend", q.device)

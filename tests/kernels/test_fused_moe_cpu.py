@@ -1,46 +1,96 @@
-"""The CPU torch paths of the grouped expert FFN agree with the per-expert reference."""
+"""The CPU torch path of the grouped expert FFN (each of its GEMM paths) agrees with the
+per-expert reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from splitmoe.kernels.fused_moe import (
-    fused_moe_cpu,
-    fused_moe_grouped_cpu,
-    fused_moe_grouped_mm,
-    fused_moe_padded_bmm,
-    fused_moe_ref,
-)
+import splitmoe.kernels.fused_moe as fm
+from splitmoe.kernels.fused_moe import cpu_moe_path, fused_moe, fused_moe_grouped_mm, fused_moe_ref
 
-E, H, I, K = 8, 32, 16, 3
+PATHS = ("wleft", "xleft", "per_expert")
 
 
-def _case(tokens: int, skew: float, skip: float, seed: int):
+def _case(tokens: int, E: int, H: int, I: int, k: int, skew: float, skip: float, seed: int):
     g = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(E, 2 * I, H, generator=g) * 0.1
-    w2 = torch.randn(E, H, I, generator=g) * 0.1
+    w13 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, I, generator=g) * I**-0.5
     x = torch.randn(tokens, H, generator=g)
     logits = torch.randn(tokens, E, generator=g) + skew * torch.linspace(0, 3, E)
-    ids = logits.topk(K, dim=1).indices.to(torch.int32)
-    ids[torch.rand(tokens, K, generator=g) < skip] = -1  # slots served by another rank
-    w = torch.rand(tokens, K, generator=g)
+    ids = logits.topk(k, dim=1).indices.to(torch.int32)
+    ids[torch.rand(tokens, k, generator=g) < skip] = -1  # slots served by another rank
+    w = torch.rand(tokens, k, generator=g)
     return x, w13, w2, ids, w
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 32, 77])
-@pytest.mark.parametrize("skew", [0.0, 2.0])
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """Forces `fused_moe_cpu` onto one of its GEMM paths."""
+    monkeypatch.setattr(fm, "cpu_moe_path", lambda rows, elems: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 2, 5, 32, 77])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("skip", [0.0, 0.4])
-def test_cpu_paths_match_the_reference(tokens, skew, skip):
-    x, w13, w2, ids, w = _case(tokens, skew, skip, seed=tokens)
+def test_each_path_matches_the_reference(path, tokens, k, skip):
+    x, w13, w2, ids, w = _case(tokens, 8, 32, 16, k, skew=1.0, skip=skip, seed=tokens + 10 * k)
     want = fused_moe_ref(x, w13, w2, ids, w)
-    for path in (fused_moe_cpu, fused_moe_grouped_mm, fused_moe_padded_bmm):
-        torch.testing.assert_close(path(x, w13, w2, ids, w), want, rtol=1e-5, atol=1e-5)
-    # The CPU grouped path adds each expert's rows in the reference's order: the same bits.
-    assert torch.equal(fused_moe_grouped_cpu(x, w13, w2, ids, w), want)
+    torch.testing.assert_close(fused_moe(x, w13, w2, ids, w, "torch"), want, rtol=1e-5, atol=1e-5)
 
 
-def test_no_local_expert_gives_zeros():
-    x, w13, w2, ids, w = _case(6, 0.0, 0.0, seed=0)
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_single_row_experts(path, tokens):
+    """Experts with one row each (the W-left path sends those rows twice, the copy weighted 0),
+    next to experts with many."""
+    x, w13, w2, ids, w = _case(tokens, 16, 32, 16, 2, skew=0.0, skip=0.0, seed=7)
+    ids[:, 0] = 0  # every token on expert 0; the second slot mostly alone on its expert
+    ids[:, 1] = torch.arange(1, tokens + 1, dtype=torch.int32) % 16
+    want = fused_moe_ref(x, w13, w2, ids, w)
+    torch.testing.assert_close(fused_moe(x, w13, w2, ids, w, "torch"), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit(path, dtype):
+    """bfloat16 runs every path; float16 has no grouped GEMM or oneDNN kernel here, so it
+    takes the per-expert path on ``F.linear``."""
+    x, w13, w2, ids, w = _case(24, 8, 32, 16, 2, skew=0.0, skip=0.2, seed=3)
+    want = fused_moe_ref(x, w13, w2, ids, w)
+    got = fused_moe(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, w, "torch")
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+def test_sizes_the_grouped_mm_cannot_take(path):
+    """H and I not multiples of 4 floats: every path falls back to one GEMM per expert."""
+    x, w13, w2, ids, w = _case(9, 6, 12, 10, 2, skew=0.0, skip=0.3, seed=5)
+    want = fused_moe_ref(x, w13, w2, ids, w)
+    torch.testing.assert_close(fused_moe(x, w13, w2, ids, w, "torch"), want, rtol=1e-5, atol=1e-5)
+
+
+def test_no_local_expert_gives_zeros(path):
+    x, w13, w2, ids, w = _case(6, 8, 32, 16, 3, skew=0.0, skip=0.0, seed=0)
     ids.fill_(-1)
-    assert torch.equal(fused_moe_cpu(x, w13, w2, ids, w), torch.zeros_like(x))
+    assert torch.equal(fused_moe(x, w13, w2, ids, w, "torch"), torch.zeros_like(x))
+
+
+def test_grouped_mm_path_matches_the_reference():
+    """`fused_moe_grouped_mm` (the GPU's x-left form, here on CPU)."""
+    x, w13, w2, ids, w = _case(40, 8, 32, 16, 4, skew=2.0, skip=0.4, seed=1)
+    want = fused_moe_ref(x, w13, w2, ids, w)
+    got = fused_moe_grouped_mm(x, w13, w2, ids, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_path_choice():
+    """Few rows of streamed weights: W-left; cached small experts: x-left; much work per
+    expert: one GEMM per expert."""
+    realistic, default, qwen30b = 3 * 512 * 256, 3 * 128 * 64, 3 * 2048 * 768
+    assert cpu_moe_path(4, realistic) == "wleft"
+    assert cpu_moe_path(8, realistic) == "wleft"
+    assert cpu_moe_path(16, realistic) == "per_expert"
+    assert cpu_moe_path(8, default) == "xleft"
+    assert cpu_moe_path(512, default) == "per_expert"
+    assert cpu_moe_path(1, qwen30b) == "wleft"
+    assert cpu_moe_path(2, qwen30b) == "per_expert"

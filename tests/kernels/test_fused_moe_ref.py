@@ -22,17 +22,23 @@ def _naive(x, w13, w2, ids, w):
     return out
 
 
-@pytest.mark.parametrize("n,k", [(0, 2), (1, 1), (9, 2), (17, 4)])
-def test_matches_naive_loop(n, k):
+@pytest.mark.parametrize("n,k", [(0, 2), (1, 1), (9, 2), (17, 4), (5, 8)])
+@pytest.mark.parametrize("H,I", [(12, 10), (32, 16)])
+def test_matches_naive_loop(n, k, H, I):
     g = torch.Generator().manual_seed(n)
-    E, H, I = 6, 12, 10
+    E = 6
     x = torch.randn(n, H, generator=g)
-    w13 = torch.randn(E, 2 * I, H, generator=g)
-    w2 = torch.randn(E, H, I, generator=g)
+    # fan-in scaled: outputs O(1), not O(sqrt(H)), where float32 sums in another order differ
+    # by more than the 1e-5 tolerance
+    w13 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, I, generator=g) * I**-0.5
     # experts 0..E-1 chosen so that expert 5 gets no token; -1 marks slots served elsewhere
     ids = torch.randint(-1, E - 1, (n, k), generator=g)
     w = torch.rand(n, k, generator=g)
-    torch.testing.assert_close(fused_moe_ref(x, w13, w2, ids, w), _naive(x, w13, w2, ids, w))
+    want = _naive(x, w13, w2, ids, w)
+    torch.testing.assert_close(fused_moe_ref(x, w13, w2, ids, w), want)
+    # the public torch entry (on CPU `fused_moe_cpu`, whichever GEMMs it picks)
+    torch.testing.assert_close(fused_moe(x, w13, w2, ids, w, "torch"), want)
 
 
 def test_rejects_bad_shapes():
@@ -43,4 +49,16 @@ def test_rejects_bad_shapes():
             torch.zeros(3, 8, 5),
             torch.zeros(2, 1, dtype=torch.long),
             torch.zeros(2, 1),
+        )
+
+
+def test_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="'torch' or 'triton'"):
+        fused_moe(
+            torch.zeros(2, 8),
+            torch.zeros(3, 10, 8),
+            torch.zeros(3, 8, 5),
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.zeros(2, 1),
+            "cpu",
         )
