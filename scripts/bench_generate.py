@@ -1,11 +1,14 @@
 """Decode throughput, TTFT and TPOT of splitmoe next to HF transformers, in one run.
 
     python scripts/bench_generate.py --model CKPT --attention-ranks 1 --expert-ranks 1 --batch 8
+    python scripts/bench_generate.py --model realistic --attention-ranks 1 --expert-ranks 0 \
+        --batch 32 --prompt-len 64 --max-tokens 64
 
 Both engines get the same random prompts (equal lengths, so HF needs no padding), greedy decoding
 and the same number of new tokens; the figures are printed side by side, and the script reports
-whether the generated tokens agree. Without --model the built-in default model is written to
-.splitmoe/default-model and used.
+whether the generated tokens agree. ``--model`` takes a checkpoint directory or a built-in preset,
+``default`` (the default) or ``realistic`` (`splitmoe.models.default_model`), written under
+.splitmoe/ on first use.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from splitmoe import LLM, SamplingParams
 from splitmoe.config import ModelConfig
-from splitmoe.models.default_model import default_model_path
+from splitmoe.models.default_model import resolve_model
 
 
 def make_prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
@@ -63,12 +66,14 @@ def measure_splitmoe(llm: LLM, args, prompts) -> dict:
     )
 
 
-def bench_splitmoe(args, prompts, micro_batches=None, backend="auto", threads=None) -> dict:
-    """One run on a fresh engine (started, warmed up on a small request, measured, closed)."""
+def bench_splitmoe(args, prompts, warmup, micro_batches=None, backend="auto", threads=None) -> dict:
+    """One run on a fresh engine: started, warmed up on ``warmup`` (other prompts of the same
+    shape, 2 tokens, as HF warms up: the first prefill of a batch faults its memory in, and
+    oneDNN builds its kernels for each new GEMM shape), measured, closed."""
     t0 = time.perf_counter()
     with open_splitmoe(args, micro_batches, backend, threads) as llm:
         startup = time.perf_counter() - t0
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        llm.generate(warmup, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         return dict(measure_splitmoe(llm, args, prompts), startup_s=startup)
 
 
@@ -124,7 +129,11 @@ class HFBench:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
+    ap.add_argument(
+        "--model",
+        default="default",
+        help="checkpoint directory, or a built-in preset: default, realistic",
+    )
     ap.add_argument("--attention-ranks", type=int, default=1)
     ap.add_argument("--expert-ranks", type=int, default=1)
     ap.add_argument("--batch", type=int, default=8)
@@ -155,8 +164,8 @@ def main() -> None:
     ap.add_argument(
         "--backend",
         default="auto",
-        help="comma-separated backends (attention and MoE alike) to compare in one run, e.g. "
-        "torch,cpu: the PyTorch paths against the native CPU kernels",
+        help="comma-separated backends (attention and MoE alike: auto, torch, triton) to compare "
+        "in one run, e.g. torch,triton (auto: triton on CUDA, torch elsewhere)",
     )
     ap.add_argument(
         "--repeat",
@@ -176,9 +185,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.max_tokens < 2:
         ap.error("--max-tokens must be >= 2 to measure decoding")
-    args.model = args.model or default_model_path()
+    args.model = resolve_model(args.model)
     cfg = ModelConfig.from_hf(args.model)
     prompts = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed)
+    warmup = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed + 1)
     topo = f"{args.attention_ranks}+{args.expert_ranks}"
     counts = [None if m == "auto" else int(m) for m in args.micro_batches.split(",")]
     backends = args.backend.split(",")
@@ -226,7 +236,7 @@ def main() -> None:
     else:
         for _ in range(args.repeat):
             for c in configs:
-                runs[label(*c)].append(bench_splitmoe(args, prompts, c[1], c[0], c[2]))
+                runs[label(*c)].append(bench_splitmoe(args, prompts, warmup, c[1], c[0], c[2]))
         if not args.skip_hf:
             runs["HF transformers"].append(HFBench(args, prompts).measure())
     rows = [(name, median_run(runs[name])) for name in names]

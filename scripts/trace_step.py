@@ -1,7 +1,7 @@
 """Chrome trace of engine steps across all ranks, and where each rank's time goes.
 
-    python scripts/trace_step.py --attention-ranks 1 --expert-ranks 1 --micro-batches 2 \
-        --batch 32 --out out/trace.json
+    python scripts/trace_step.py --model realistic --attention-ranks 1 --expert-ranks 1 \
+        --micro-batches 2 --batch 32 --out out/trace.json
 
 Runs a decode-heavy batch, takes the timelines of every rank (`LLM.trace`), and writes a
 Chrome-trace / Perfetto JSON (open it in chrome://tracing or ui.perfetto.dev) of ``--steps``
@@ -19,13 +19,15 @@ import torch
 
 from splitmoe import LLM, SamplingParams
 from splitmoe.config import ModelConfig
-from splitmoe.models.default_model import default_model_path
+from splitmoe.models.default_model import resolve_model
 from splitmoe.timeline import breakdown, chrome_trace
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
+    ap.add_argument(
+        "--model", default=None, help="checkpoint directory, or a preset: default, realistic"
+    )
     ap.add_argument("--attention-ranks", type=int, default=1)
     ap.add_argument("--expert-ranks", type=int, default=1)
     ap.add_argument("--micro-batches", type=int, default=2)
@@ -33,10 +35,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--steps", type=int, default=3, help="decode steps in the trace (the last)")
-    ap.add_argument("--threads-per-rank", type=int, default=1)
+    ap.add_argument("--threads-per-rank", type=int, default=None)
     ap.add_argument("--out", default="out/trace.json")
     args = ap.parse_args()
-    args.model = args.model or default_model_path()
+    args.model = resolve_model(args.model)
     cfg = ModelConfig.from_hf(args.model)
     prompts = torch.randint(
         1, cfg.vocab_size, (args.batch, 16), generator=torch.Generator().manual_seed(0)
