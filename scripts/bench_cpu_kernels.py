@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 import splitmoe.kernels.fused_moe as fm
+from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.fused_moe import fused_moe, fused_moe_ref
-from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention
+from splitmoe.kernels.paged_attention import paged_attention
 from splitmoe.models.default_model import PRESETS
 from splitmoe.runtime import keep_freed_memory
 

@@ -112,7 +112,7 @@ def bench_graph(fn) -> float | None:
 
 def paged_batch(seqs, nh, nkv, d, dtype, device, seed=0):
     """Queries and a paged cache (scattered blocks) for sequences ``(new, cached)``."""
-    from splitmoe.kernels.paged_attention import AttentionMetadata
+    from splitmoe.kernels.attention_metadata import AttentionMetadata
 
     g = torch.Generator(device=device).manual_seed(seed)
     lens = [n + c for n, c in seqs]

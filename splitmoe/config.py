@@ -39,6 +39,7 @@ def option(default, help: str, *, flag: str | None = None, choices: tuple | None
     ``--name`` (``flag`` where the flag reads otherwise), described by ``help``."""
     return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
 
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -165,9 +166,7 @@ class ParallelConfig:
     redundant_experts: int = option(
         0, "extra expert slots per MoE layer for replicas of hot experts"
     )
-    balancer: str = option(
-        "static", "per-step replica choice", choices=BALANCER_POLICIES
-    )
+    balancer: str = option("static", "per-step replica choice", choices=BALANCER_POLICIES)
     rebalance_interval: int | None = option(
         None, "recompute the expert placement from observed load every N steps (default: never)"
     )

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from splitmoe.attention_nodes.kv_cache import PagedKVCache
 from splitmoe.config import ModelConfig
+from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.backends import AttentionBackend
-from splitmoe.kernels.paged_attention import AttentionMetadata
+from splitmoe.kernels.linear import linear
 
 
 class ExpertExecutor(Protocol):
@@ -107,9 +108,9 @@ class LayerWeights:
 
 
 def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    h = F.linear(x, gate_up)  # [T, 2I]
+    h = linear(x, gate_up)  # [T, 2I]
     inter = down.shape[1]
-    return F.linear(F.silu(h[:, :inter]) * h[:, inter:], down)
+    return linear(F.silu(h[:, :inter]) * h[:, inter:], down)
 
 
 def rope_rows(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +199,7 @@ class AttentionModel:
         cfg = self.cfg
         T = x.shape[0]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = F.linear(x, layer.w_qkv, layer.b_qkv)  # [T, (nh + 2 nkv) d]
+        qkv = linear(x, layer.w_qkv, layer.b_qkv)  # [T, (nh + 2 nkv) d]
         if cfg.qk_norm == "full" or cfg.clip_qkv is not None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if cfg.qk_norm == "full":
@@ -216,7 +217,7 @@ class AttentionModel:
         k_cache, v_cache = kv
         self.attention_backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self.attention_backend.attend(q, k_cache, v_cache, meta, self.scale)
-        return F.linear(o.reshape(T, self.q_size), layer.o_proj)
+        return linear(o.reshape(T, self.q_size), layer.o_proj)
 
     def start_moe(
         self,
@@ -291,4 +292,4 @@ class AttentionModel:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[B, V]`` float32."""
-        return F.linear(h, self.lm_head).float()
+        return linear(h.contiguous(), self.lm_head).float()

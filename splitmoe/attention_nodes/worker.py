@@ -16,8 +16,8 @@ from splitmoe.attention_nodes.sampler import make_generator, sample
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
 from splitmoe.expert_nodes.experts import LocalExperts
+from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.backends import attention_backend, moe_backend
-from splitmoe.kernels.paged_attention import AttentionMetadata
 from splitmoe.metrics import StepRecord
 from splitmoe.models.loader import load_attention_weights
 from splitmoe.outputs import RequestMetrics
@@ -143,6 +143,7 @@ class AttentionWorker:
 
     def stats(self) -> dict:
         s = self.scheduler
+        local = self.experts if isinstance(self.experts, LocalExperts) else None
         return {
             "kv_blocks_used": self.blocks.num_used,
             "kv_blocks_total": self.blocks.num_blocks,
@@ -150,9 +151,7 @@ class AttentionWorker:
             "waiting": len(s.waiting),
             "preemptions": s.num_preemptions,
             "attention_backend": self.model.attention_backend.name,
-            # None: the experts live on expert ranks
-            "moe_backend": self.experts.backend.name if isinstance(self.experts, LocalExperts)
-            else None,
+            "moe_backend": local.backend.name if local else None,  # None: on expert ranks
         }
 
     def add_request(self, spec: RequestSpec) -> None:

@@ -256,6 +256,7 @@ class ShmLane:
         self.staged = [bytearray() for _ in range(self.size)]
         self._head = np.empty(1, dtype=np.int64)  # a frame's length
         self._head_bytes = self._head.view(np.uint8)
+
     def _attach(self, prefix: str, nbytes: int, stride: int) -> None:
         """Maps every peer's inbox, then waits until every peer has mapped this one."""
         deadline = time.monotonic() + self.hub.timeout_s

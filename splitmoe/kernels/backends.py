@@ -21,8 +21,9 @@ from typing import ClassVar
 
 import torch
 
+from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.fused_moe import fused_moe
-from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention, store_kv
+from splitmoe.kernels.paged_attention import paged_attention, store_kv
 
 
 class AttentionBackend(ABC):

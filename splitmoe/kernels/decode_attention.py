@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitmoe.kernels.attention_metadata import AttentionMetadata, check_paged_inputs
 from splitmoe.kernels.attention_tile import attend_tile
-from splitmoe.kernels.paged_attention import AttentionMetadata, check_paged_inputs
 from splitmoe.kernels.triton_utils import (
     dot_precision,
     next_pow2,

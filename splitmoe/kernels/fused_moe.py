@@ -14,11 +14,13 @@ batch-size bucket) and keeps whichever is faster, provided both agree with each 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from splitmoe.kernels.expert_sort import check_moe_inputs, check_moe_shapes, count_keys
+from splitmoe.kernels.linear import linear
 
 log = logging.getLogger(__name__)
 
@@ -56,55 +58,6 @@ def fused_moe_ref(
         out.index_add_(0, tok, y)
         start += n
     return out
-
-
-@dataclass(frozen=True)
-class ExpertSort:
-    """(token, expert) pairs grouped by expert, each expert's run padded to ``block_m`` rows.
-
-    sorted_ids: ``[num_blocks * block_m]`` int32, the flat pair index ``token * k + j`` of each
-        row; padding rows hold ``N * k``.
-    block_expert: ``[num_blocks]`` int32, the expert of each ``block_m`` rows; -1 for blocks past
-        the padded total (``num_blocks`` is an upper bound, so nothing waits on the GPU).
-    """
-
-    sorted_ids: torch.Tensor
-    block_expert: torch.Tensor
-
-
-def count_keys(key: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n]`` int64: how often each of ``0 .. n-1`` occurs in the int64 ``key`` (any shape).
-    ``index_add_`` rather than ``bincount``: on a GPU, ``bincount`` reads the largest key back
-    to the host to size its output, a synchronisation per call that also breaks CUDA graphs."""
-    key = key.reshape(-1)
-    return torch.zeros(n, dtype=torch.int64, device=key.device).index_add_(
-        0, key, torch.ones_like(key)
-    )
-
-
-def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
-    """Groups the pairs of ``expert_ids [N, k]`` (-1: skip) by expert, on the device, no sync."""
-    flat = expert_ids.reshape(-1)  # [P]
-    P = flat.numel()
-    dev = flat.device
-    key = torch.where(flat >= 0, flat, num_experts).long()  # skipped slots sort last
-    sorted_key, order = torch.sort(key, stable=True)  # [P]
-    counts = count_keys(key, num_experts + 1)[:num_experts]  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    pad_end = padded.cumsum(0)  # [E] end row of each expert's padded run
-    first = counts.cumsum(0) - counts  # [E] first sorted index of each expert
-    e = sorted_key.clamp(max=num_experts - 1)
-    dest = pad_end[e] - padded[e] + torch.arange(P, device=dev) - first[e]  # [P] padded row
-    # At most min(E, P) experts are used, each wasting < block_m rows to padding.
-    num_blocks = -(-(P + (block_m - 1) * min(num_experts, P)) // block_m)
-    rows = num_blocks * block_m
-    dest = torch.where(sorted_key < num_experts, dest, rows)  # skipped pairs: one spare row
-    sorted_ids = torch.full((rows + 1,), P, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    starts = torch.arange(num_blocks, device=dev) * block_m
-    block_expert = torch.searchsorted(pad_end, starts, right=True)  # [num_blocks]
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return ExpertSort(sorted_ids=sorted_ids[:rows], block_expert=block_expert)
 
 
 def fused_moe_grouped_mm(
@@ -251,7 +204,6 @@ def _per_expert_ffn(
     sgemm at ~110. Each expert computes its rows rounded up to `ROW_ALIGN` (the next expert's,
     read before they are written, or the spare ones) and keeps its own: ``xs[:P]`` becomes the
     result."""
-    linear = _onednn_linear if _onednn_takes(xs) else F.linear
     I = w2.shape[2]
     start = 0
     for e in np.flatnonzero(counts).tolist():
@@ -263,32 +215,6 @@ def _per_expert_ffn(
         xs[start : start + n] = linear(a, w2[e])[:n]  # [n, H]
         start += n
     return xs
-
-
-def _onednn_linear_op():
-    try:
-        return torch.ops.mkldnn._linear_pointwise.default
-    except (AttributeError, RuntimeError):  # a build without oneDNN
-        return None
-
-
-_ONEDNN_LINEAR = _onednn_linear_op() if torch.backends.mkldnn.is_available() else None
-
-
-def _onednn_takes(x: torch.Tensor) -> bool:
-    """Whether `_onednn_linear` runs ``x``: on CPU, float32 or bfloat16 (float16 needs
-    AVX512-FP16)."""
-    return (
-        _ONEDNN_LINEAR is not None
-        and x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
-    )
-
-
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` as oneDNN's inner product (the op Inductor's CPU freezing uses), on
-    the weight as it is (no prepacked copy: at 256 rows 92% of the prepacked speed)."""
-    return _ONEDNN_LINEAR(x, w, None, "none", [], "")
 
 
 def _grouped_mm_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -306,49 +232,6 @@ def _grouped_mm_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bo
         and w13.stride(-2) % row == 0
         and w2.stride(-2) % row == 0
     )
-
-
-def _check_shapes(x, w13, w2, expert_ids, weights) -> None:
-    N, H = x.shape
-    E, two_i, H2 = w13.shape
-    if H2 != H or two_i % 2 or w2.shape != (E, H, two_i // 2) or expert_ids.shape != weights.shape:
-        raise ValueError(
-            f"fused_moe: shapes do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-            f"w2 {tuple(w2.shape)}, expert_ids {tuple(expert_ids.shape)}, "
-            f"weights {tuple(weights.shape)}"
-        )
-    if expert_ids.shape[0] != N:
-        raise ValueError(f"fused_moe: {expert_ids.shape[0]} routing rows for {N} tokens")
-
-
-def check_moe_inputs(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    expert_ids: torch.Tensor,
-    weights: torch.Tensor,
-) -> None:
-    """Shapes, dtypes, strides and devices the fused paths rely on."""
-    _check_shapes(x, w13, w2, expert_ids, weights)
-    from splitmoe.kernels.triton_utils import SUPPORTED_DTYPES
-
-    if x.dtype not in SUPPORTED_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(
-            f"fused_moe: x and the weights must share one of float16/bfloat16/float32; got "
-            f"x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}"
-        )
-    if expert_ids.dtype.is_floating_point or expert_ids.dtype == torch.bool:
-        raise ValueError(f"fused_moe: expert_ids must be integers, got {expert_ids.dtype}")
-    if not weights.dtype.is_floating_point:
-        raise ValueError(f"fused_moe: weights must be floating point, got {weights.dtype}")
-    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
-        raise ValueError(
-            "fused_moe: the last dim of x, w13 and w2 must be contiguous; got strides "
-            f"x {x.stride()}, w13 {w13.stride()}, w2 {w2.stride()}"
-        )
-    for name, t in (("w13", w13), ("w2", w2), ("expert_ids", expert_ids), ("weights", weights)):
-        if t.device != x.device:
-            raise ValueError(f"fused_moe: {name} is on {t.device}, x on {x.device}")
 
 
 # (device, dtype, w13 shape, k, token bucket) -> "triton" | "grouped_mm"
@@ -417,7 +300,7 @@ def fused_moe(
     else `fused_moe_ref`) or ``"triton"``.
     """
     if backend == "torch":
-        _check_shapes(x, w13, w2, expert_ids, weights)
+        check_moe_shapes(x, w13, w2, expert_ids, weights)
         if x.device.type == "cpu":
             return fused_moe_cpu(x, w13, w2, expert_ids, weights)
         return fused_moe_ref(x, w13, w2, expert_ids, weights)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitmoe.kernels.fused_moe import ExpertSort, check_moe_inputs, sort_by_expert
+from splitmoe.kernels.expert_sort import ExpertSort, check_moe_inputs, sort_by_expert
 from splitmoe.kernels.triton_utils import dot_precision, require_triton
 
 

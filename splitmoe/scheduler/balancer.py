@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from splitmoe.config import BALANCER_POLICIES
-from splitmoe.kernels.fused_moe import count_keys
+from splitmoe.kernels.expert_sort import count_keys
 from splitmoe.scheduler.placement import Placement
 
 if TYPE_CHECKING:

@@ -78,7 +78,7 @@ def measure_roofline() -> tuple[float, float]:
 
 # ---- in-process components --------------------------------------------------------------------
 def _decode_meta(batch: int, context: int, block_size: int, query_len: int = 1):
-    from splitmoe.kernels.paged_attention import AttentionMetadata
+    from splitmoe.kernels.attention_metadata import AttentionMetadata
 
     nblk = -(-context // block_size)
     tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(batch)]

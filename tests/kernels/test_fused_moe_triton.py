@@ -9,12 +9,8 @@ import sys
 import pytest
 import torch
 
-from splitmoe.kernels.fused_moe import (
-    fused_moe,
-    fused_moe_grouped_mm,
-    fused_moe_ref,
-    sort_by_expert,
-)
+from splitmoe.kernels.expert_sort import sort_by_expert
+from splitmoe.kernels.fused_moe import fused_moe, fused_moe_grouped_mm, fused_moe_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}

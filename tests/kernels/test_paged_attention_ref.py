@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import splitmoe.kernels.paged_attention as pa
-from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention, store_kv
+from splitmoe.kernels.attention_metadata import AttentionMetadata
+from splitmoe.kernels.paged_attention import paged_attention, store_kv
 
 
 def _dense(q, k, v, scale):

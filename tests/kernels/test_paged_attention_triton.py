@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from splitmoe.kernels.paged_attention import AttentionMetadata, paged_attention, paged_attention_ref
+from splitmoe.kernels.attention_metadata import AttentionMetadata
+from splitmoe.kernels.paged_attention import paged_attention, paged_attention_ref
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
