@@ -3,6 +3,12 @@
     python scripts/bench_generate.py --model CKPT --attention-ranks 1 --expert-ranks 1 --batch 8
     python scripts/bench_generate.py --model realistic --attention-ranks 1 --expert-ranks 0 \
         --batch 32 --prompt-len 64 --max-tokens 64
+    python scripts/bench_generate.py --model realistic --expert-ranks 0,1 --micro-batches auto,1,2 \
+        --batch 64 --prompt-len 64 --max-tokens 64 --skip-hf
+
+``--expert-ranks``, ``--micro-batches``, ``--backend`` and ``--threads-per-rank`` take lists, to
+compare configurations side by side in one run (a colocated topology, 0 expert ranks, runs once
+per backend and thread count: it has no micro-batches to vary).
 
 Both engines get the same random prompts (equal lengths, so HF needs no padding), greedy decoding
 and the same number of new tokens; the figures are printed side by side, and the script reports
@@ -30,11 +36,11 @@ def make_prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[in
     return torch.randint(1, vocab, (batch, length), generator=g).tolist()
 
 
-def open_splitmoe(args, micro_batches=None, backend="auto", threads=None) -> LLM:
+def open_splitmoe(args, experts, micro_batches=None, backend="auto", threads=None) -> LLM:
     return LLM(
         args.model,
         attention_ranks=args.attention_ranks,
-        expert_ranks=args.expert_ranks,
+        expert_ranks=experts,
         micro_batches=micro_batches,
         transport=args.transport,
         dtype=args.dtype,
@@ -66,12 +72,14 @@ def measure_splitmoe(llm: LLM, args, prompts) -> dict:
     )
 
 
-def bench_splitmoe(args, prompts, warmup, micro_batches=None, backend="auto", threads=None) -> dict:
+def bench_splitmoe(
+    args, prompts, warmup, experts, micro_batches=None, backend="auto", threads=None
+) -> dict:
     """One run on a fresh engine: started, warmed up on ``warmup`` (other prompts of the same
     shape, 2 tokens, as HF warms up: the first prefill of a batch faults its memory in, and
     oneDNN builds its kernels for each new GEMM shape), measured, closed."""
     t0 = time.perf_counter()
-    with open_splitmoe(args, micro_batches, backend, threads) as llm:
+    with open_splitmoe(args, experts, micro_batches, backend, threads) as llm:
         startup = time.perf_counter() - t0
         llm.generate(warmup, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         return dict(measure_splitmoe(llm, args, prompts), startup_s=startup)
@@ -135,7 +143,11 @@ def main() -> None:
         help="checkpoint directory, or a built-in preset: default, realistic",
     )
     ap.add_argument("--attention-ranks", type=int, default=1)
-    ap.add_argument("--expert-ranks", type=int, default=1)
+    ap.add_argument(
+        "--expert-ranks",
+        default="1",
+        help="expert ranks (0: colocated); comma-separated counts to compare, e.g. 0,1",
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -189,7 +201,7 @@ def main() -> None:
     cfg = ModelConfig.from_hf(args.model)
     prompts = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed)
     warmup = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed + 1)
-    topo = f"{args.attention_ranks}+{args.expert_ranks}"
+    experts = [int(e) for e in args.expert_ranks.split(",")]
     counts = [None if m == "auto" else int(m) for m in args.micro_batches.split(",")]
     backends = args.backend.split(",")
     threads = (
@@ -197,19 +209,25 @@ def main() -> None:
         if args.threads_per_rank == "auto"
         else [int(t) for t in args.threads_per_rank.split(",")]
     )
-    lists = (counts, backends, threads)
+    lists = (experts, counts, backends, threads)
     if args.repeat < 1 or any(len(set(v)) != len(v) for v in lists):
         ap.error(
-            "--repeat must be >= 1 and --micro-batches / --backend / --threads-per-rank must "
-            "not repeat"
+            "--repeat must be >= 1 and --expert-ranks / --micro-batches / --backend / "
+            "--threads-per-rank must not repeat"
         )
-    configs = [(b, m, t) for b in backends for m in counts for t in threads]
+    configs = [
+        (e, b, m, t)
+        for e in experts
+        for b in backends
+        for m in (counts if e else counts[:1])
+        for t in threads
+    ]
 
-    def label(b, m, t) -> str:
+    def label(e, b, m, t) -> str:
         return (
-            f"splitmoe {topo}"
+            f"splitmoe {args.attention_ranks}+{e}"
             + ("" if len(backends) == 1 else f" {b}")
-            + ("" if counts == [None] else f" m={'auto' if m is None else m}")
+            + ("" if counts == [None] or not e else f" m={'auto' if m is None else m}")
             + ("" if len(threads) == 1 else f" t={t}")
         )
 
@@ -221,7 +239,7 @@ def main() -> None:
     runs: dict = {name: [] for name in names}
     if args.paired:
         hf = None if args.skip_hf else HFBench(args, prompts)
-        engines = {label(*c): open_splitmoe(args, c[1], c[0], c[2]) for c in configs}
+        engines = {label(*c): open_splitmoe(args, c[0], c[2], c[1], c[3]) for c in configs}
         try:
             for llm in engines.values():  # warm-up at full size: allocations, page faults
                 measure_splitmoe(llm, args, prompts)
@@ -236,7 +254,9 @@ def main() -> None:
     else:
         for _ in range(args.repeat):
             for c in configs:
-                runs[label(*c)].append(bench_splitmoe(args, prompts, warmup, c[1], c[0], c[2]))
+                runs[label(*c)].append(
+                    bench_splitmoe(args, prompts, warmup, c[0], c[2], c[1], c[3])
+                )
         if not args.skip_hf:
             runs["HF transformers"].append(HFBench(args, prompts).measure())
     rows = [(name, median_run(runs[name])) for name in names]
@@ -251,12 +271,12 @@ def main() -> None:
         f"{args.max_tokens} new tokens, {args.dtype}, {os.cpu_count()} CPU cores"
     )
     print(
-        f"{'engine':<24}{'decode tok/s':>14}{'output tok/s':>14}{'TTFT ms':>10}"
+        f"{'engine':<28}{'decode tok/s':>14}{'output tok/s':>14}{'TTFT ms':>10}"
         f"{'TPOT ms':>10}{'wall s':>9}"
     )
     for name, r in rows:
         print(
-            f"{name:<24}{r['decode_tok_s']:>14.1f}{r['output_tok_s']:>14.1f}"
+            f"{name:<28}{r['decode_tok_s']:>14.1f}{r['output_tok_s']:>14.1f}"
             f"{r['ttft_ms']:>10.1f}{r['tpot_ms']:>10.2f}{r['wall_s']:>9.2f}"
         )
     base_name, base = rows[0]
