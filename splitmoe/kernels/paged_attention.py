@@ -222,10 +222,10 @@ def paged_attention_ref(
         # shares its KV head
         o = _decode_rows(qd, k_cache, v_cache, plan, scale)  # [Bd, nkv, g, d]
         if plan.rows is None:
-            return o.view(T, nh, d)
+            return o.reshape(T, nh, d)
     out = torch.empty_like(q)
     if plan is not None:
-        out[plan.rows] = o.view(-1, nh, d)
+        out[plan.rows] = o.reshape(-1, nh, d)
     prefill_ref(q, k_cache, v_cache, meta, scale, out)
     return out
 
