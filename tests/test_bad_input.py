@@ -37,12 +37,44 @@ def _no_children():
         (dict(dtype="float8"), r"dtype='float8' is not supported"),
         (dict(max_model_len=1000), r"max_model_len=1000 exceeds .*max_position_embeddings=64"),
         (dict(block_size=0), r"block_size=0"),
+        (dict(moe_backend="cpu"), r"moe_backend='cpu' .* no longer exists.*'auto' or 'torch'"),
+        (dict(pin_cores="no"), r"pin_cores='no' must be True or False"),
     ],
 )
 def test_bad_llm_arguments_start_no_rank(ckpt, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(str(ckpt), device="cpu", **kwargs)
     assert _no_children()
+
+
+def test_unknown_llm_option_names_the_closest(ckpt):
+    """Options come from the config dataclasses: a misspelt one is an error naming the option
+    meant, never silently dropped."""
+    with pytest.raises(TypeError, match=r"'expert_rank' \(did you mean expert_ranks"):
+        LLM(str(ckpt), expert_rank=2)
+    assert _no_children()
+
+
+def test_launcher_flags_are_the_engine_options(ckpt, tmp_path):
+    """The launcher's engine flags are built from the same declarations as LLM's options."""
+    from splitmoe.config import engine_options
+    from splitmoe.launch import LaunchEnv, build_parser, prepare
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [1, 2]}\n')
+    args = build_parser().parse_args(
+        ["--model", str(ckpt), "--prompts", str(prompts), "--output", "-", "--balancer",
+         "global", "--redundant-experts", "2", "--micro-batches", "3", "--no-pin-cores"]
+    )  # fmt: skip
+    env = LaunchEnv(rank=0, world_size=3, local_rank=0, local_world_size=3, launcher="single")
+    cfg, _, _ = prepare(args, env)
+    par = cfg.parallel
+    assert (par.balancer, par.redundant_experts, par.micro_batches) == ("global", 2, 3)
+    assert par.expert_ranks == 2 and not cfg.pin_cores
+    help_text = build_parser().format_help()
+    for name, f in engine_options().items():
+        if name != "expert_ranks":  # (the rest of the world)
+            assert (f.metadata["flag"] or "--" + name.replace("_", "-")) in help_text, name
 
 
 def test_missing_directory_and_unknown_family(tmp_path, ckpt):
