@@ -30,12 +30,13 @@ from multiprocessing.connection import Connection, wait
 
 from tqdm import tqdm
 
+from splitmoe.comm.distributed import shutdown_groups
 from splitmoe.comm.topology import Topology
 from splitmoe.config import EngineConfig, engine_config
 from splitmoe.inputs import broadcast_params, check_request, normalize_prompts
 from splitmoe.metrics import ServingMetrics, StepRecord, summarize
 from splitmoe.outputs import RequestOutput, StreamDelta
-from splitmoe.runtime import Inbox
+from splitmoe.runtime import Inbox, run_rank
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.scheduler.request import RequestSpec
 from splitmoe.scheduler.router import LeastLoadRouter
@@ -317,9 +318,6 @@ def _spawn_failure_hint(procs: list[mp.Process]) -> str:
 
 
 def _rank_main(cfg: EngineConfig, rank: int, init_method: str, in_q, out_conn, bell) -> None:
-    from splitmoe.comm.distributed import shutdown_groups
-    from splitmoe.runtime import run_rank
-
     _die_with_parent()
     # Ctrl-C reaches the whole terminal process group: the front end handles it and stops the
     # ranks, so a rank ignores it instead of dying mid-collective with a traceback of its own.

@@ -284,6 +284,41 @@ def _faster_path(x, w13, w2, expert_ids, weights) -> str:
     return path
 
 
+def fused_moe_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """The ``"torch"`` backend: `fused_moe_cpu` on CPU, else `fused_moe_ref`."""
+    if x.device.type == "cpu":
+        return fused_moe_cpu(x, w13, w2, expert_ids, weights)
+    return fused_moe_ref(x, w13, w2, expert_ids, weights)
+
+
+def fused_moe_gpu(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """The ``"triton"`` backend: the fused Triton grouped GEMMs (`moe_gemm`), or on CUDA
+    ``torch._grouped_mm`` where it measured faster for this shape class (`_faster_path`)."""
+    from splitmoe.kernels.moe_gemm import launch_fused_moe
+
+    check_moe_inputs(x, w13, w2, expert_ids, weights)
+    if x.shape[0] and x.device.type == "cuda":
+        if _faster_path(x, w13, w2, expert_ids, weights) == "grouped_mm":
+            return fused_moe_grouped_mm(x, w13, w2, expert_ids, weights)
+    return launch_fused_moe(x, w13, w2, expert_ids, weights)
+
+
+# The MoE kernel of each backend (`splitmoe.kernels.backends` binds one per rank).
+MOE_KERNELS = {"torch": fused_moe_torch, "triton": fused_moe_gpu}
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -296,23 +331,14 @@ def fused_moe(
 
     x ``[N, H]``; w13 ``[E, 2I, H]`` (gate rows, then up rows); w2 ``[E, H, I]``; expert_ids
     ``[N, k]`` local expert ids (-1: the slot is served by another rank); weights ``[N, k]``
-    router weights (float32, or x's dtype). ``backend``: ``"torch"`` (`fused_moe_cpu` on CPU,
-    else `fused_moe_ref`) or ``"triton"``.
+    router weights (float32, or x's dtype). ``backend``: ``"torch"`` (`fused_moe_torch`) or
+    ``"triton"`` (`fused_moe_gpu`). Checks the shapes, then runs the backend's kernel.
     """
-    if backend == "torch":
-        check_moe_shapes(x, w13, w2, expert_ids, weights)
-        if x.device.type == "cpu":
-            return fused_moe_cpu(x, w13, w2, expert_ids, weights)
-        return fused_moe_ref(x, w13, w2, expert_ids, weights)
-    if backend != "triton":
+    check_moe_shapes(x, w13, w2, expert_ids, weights)
+    if backend not in MOE_KERNELS:
         raise ValueError(f"moe backend {backend!r} is not available; use 'torch' or 'triton'")
-    from splitmoe.kernels.triton_utils import require_triton
+    if backend == "triton":
+        from splitmoe.kernels.triton_utils import require_triton
 
-    require_triton("moe_backend", x.device)
-    from splitmoe.kernels.moe_gemm import launch_fused_moe
-
-    check_moe_inputs(x, w13, w2, expert_ids, weights)
-    if x.shape[0] and x.device.type == "cuda":
-        if _faster_path(x, w13, w2, expert_ids, weights) == "grouped_mm":
-            return fused_moe_grouped_mm(x, w13, w2, expert_ids, weights)
-    return launch_fused_moe(x, w13, w2, expert_ids, weights)
+        require_triton("moe_backend", x.device)
+    return MOE_KERNELS[backend](x, w13, w2, expert_ids, weights)

@@ -297,6 +297,30 @@ def prefill_ref(
         out[starts[i] : starts[i] + n] = torch.einsum("kgql,lkd->qkgd", p, v).reshape(n, nh, d)
 
 
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """`paged_attention_ref`'s math on the Triton kernels: the prefill/extend kernel for rows of
+    sequences with more than one token, the split-KV decode kernel for one-token rows."""
+    from splitmoe.kernels.decode_attention import launch_decode
+    from splitmoe.kernels.prefill_attention import launch_prefill
+
+    q = q.contiguous()
+    check_paged_inputs(q, k_cache, v_cache, meta)
+    out = torch.empty_like(q)
+    launch_prefill(q, k_cache, v_cache, meta, scale, out)  # rows of sequences with > 1 token
+    launch_decode(q, k_cache, v_cache, meta, scale, out)  # rows of one-token sequences
+    return out
+
+
+# The attention kernel of each backend (`splitmoe.kernels.backends` binds one per rank).
+ATTENTION_KERNELS = {"torch": paged_attention_ref, "triton": paged_attention_triton}
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -308,7 +332,7 @@ def paged_attention(
     """Causal attention of the packed queries ``q [T, num_heads, head_dim]`` over the paged cache
     ``k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]``; returns ``[T, num_heads,
     head_dim]`` in q's dtype. ``backend``: ``"torch"`` (reference) or ``"triton"`` (see the
-    module doc)."""
+    module doc). Checks the shapes, then runs the backend's kernel (`ATTENTION_KERNELS`)."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"paged_attention: q must be [T, H, D] and caches [blocks, block_size, KVH, D]; got "
@@ -319,18 +343,10 @@ def paged_attention(
             f"paged_attention: {q.shape[1]} query heads of dim {q.shape[2]} do not fit "
             f"{k_cache.shape[2]} KV heads of dim {k_cache.shape[3]}"
         )
-    if backend == "torch":
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
-    if backend != "triton":
+    if backend not in ATTENTION_KERNELS:
         raise ValueError(f"attention backend {backend!r} is not available; use 'torch' or 'triton'")
-    from splitmoe.kernels.triton_utils import require_triton
+    if backend == "triton":
+        from splitmoe.kernels.triton_utils import require_triton
 
-    require_triton("attention_backend", q.device)
-    from splitmoe.kernels.decode_attention import launch_decode
-    from splitmoe.kernels.prefill_attention import launch_prefill
-
-    check_paged_inputs(q, k_cache, v_cache, meta)
-    out = torch.empty_like(q)
-    launch_prefill(q, k_cache, v_cache, meta, scale, out)  # rows of sequences with > 1 token
-    launch_decode(q, k_cache, v_cache, meta, scale, out)  # rows of one-token sequences
-    return out
+        require_triton("attention_backend", q.device)
+    return ATTENTION_KERNELS[backend](q, k_cache, v_cache, meta, scale)
