@@ -90,6 +90,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: str = "none"  # "none" | "head" (Qwen3: per head) | "full" (OLMoE: whole projection)
     clip_qkv: float | None = None
+    rotary_dim: int | None = None  # RoPE rotates the first rotary_dim dims of a head (None: all)
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str = "float32"
@@ -107,6 +108,14 @@ class ModelConfig:
             )
         if self.qk_norm not in ("none", "head", "full"):
             raise ValueError(f"qk_norm={self.qk_norm!r} must be 'none', 'head' or 'full'")
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+        ):
+            raise ValueError(
+                f"rotary dims {self.rotary_dim} (head_dim times partial_rotary_factor, or "
+                f"rotary_dim) must be even and within head_dim={self.head_dim} in "
+                f"{self.path}/config.json"
+            )
 
     @property
     def is_moe_layer(self) -> tuple[bool, ...]:

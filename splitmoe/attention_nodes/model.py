@@ -114,10 +114,10 @@ def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tor
 
 
 def rope_rows(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin [T, d]`` float32 of ``positions`` (``inv_freq [d/2]``), ``sin``'s first half
-    negated (`AttentionModel.rope`)."""
-    freqs = positions[:, None].float() * inv_freq[None, :]  # [T, d/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
+    """``cos, sin [T, rd]`` float32 of ``positions`` (``inv_freq [rd/2]``; rd is the head dim,
+    or fewer with partial rotary), ``sin``'s first half negated (`AttentionModel.rope`)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]  # [T, rd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, rd]
     sin = emb.sin()
     sin[:, : sin.shape[-1] // 2].neg_()
     return emb.cos(), sin
@@ -139,10 +139,11 @@ class AttentionModel:
         self.layers = [LayerWeights.from_tensors(t, cfg) for t in layer_weights]
         self.attention_backend = attention
         d = cfg.head_dim
+        rd = cfg.rotary_dim or d  # partial rotary (GLM-4.5, MiniMax-M2): the first rd dims
         self.inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
-        )  # [d/2]
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, 1, d] (rope)
+            cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd)
+        )  # [rd/2]
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, 1, rd] (rope)
         self.scale = d**-0.5
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
@@ -150,7 +151,7 @@ class AttentionModel:
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin [T, 1, d]`` for `apply_rope`; ``sin``'s first half is negated, so that
+        """``cos, sin [T, 1, rd]`` for `apply_rope`; ``sin``'s first half is negated, so that
         rotating by half a head (a roll) gives HF's ``rotate_half(x) * sin`` exactly.
 
         On CPU, rows of a table of every position so far (grown by doubling), gathered: the
@@ -165,7 +166,7 @@ class AttentionModel:
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def rope_table(self, top: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rope`'s CPU table ``cos, sin [n, 1, d]``, grown (by doubling) to hold position
+        """`rope`'s CPU table ``cos, sin [n, 1, rd]``, grown (by doubling) to hold position
         ``top``: row p holds position p's values (the first table's dtype stays)."""
         if self._rope_table is None or top >= self._rope_table[0].shape[0]:
             n = max(2 * (top + 1), 1024)
@@ -175,8 +176,14 @@ class AttentionModel:
 
     @staticmethod
     def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``x [T, heads, d]`` rotated (HF's ``x * cos + rotate_half(x) * sin``)."""
+        """``x [T, heads, d]`` rotated (HF's ``x * cos + rotate_half(x) * sin``). With partial
+        rotary (``cos, sin [.., rd]``, rd < d) only the first rd dims of each head rotate, as
+        one half-split rotation of their own; the rest pass through (HF's ``q_rot, q_pass``)."""
         cos, sin = cos_sin
+        rd = cos.shape[-1]
+        if rd < x.shape[-1]:
+            rot, keep = x[..., :rd], x[..., rd:]
+            return torch.cat([rot * cos + rot.roll(rd // 2, -1) * sin, keep], dim=-1)
         return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
     def route(self, layer: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
