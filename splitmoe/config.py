@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from splitmoe.models.families import family_for
+from splitmoe.models.routing import check_routing
 
 # attention_backend / moe_backend: "auto" is Triton on CUDA and PyTorch on CPU
 # (`splitmoe.kernels.backends`, which registers a backend under each other name)
@@ -86,7 +87,15 @@ class ModelConfig:
     norm_topk_prob: bool
     moe_layers: tuple[int, ...]
     dense_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # on MoE layers, on the attention rank
+    shared_expert_gate: bool = False  # a sigmoid gate [1, H] on the shared expert (Qwen2-MoE)
+    # Routing (see `splitmoe.models.routing`): scores, choice, weights
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid"
+    router_bias: bool = False  # e_score_correction_bias [E], for choosing experts only
+    topk_method: str = "greedy"  # "greedy" | "group_limited_greedy" | "noaux_tc"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     qkv_bias: bool = False
     qk_norm: str = "none"  # "none" | "head" (Qwen3: per head) | "full" (OLMoE: whole projection)
     clip_qkv: float | None = None
@@ -116,6 +125,7 @@ class ModelConfig:
                 f"rotary_dim) must be even and within head_dim={self.head_dim} in "
                 f"{self.path}/config.json"
             )
+        check_routing(self)
 
     @property
     def is_moe_layer(self) -> tuple[bool, ...]:

@@ -19,6 +19,7 @@ from splitmoe.config import ModelConfig
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.backends import AttentionBackend
 from splitmoe.kernels.linear import linear
+from splitmoe.models import routing
 
 
 class ExpertExecutor(Protocol):
@@ -69,6 +70,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     router: torch.Tensor | None  # [E, H] on MoE layers
+    router_bias: torch.Tensor | None  # [E] e_score_correction_bias (choice only)
     mlp_gate_up: torch.Tensor | None  # [2I, H]: dense MLP, or the shared expert on MoE layers
     mlp_down: torch.Tensor | None  # [H, I]
     shared_expert_gate: torch.Tensor | None  # [1, H]
@@ -92,6 +94,7 @@ class LayerWeights:
             q_norm=t.get("q_norm"),
             k_norm=t.get("k_norm"),
             router=t.get("router"),
+            router_bias=t.get("router_bias"),
             mlp_gate_up=None if gate is None else torch.cat([gate, up]),
             mlp_down=down,
             shared_expert_gate=t.get("shared_expert_gate"),
@@ -187,13 +190,8 @@ class AttentionModel:
         return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
     def route(self, layer: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax over experts (float32) -> top-k -> optional renormalisation."""
-        logits = F.linear(x, layer.router)  # [T, E]
-        probs = logits.softmax(dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)  # [T, k]
-        if self.cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+        """Top-k expert ids and weights ``[T, k]`` (`splitmoe.models.routing`)."""
+        return routing.route(self.cfg, layer.router, layer.router_bias, x)
 
     def attention(
         self,
@@ -239,9 +237,10 @@ class AttentionModel:
         ids, weights = routing or self.route(layer, x)
         handle = experts.start(i, x, ids, weights)
         shared = None
-        if layer.shared_expert_gate is not None:
+        if layer.mlp_gate_up is not None:  # the shared expert(s), here while the experts work
             shared = gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)
-            shared = torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
+            if layer.shared_expert_gate is not None:
+                shared = torch.sigmoid(F.linear(x, layer.shared_expert_gate)) * shared
         return _MoeInFlight(handle, shared)
 
     @staticmethod

@@ -16,8 +16,10 @@ ATTENTION_KEYS = ("input_norm", "post_norm", "q_proj", "k_proj", "v_proj", "o_pr
 BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
 QK_NORM_KEYS = ("q_norm", "k_norm")
 ROUTER_KEY = "router"
+ROUTER_BIAS_KEY = "router_bias"  # e_score_correction_bias, where `ModelConfig.router_bias`
 DENSE_KEYS = ("mlp_gate", "mlp_up", "mlp_down")
-SHARED_KEYS = ("shared_gate", "shared_up", "shared_down", "shared_expert_gate")
+SHARED_KEYS = ("shared_gate", "shared_up", "shared_down")
+SHARED_GATE_KEY = "shared_expert_gate"  # where `ModelConfig.shared_expert_gate`
 EXPERT_KEYS = ("gate", "up", "down")
 
 
@@ -97,6 +99,7 @@ class Family:
             "q_norm": f"{p}.self_attn.q_norm.weight",
             "k_norm": f"{p}.self_attn.k_norm.weight",
             "router": f"{moe}.gate.weight",
+            "router_bias": f"{moe}.gate.e_score_correction_bias",
             "mlp_gate": f"{p}.mlp.gate_proj.weight",
             "mlp_up": f"{p}.mlp.up_proj.weight",
             "mlp_down": f"{p}.mlp.down_proj.weight",
@@ -117,6 +120,34 @@ def _qwen_moe_layers(raw: dict[str, Any], layers: int, num_experts: int) -> tupl
     dense = set(raw.get("mlp_only_layers") or [])
     return tuple(
         i for i in range(layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0
+    )
+
+
+def first_k_dense_moe_layers(raw: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """MoE layers of the DeepSeek-style families (DeepSeek-V2/V3, GLM-4.5): every layer from
+    ``first_k_dense_replace`` on (``moe_layer_freq``, which HF ignores for these families, must
+    be 1); the first ones are dense MLPs."""
+    freq = int(raw.get("moe_layer_freq", 1) or 1)
+    if freq != 1:
+        raise ValueError(
+            f"moe_layer_freq={freq} is not supported (HF transformers, the reference, treats every "
+            "layer from first_k_dense_replace on as MoE)"
+        )
+    first = int(raw.get("first_k_dense_replace") or 0)
+    return tuple(range(first, layers))
+
+
+def grouped_sigmoid_routing(raw: dict[str, Any]) -> dict[str, Any]:
+    """`ModelConfig` routing fields of DeepSeek-V3 / Kimi-K2 / GLM-4.5 (HF's noaux_tc router:
+    sigmoid scores, correction bias for the choice, groups scored by their two best experts)."""
+    return dict(
+        scoring_func="sigmoid",
+        router_bias=True,
+        topk_method="noaux_tc",
+        n_group=int(raw.get("n_group") or 1),
+        topk_group=int(raw.get("topk_group") or 1),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
     )
 
 
@@ -146,6 +177,7 @@ class Qwen2Moe(Family):
             moe_intermediate_size=int(need("moe_intermediate_size")),
             dense_intermediate_size=int(raw.get("intermediate_size") or 0),
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+            shared_expert_gate=bool(raw.get("shared_expert_intermediate_size")),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             moe_layers=_qwen_moe_layers(raw, layers, num_experts),
             qkv_bias=bool(raw.get("qkv_bias", True)),

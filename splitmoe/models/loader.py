@@ -20,7 +20,9 @@ from splitmoe.models.families import (
     BIAS_KEYS,
     DENSE_KEYS,
     QK_NORM_KEYS,
+    ROUTER_BIAS_KEY,
     ROUTER_KEY,
+    SHARED_GATE_KEY,
     SHARED_KEYS,
     family_for,
 )
@@ -56,6 +58,7 @@ def expected_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "q_norm": (q,) if full else (d,),
         "k_norm": (kv,) if full else (d,),
         "router": (cfg.num_experts, H),
+        "router_bias": (cfg.num_experts,),
         "mlp_gate": (Id, H),
         "mlp_up": (Id, H),
         "mlp_down": (H, Id),
@@ -78,8 +81,12 @@ def attention_layer_keys(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
         keys += QK_NORM_KEYS
     if cfg.is_moe_layer[layer]:
         keys.append(ROUTER_KEY)
+        if cfg.router_bias:
+            keys.append(ROUTER_BIAS_KEY)
         if cfg.shared_expert_intermediate_size:
             keys += SHARED_KEYS
+        if cfg.shared_expert_gate:
+            keys.append(SHARED_GATE_KEY)
     else:
         keys += DENSE_KEYS
     return tuple(keys)
@@ -166,7 +173,9 @@ class CheckpointReader:
                         f"tensor {name!r} in {shard.name} has shape {tuple(t.shape)}, but "
                         f"config.json implies {tuple(shape)}"
                     )
-                out[key] = t.to(device=device, dtype=dtype)
+                # HF keeps the routers' correction biases in float32 whatever the run dtype
+                keep = key.endswith(ROUTER_BIAS_KEY) and t.is_floating_point()
+                out[key] = t.to(device=device, dtype=torch.float32 if keep else dtype)
         return out
 
 
