@@ -63,7 +63,7 @@ class Family:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
             max_position_embeddings=int(need("max_position_embeddings")),
-            num_experts=int(need("num_experts", "num_local_experts")),
+            num_experts=int(need("num_experts", "num_local_experts", "n_routed_experts")),
             top_k=int(need("num_experts_per_tok")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
@@ -216,11 +216,93 @@ class Olmoe(Family):
         )
 
 
+def _rotary_dim(raw: dict[str, Any], head_dim: int, default_factor: float) -> int:
+    """Dims of a head that RoPE rotates: ``partial_rotary_factor`` (in ``rope_parameters`` /
+    ``rope_scaling`` or top level) times ``head_dim``, as HF's default RoPE computes it."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    return int(head_dim * (default_factor if factor is None else float(factor)))
+
+
+def _head_dim(raw: dict[str, Any], need) -> int:
+    return int(raw.get("head_dim") or int(need("hidden_size")) // int(need("num_attention_heads")))
+
+
+@dataclass(frozen=True)
+class Glm4Moe(Family):
+    """GLM-4.5 / 4.6: RoPE on the first half of each head (``partial_rotary_factor``, default
+    0.5), qkv bias, optional per-head q/k norm (``use_qk_norm``), DeepSeek-V3 routing (sigmoid,
+    ``e_score_correction_bias`` for selection, grouped top-k, ``routed_scaling_factor``), an
+    ungated shared expert, and ``first_k_dense_replace`` dense layers. HF's config defaults apply
+    to missing keys. The MTP layer the checkpoints append (layer ``num_hidden_layers``) is not
+    read."""
+
+    def family_fields(self, raw, need, layers):
+        moe_inter = int(need("moe_intermediate_size"))
+        return dict(
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            rotary_dim=_rotary_dim(raw, _head_dim(raw, need), 0.5),
+            moe_intermediate_size=moe_inter,
+            dense_intermediate_size=int(need("intermediate_size")),
+            shared_expert_intermediate_size=moe_inter * int(raw.get("n_shared_experts", 1) or 0),
+            moe_layers=first_k_dense_moe_layers({"first_k_dense_replace": 1, **raw}, layers),
+            qkv_bias=bool(raw.get("attention_bias", False)),
+            qk_norm="head" if raw.get("use_qk_norm") else "none",
+            **grouped_sigmoid_routing(raw),
+        )
+
+    def layer_name(self, layer: int, key: str) -> str:
+        moe = f"model.layers.{layer}.mlp"
+        names = {
+            "shared_gate": f"{moe}.shared_experts.gate_proj.weight",
+            "shared_up": f"{moe}.shared_experts.up_proj.weight",
+            "shared_down": f"{moe}.shared_experts.down_proj.weight",
+        }
+        return names.get(key) or super().layer_name(layer, key)
+
+
+@dataclass(frozen=True)
+class MiniMaxM2(Family):
+    """MiniMax-M2: RoPE on the first ``rotary_dim`` dims of each head, RMSNorm over the whole q
+    and k projections, sigmoid routing with ``e_score_correction_bias`` for selection and the
+    top-k weights renormalised, Mixtral-style expert names (``block_sparse_moe``, w1/w3/w2).
+    As in HF, every layer is MoE and the q/k norms are always applied."""
+
+    def family_fields(self, raw, need, layers):
+        head_dim = _head_dim(raw, need)
+        rotary = raw.get("rotary_dim")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if raw.get("qk_norm_type", "per_layer") != "per_layer":
+            raise ValueError(
+                f"{self.model_type}: qk_norm_type={raw['qk_norm_type']!r} is not supported "
+                "(only 'per_layer', the norm over the whole q and k projections)"
+            )
+        return dict(
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 5e6))),
+            rotary_dim=int(rotary) if rotary is not None else _rotary_dim(raw, head_dim, 1.0),
+            moe_intermediate_size=int(need("intermediate_size")),
+            moe_layers=tuple(range(layers)),
+            qk_norm="full",
+            scoring_func="sigmoid",
+            router_bias=True,
+            norm_topk_prob=True,
+        )
+
+    def layer_name(self, layer: int, key: str) -> str:
+        if key == "router_bias":
+            return f"model.layers.{layer}.block_sparse_moe.e_score_correction_bias"
+        return super().layer_name(layer, key)
+
+
 FAMILIES: dict[str, Family] = {
     "qwen3_moe": Qwen3Moe("qwen3_moe"),
     "qwen2_moe": Qwen2Moe("qwen2_moe"),
     "mixtral": Mixtral("mixtral", moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2")),
     "olmoe": Olmoe("olmoe"),
+    "glm4_moe": Glm4Moe("glm4_moe"),
+    "minimax_m2": MiniMaxM2(
+        "minimax_m2", moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2")
+    ),
 }
 
 
