@@ -42,6 +42,9 @@ CHECKPOINT_SPECS = {
     "qwen2_moe": ("qwen2_moe", {}),
     "mixtral": ("mixtral", {}),
     "olmoe": ("olmoe", {}),
+    # 3 layers: layer 0 dense (first_k_dense_replace=1), layers 1-2 MoE with a shared expert.
+    "glm4_moe": ("glm4_moe", {"num_layers": 3}),
+    "minimax_m2": ("minimax_m2", {}),
     # 3 layers, layer 0 a dense MLP (mlp_only_layers), layers 1-2 MoE.
     "qwen3_moe_dense": ("qwen3_moe", {"num_layers": 3, "mlp_only_layers": [0]}),
 }

@@ -13,7 +13,7 @@ import torch
 
 from splitmoe import LLM
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2")
 
 VOCAB = 128
 HIDDEN = 64
@@ -34,7 +34,14 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
 
 def _config(family: str, num_layers: int, num_experts: int, top_k: int, overrides: dict):
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (
+        Glm4MoeConfig,
+        MiniMaxM2Config,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=VOCAB,
@@ -92,11 +99,44 @@ def _config(family: str, num_layers: int, num_experts: int, top_k: int, override
         )
         kw.update(overrides)
         return OlmoeConfig(**kw)
+    if family == "glm4_moe":
+        # GLM-4.5's shape of things: half of each head rotates, qkv bias, per-head q/k norm,
+        # grouped sigmoid routing (2 groups of 4, one chosen) scaled by 2.5, a shared expert,
+        # layer 0 dense.
+        kw = dict(
+            common,
+            intermediate_size=DENSE_INTERMEDIATE,
+            moe_intermediate_size=EXPERT_INTERMEDIATE,
+            n_routed_experts=num_experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            attention_bias=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+        )
+        kw.update(overrides)
+        return Glm4MoeConfig(**kw)
+    if family == "minimax_m2":
+        # MiniMax-M2's intermediate_size *is* the expert size; rotary_dim: a quarter of a head.
+        kw = dict(
+            common,
+            intermediate_size=EXPERT_INTERMEDIATE,
+            num_local_experts=num_experts,
+            rotary_dim=HIDDEN // HEADS // 4,
+        )
+        kw.update(overrides)
+        return MiniMaxM2Config(**kw)
     raise ValueError(f"unknown family {family!r}")
 
 
 def _model_class(family: str):
     from transformers import (
+        Glm4MoeForCausalLM,
+        MiniMaxM2ForCausalLM,
         MixtralForCausalLM,
         OlmoeForCausalLM,
         Qwen2MoeForCausalLM,
@@ -108,6 +148,8 @@ def _model_class(family: str):
         "qwen2_moe": Qwen2MoeForCausalLM,
         "mixtral": MixtralForCausalLM,
         "olmoe": OlmoeForCausalLM,
+        "glm4_moe": Glm4MoeForCausalLM,
+        "minimax_m2": MiniMaxM2ForCausalLM,
     }[family]
 
 
@@ -116,7 +158,7 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
 
     Norm weights are 1 + noise (so a runtime that ignores them is caught), every
     other parameter (biases included) is N(0, std^2), std = INIT_STD unless
-    INIT_STD_OVERRIDES names it.
+    INIT_STD_OVERRIDES names it; score-correction biases (buffers) are N(0, 0.1^2).
     """
     g = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
@@ -130,6 +172,11 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
                     if key in name:
                         std = val
                 p.copy_(std * noise)
+        # Routers' score-correction biases are buffers, which HF initialises to zeros: give
+        # them values of the size of the sigmoid scores' spread, so that they change choices.
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g, dtype=torch.float32))
 
 
 def write_tiny_tokenizer(out_dir: Path) -> None:
