@@ -144,6 +144,10 @@ def test_released_style_configs(tmp_path):
             dict(GLM_RAW, model_type="minimax_m2", num_local_experts=4, qk_norm_type="per_head"),
             r"qk_norm_type='per_head' is not supported",
         ),
+        (
+            dict(GLM_RAW, model_type="minimax_m2", num_local_experts=4, shared_intermediate_size=8),
+            r"shared_intermediate_size=8 is not supported",
+        ),
     ],
 )
 def test_bad_configs_are_named(tmp_path, raw, match):

@@ -277,6 +277,12 @@ class MiniMaxM2(Family):
                 f"{self.model_type}: qk_norm_type={raw['qk_norm_type']!r} is not supported "
                 "(only 'per_layer', the norm over the whole q and k projections)"
             )
+        if raw.get("shared_intermediate_size"):
+            raise ValueError(
+                f"{self.model_type}: shared_intermediate_size={raw['shared_intermediate_size']} "
+                "is not supported (MiniMax-M2 as HF transformers implements it has no shared "
+                "expert)"
+            )
         return dict(
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 5e6))),
             rotary_dim=int(rotary) if rotary is not None else _rotary_dim(raw, head_dim, 1.0),
