@@ -10,8 +10,9 @@ num_heads, Dv]`` is the latent context, which the model up-projects per head. Pa
 and the block tables are those of `splitmoe.kernels.paged_attention`.
 
 Backends: ``"torch"`` is `mla_attention_ref`, the paged reference with K = V = the latent rows
-(its output's rotary columns dropped); ``"triton"`` the split-KV kernel of
-`splitmoe.kernels.mla_decode` for every row (decode, prefill and extend).
+(its output's rotary columns dropped); ``"triton"`` the split-KV decode kernel of
+`splitmoe.kernels.mla_decode` for one-token rows and the prefill/extend kernel of
+`splitmoe.kernels.mla_prefill` for the others.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.paged_attention import paged_attention_ref
+from splitmoe.kernels.triton_utils import require_triton
 
 
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -38,10 +40,18 @@ def mla_attention_ref(
 def mla_attention_triton(
     q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, v_dim: int
 ) -> torch.Tensor:
-    """`mla_attention_ref`'s math on the Triton split-KV kernel (`splitmoe.kernels.mla_decode`)."""
-    from splitmoe.kernels.mla_decode import mla_decode
+    """`mla_attention_ref`'s math on the Triton kernels: split-KV decode
+    (`splitmoe.kernels.mla_decode`) for one-token rows, prefill/extend
+    (`splitmoe.kernels.mla_prefill`) for the others."""
+    from splitmoe.kernels.mla_decode import check_mla_inputs, mla_decode_attention
+    from splitmoe.kernels.mla_prefill import mla_prefill_attention
 
-    return mla_decode(q, cache, meta, scale, v_dim)
+    q = q.contiguous()
+    check_mla_inputs(q, cache, meta)
+    out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+    mla_prefill_attention(q, cache, meta, scale, v_dim, out)
+    mla_decode_attention(q, cache, meta, scale, v_dim, out)
+    return out
 
 
 # The MLA kernel of each backend (`splitmoe.kernels.backends` binds one per rank).
@@ -66,4 +76,6 @@ def mla_attention(
         raise ValueError(f"mla_attention: v_dim={v_dim} must be in 1..{q.shape[2]}")
     if backend not in MLA_KERNELS:
         raise ValueError(f"attention backend {backend!r} is not available; use 'torch' or 'triton'")
+    if backend == "triton":
+        require_triton("attention_backend", q.device)
     return MLA_KERNELS[backend](q, cache, meta, scale, v_dim)
