@@ -66,6 +66,16 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def kv_values_per_token(num_kv_heads: int, head_dim: int, kv_lora_rank: int = 0) -> int:
+    """Values one token holds in one layer's KV cache: under multi-head latent attention
+    (``kv_lora_rank`` > 0) the latent vector and the rotary key of ``head_dim``, else a key and
+    a value per KV head. The one rule the attention ranks allocate by and the simulator
+    (`splitmoe.sim.model`) sizes caches with."""
+    if kv_lora_rank:
+        return kv_lora_rank + head_dim
+    return 2 * num_kv_heads * head_dim
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and family quirks of a supported MoE checkpoint (see `splitmoe.models.families`)."""
@@ -139,11 +149,8 @@ class ModelConfig:
 
     @property
     def kv_values_per_token(self) -> int:
-        """Values one token holds in one layer's KV cache: the latent vector and the rotary key
-        under MLA, else a key and a value per KV head."""
-        if self.is_mla:
-            return self.kv_lora_rank + self.head_dim
-        return 2 * self.num_kv_heads * self.head_dim
+        """Values one token holds in one layer's KV cache (`kv_values_per_token`)."""
+        return kv_values_per_token(self.num_kv_heads, self.head_dim, self.kv_lora_rank)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV-cache bytes of one token over all layers, at ``dtype_bytes`` per value (what the
