@@ -1,9 +1,11 @@
-"""Kernel micro-benchmarks: paged decode and prefill attention, fused MoE; Triton next to the
+"""Kernel micro-benchmarks: paged decode and prefill attention, multi-head latent attention (MLA)
+decode and prefill, fused MoE; Triton next to the
 PyTorch references, PyTorch's own scaled_dot_product_attention (FlashAttention) on dense K/V,
 and torch._grouped_mm, in one run, as one table.
 
     python scripts/bench_kernels.py                  # GPU: realistic layer shapes (bf16)
-    python scripts/bench_kernels.py --only decode    # decode | prefill | moe, comma-separated
+    python scripts/bench_kernels.py --only decode    # decode | prefill | mla_decode |
+                                                     # mla_prefill | moe, comma-separated
     python scripts/bench_kernels.py --smoke          # tiny shapes; on CPU through Triton's
                                                      # interpreter (checks, not speed)
     python scripts/bench_kernels.py --compile-only   # no GPU needed: compile every Triton
@@ -39,12 +41,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# Attention layer shapes (num_heads, num_kv_heads, head_dim). DeepSeek-V3 attention is MLA, which
-# these kernels do not implement; its MoE layer is below.
+# Attention layer shapes (num_heads, num_kv_heads, head_dim); DeepSeek-V3's MLA is MLA_MODELS.
 ATTENTION_MODELS = {
     "qwen3-30b-a3b": (32, 4, 128),
     "qwen3-235b-a22b": (64, 4, 128),
 }
+# MLA layer shapes (num_heads, kv_lora_rank, qk_rope_head_dim): one attention rank holds every
+# head (attention data-parallel), the latent cache kv_lora_rank + qk_rope_head_dim per token.
+MLA_MODELS = {"deepseek-v3": (128, 512, 64)}
 # MoE layer shapes (num_experts, hidden, moe_intermediate, top_k).
 MOE_MODELS = {
     "qwen3-30b-a3b": (128, 2048, 768, 8),
@@ -61,6 +65,8 @@ REF_MAX_BYTES = 6 << 30  # the references gather K/V or loop over experts: skip 
 
 SMOKE_ATTENTION = {"tiny": (8, 2, 64)}
 SMOKE_MOE = {"tiny": (8, 64, 32, 2)}
+SMOKE_MLA = {"tiny": (20, 64, 16)}
+KERNELS = ("decode", "prefill", "mla_decode", "mla_prefill", "moe")
 
 
 @dataclass
@@ -259,6 +265,42 @@ def prefill_case(model, shape, n, cached, B, dtype, device, smoke) -> list[Row]:
     return rows
 
 
+def mla_batch(seqs, nh, dl, dr, dtype, device):
+    """Absorbed queries and a paged latent cache ``[blocks, BLOCK_SIZE, 1, dl + dr]``."""
+    q, cache, _, meta = paged_batch(seqs, nh, 1, dl + dr, dtype, device)
+    return q, cache, meta
+
+
+def mla_case(kind, model, shape, B, n, ctx, dtype, device, smoke) -> list[Row]:
+    """MLA decode (``n`` = 1: memory-bound, GB/s of the latent rows read) or prefill
+    (TFLOP/s of the causal pairs: q.k over ``dl + dr``, p.v over ``dl``)."""
+    from splitmoe.kernels.mla_attention import mla_attention, mla_attention_ref
+
+    nh, dl, dr = shape
+    q, cache, meta = mla_batch([(n, ctx - n)] * B, nh, dl, dr, dtype, device)
+    elem = q.element_size()
+    pairs = B * (n * (ctx - n) + n * (n + 1) / 2)
+    moved = flops = None
+    if n == 1:
+        moved = B * ctx * (dl + dr) * elem + q.numel() * elem + B * nh * dl * elem
+        label = f"B={B} ctx={ctx}"
+    else:
+        flops = 2 * pairs * nh * (2 * dl + dr)
+        label = f"{B}x{n} new" + (f" +{ctx - n} cached" if ctx > n else "")
+    scale = (128 + dr) ** -0.5
+    ref = None
+    if 4 * nh * pairs * 4 <= REF_MAX_BYTES and B * ctx * (dl + dr) * 8 <= REF_MAX_BYTES:
+        ref = mla_attention_ref(q.float(), cache.float(), meta, scale, dl)
+    rows: list[Row] = []
+    fn = lambda: mla_attention(q, cache, meta, scale, dl, "triton")  # noqa: E731
+    timed(rows, Row(kind, model, label, "triton", None), fn, device, smoke, moved, flops, ref)
+    if ref is not None:
+        fn = lambda: mla_attention_ref(q, cache, meta, scale, dl)  # noqa: E731
+        row = Row(kind, model, label, "torch-ref", None)
+        timed(rows, row, fn, device, smoke, moved, flops, ref)
+    return rows
+
+
 def moe_case(model, w13, w2, k, N, device, smoke) -> list[Row]:
     from splitmoe.kernels import fused_moe as moe
     from splitmoe.kernels.moe_gemm import fused_moe_triton
@@ -415,6 +457,8 @@ def compile_plan(attention_models, moe_models, dtype: torch.dtype, arch: int) ->
                     plans[("reduce",) + tuple(red.items())] = (
                         dec._decode_reduce_kernel, att, red, dec.DecodeTiles(64, splits, 4, 1)
                     )  # fmt: skip
+    for nh, dl, dr in MLA_MODELS.values():
+        plans.update(mla_compile_plans(nh, dl, dr, dtype, t))
     for E, H, I, k in moe_models.values():
         args = dict(
             x_ptr=t, w_ptr=t, h_ptr=t, y_ptr=t, router_w_ptr="fp32", sorted_ids_ptr="i32",
@@ -443,9 +487,54 @@ def compile_plan(attention_models, moe_models, dtype: torch.dtype, arch: int) ->
     return results
 
 
+def mla_compile_plans(nh: int, dl: int, dr: int, dtype: torch.dtype, t: str) -> dict:
+    """The MLA decode (every split count an H100 run picks) and prefill configurations."""
+    from splitmoe.kernels import decode_attention as dec
+    from splitmoe.kernels import mla_decode, mla_prefill
+
+    dk = dl + dr
+    args = dict(
+        q_ptr=t, c_ptr=t, o_ptr=t, part_o_ptr="fp32", part_lse_ptr="fp32", tables_ptr="i32",
+        query_start_ptr="i64", seq_lens_ptr="i64", qk_scale=1.0, num_seqs=3, num_heads=nh,
+        stride_qt=nh * dk, stride_qh=dk, stride_ot=nh * dl, stride_oh=dl,
+        stride_cb=BLOCK_SIZE * dk, stride_cs=dk, stride_table=129,
+    )  # fmt: skip
+    widths = mla_decode.mla_constexprs(dl, dr, dtype)
+    plans: dict[tuple, tuple] = {}
+    tiles = mla_prefill.mla_prefill_tiles(nh, dtype)
+    consts = dict(
+        widths, BLOCK_SIZE=BLOCK_SIZE, BLOCK_H=tiles.block_h, BLOCK_Q=tiles.block_q,
+        BLOCK_N=tiles.block_n,
+    )  # fmt: skip
+    plans[("mla_pre",) + tuple(consts.items())] = (
+        mla_prefill._mla_prefill_kernel, args, consts, tiles
+    )  # fmt: skip
+    for B in DECODE_BATCHES:
+        for ctx in DECODE_CONTEXTS:
+            tiles = mla_decode.mla_decode_tiles(B, nh, ctx, dtype, H100_SMS)
+            splits = tiles.num_splits
+            consts = dict(
+                widths, BLOCK_SIZE=BLOCK_SIZE, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
+                NUM_SPLITS=splits,
+            )  # fmt: skip
+            plans[("mla_dec",) + tuple(consts.items())] = (
+                mla_decode._mla_decode_kernel, args, consts, tiles
+            )  # fmt: skip
+            if splits > 1:
+                red = dict(
+                    HEAD_DIM=dl, HEAD_DIM_PAD=widths["DL_PAD"], BLOCK_N=tiles.block_n,
+                    NUM_SPLITS=splits, SPLIT_CHUNK=min(splits, dec.REDUCE_CHUNK),
+                )  # fmt: skip
+                red_args = dict(args, stride_ot=nh * dl, stride_oh=dl, o_ptr=t, part_o_ptr="fp32")
+                plans[("reduce",) + tuple(red.items())] = (
+                    dec._decode_reduce_kernel, red_args, red, dec.DecodeTiles(64, splits, 4, 1)
+                )  # fmt: skip
+    return plans
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="decode,prefill,moe", help="comma-separated kernels")
+    ap.add_argument("--only", default=",".join(KERNELS), help="comma-separated kernels")
     ap.add_argument("--dtype", default=None, help="bfloat16 (CUDA default) | float16 | float32")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: Triton interpreter)")
     ap.add_argument("--compile-only", action="store_true", help="compile for --arch, no GPU")
@@ -453,9 +542,9 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args(argv)
     kernels = {k.strip() for k in args.only.split(",") if k.strip()}
-    unknown = kernels - {"decode", "prefill", "moe"}
+    unknown = kernels - set(KERNELS)
     if unknown:
-        ap.error(f"--only: unknown kernels {sorted(unknown)}; choose from decode, prefill, moe")
+        ap.error(f"--only: unknown kernels {sorted(unknown)}; choose from {', '.join(KERNELS)}")
 
     if args.compile_only:
         if os.environ.get("TRITON_INTERPRET") == "1":
@@ -481,6 +570,7 @@ def main(argv=None) -> int:
     if device.type == "cpu" and not args.smoke:
         print("no CUDA device: running the --smoke shapes through Triton's interpreter")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    mla_models = SMOKE_MLA if smoke else MLA_MODELS
     if smoke:
         attention, moe_models = SMOKE_ATTENTION, SMOKE_MOE
         batches, contexts, prefill, tokens = (1, 4), (64, 200), ((32, 0, 1), (24, 40, 2)), (1, 16)
@@ -502,6 +592,19 @@ def main(argv=None) -> int:
             for model, shape in attention.items():
                 for n, cached, B in prefill:
                     rows += prefill_case(model, shape, n, cached, B, dtype, device, smoke)
+        if "mla_decode" in kernels:
+            for model, shape in mla_models.items():
+                for B in batches:
+                    for ctx in contexts:
+                        rows += mla_case(
+                            "mla_decode", model, shape, B, 1, ctx, dtype, device, smoke
+                        )
+        if "mla_prefill" in kernels:
+            for model, shape in mla_models.items():
+                for n, cached, B in prefill:
+                    rows += mla_case(
+                        "mla_prefill", model, shape, B, n, n + cached, dtype, device, smoke
+                    )
         if "moe" in kernels:
             for model, (E, H, I, k) in moe_models.items():
                 w13 = torch.empty(E, 2 * I, H, dtype=dtype, device=device).normal_(std=H**-0.5)

@@ -66,6 +66,16 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def kv_values_per_token(num_kv_heads: int, head_dim: int, kv_lora_rank: int = 0) -> int:
+    """Values one token holds in one layer's KV cache: under multi-head latent attention
+    (``kv_lora_rank`` > 0) the latent vector and the rotary key of ``head_dim``, else a key and
+    a value per KV head. The one rule the attention ranks allocate by and the simulator
+    (`splitmoe.sim.model`) sizes caches with."""
+    if kv_lora_rank:
+        return kv_lora_rank + head_dim
+    return 2 * num_kv_heads * head_dim
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and family quirks of a supported MoE checkpoint (see `splitmoe.models.families`)."""
@@ -96,6 +106,17 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # RoPE (`splitmoe.models.rope`): "default" | "linear" | "yarn", its parameters as pairs
+    rope_type: str = "default"
+    rope_scaling: tuple[tuple[str, object], ...] = ()
+    # Multi-head latent attention (DeepSeek-V2/V3, `splitmoe.attention_nodes.mla`): set when
+    # kv_lora_rank > 0; head_dim is then qk_rope_head_dim (the rotary part, as HF sets it)
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3)... rather than halves
+    attention_bias: bool = False  # MLA: biases on q_a_proj, kv_a_proj_with_mqa and o_proj
     qkv_bias: bool = False
     qk_norm: str = "none"  # "none" | "head" (Qwen3: per head) | "full" (OLMoE: whole projection)
     clip_qkv: float | None = None
@@ -103,6 +124,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str = "float32"
+    # "fp8": block-quantized weights (float8 + weight_scale_inv per weight_block_size block),
+    # dequantized to the run dtype at load (`splitmoe.models.loader`)
+    quantization: str | None = None
+    weight_block_size: tuple[int, int] = (128, 128)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -126,6 +151,20 @@ class ModelConfig:
                 f"{self.path}/config.json"
             )
         check_routing(self)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Values one token holds in one layer's KV cache (`kv_values_per_token`)."""
+        return kv_values_per_token(self.num_kv_heads, self.head_dim, self.kv_lora_rank)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """KV-cache bytes of one token over all layers, at ``dtype_bytes`` per value (what the
+        attention ranks allocate per token, and what the simulator sizes caches with)."""
+        return self.num_layers * self.kv_values_per_token * dtype_bytes
 
     @property
     def is_moe_layer(self) -> tuple[bool, ...]:
@@ -332,9 +371,7 @@ class CacheConfig:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         elem = torch.empty((), dtype=dtype).element_size()
-        per_block = (
-            2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
-        )
+        per_block = self.block_size * model.kv_bytes_per_token(elem)
         from_budget = int(self.kv_cache_memory_gb * (1 << 30)) // per_block
         needed = max_num_seqs * math.ceil(max_model_len / self.block_size)
         return max(1, min(from_budget, needed))

@@ -47,6 +47,20 @@ CHECKPOINT_SPECS = {
     "minimax_m2": ("minimax_m2", {}),
     # 3 layers, layer 0 a dense MLP (mlp_only_layers), layers 1-2 MoE.
     "qwen3_moe_dense": ("qwen3_moe", {"num_layers": 3, "mlp_only_layers": [0]}),
+    # MLA: 3 layers, layer 0 dense. V3 with q LoRA, YaRN, interleaved rotary and attention
+    # biases; V3 without q LoRA, default rope, halves rotary; V2 without q LoRA.
+    "deepseek_v3": ("deepseek_v3", {"num_layers": 3}),
+    "deepseek_v3_nolora": (
+        "deepseek_v3",
+        {
+            "num_layers": 3,
+            "q_lora_rank": None,
+            "rope_interleave": False,
+            "attention_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    "deepseek_v2": ("deepseek_v2", {"num_layers": 3}),
 }
 
 

@@ -12,6 +12,7 @@ import pytest
 from tiny_models import FAMILIES, cpu_llm, prompt_ids
 
 from splitmoe import SamplingParams
+from splitmoe.config import ModelConfig
 
 MAX_TOKENS = 24
 PROMPT_LENGTHS = (1, 5, 17, 33)
@@ -45,6 +46,12 @@ def test_greedy_matches_hf(ckpt_name, attention_ranks, expert_ranks, backend, ti
         stats = llm.stats()
     assert {s["attention_backend"] for s in stats if s["role"] == "attention"} == {backend}
     assert {s["moe_backend"] for s in stats} - {None} == {backend}
+    # KV-cache bytes per token: a key and a value per KV head, layer and token (float32)
+    cfg = ModelConfig.from_hf(ckpt)
+    want_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert {s["kv_cache_bytes_per_token"] for s in stats if s["role"] == "attention"} == {
+        want_bytes
+    }
 
     assert len(outs) == len(PROMPTS)
     for i, (prompt, want, out) in enumerate(zip(PROMPTS, expected, outs)):

@@ -14,7 +14,7 @@ from splitmoe.attention_nodes.model import AttentionModel, rope_rows
 @pytest.mark.parametrize("d,theta", [(32, 10000.0), (128, 1e6), (20, 500.0)])
 def test_rope_table_rows_equal_computed_values(d, theta):
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    model = SimpleNamespace(inv_freq=inv_freq, _rope_table=None)
+    model = SimpleNamespace(inv_freq=inv_freq, rope_factor=1.0, _rope_table=None)
     model.rope_table = lambda top, dtype: AttentionModel.rope_table(model, top, dtype)
     g = torch.Generator().manual_seed(d)
     # decode-like and prefill-like positions, then past the table (it grows)

@@ -14,6 +14,9 @@ import torch
 from splitmoe import LLM
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2")
+MLA_FAMILIES = ("deepseek_v3", "deepseek_v2")
+# Multi-head latent attention shapes of the tiny DeepSeek checkpoints
+KV_LORA_RANK, Q_LORA_RANK, ROPE_DIM, NOPE_DIM, V_DIM = 32, 24, 8, 16, 16
 
 VOCAB = 128
 HIDDEN = 64
@@ -130,11 +133,60 @@ def _config(family: str, num_layers: int, num_experts: int, top_k: int, override
         )
         kw.update(overrides)
         return MiniMaxM2Config(**kw)
+    if family in MLA_FAMILIES:
+        return _deepseek_config(family, common, num_experts, overrides)
     raise ValueError(f"unknown family {family!r}")
+
+
+def _deepseek_config(family: str, common: dict, num_experts: int, overrides: dict):
+    """DeepSeek-V3 (q LoRA, YaRN with an mscale correction, grouped sigmoid routing, attention
+    biases) or DeepSeek-V2 (no q LoRA, group-limited softmax routing): 2 shared experts, the
+    first layer dense. ``overrides`` change any of it."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    common = dict(common, num_key_value_heads=HEADS)
+    kw = dict(
+        common,
+        intermediate_size=DENSE_INTERMEDIATE,
+        moe_intermediate_size=EXPERT_INTERMEDIATE,
+        n_routed_experts=num_experts,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=KV_LORA_RANK,
+        qk_rope_head_dim=ROPE_DIM,
+        qk_nope_head_dim=NOPE_DIM,
+        v_head_dim=V_DIM,
+        n_group=4,
+        topk_group=2,
+    )
+    if family == "deepseek_v3":
+        kw.update(
+            q_lora_rank=Q_LORA_RANK,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            attention_bias=True,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=MAX_POS // 4,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=0.8,
+            ),
+        )
+        kw.update(overrides)
+        return DeepseekV3Config(**kw)
+    kw.update(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=2.0)
+    kw.update(overrides)
+    return DeepseekV2Config(**kw)
 
 
 def _model_class(family: str):
     from transformers import (
+        DeepseekV2ForCausalLM,
+        DeepseekV3ForCausalLM,
         Glm4MoeForCausalLM,
         MiniMaxM2ForCausalLM,
         MixtralForCausalLM,
@@ -150,6 +202,8 @@ def _model_class(family: str):
         "olmoe": OlmoeForCausalLM,
         "glm4_moe": Glm4MoeForCausalLM,
         "minimax_m2": MiniMaxM2ForCausalLM,
+        "deepseek_v3": DeepseekV3ForCausalLM,
+        "deepseek_v2": DeepseekV2ForCausalLM,
     }[family]
 
 
@@ -158,10 +212,14 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
 
     Norm weights are 1 + noise (so a runtime that ignores them is caught), every
     other parameter (biases included) is N(0, std^2), std = INIT_STD unless
-    INIT_STD_OVERRIDES names it; score-correction biases (buffers) are N(0, 0.1^2).
+    INIT_STD_OVERRIDES names it. Routers' correction biases (buffers, which HF
+    zeroes) are N(0, INIT_STD^2) too.
     """
     g = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
+        for name, b in sorted(model.named_buffers()):
+            if "e_score_correction_bias" in name:
+                b.copy_(INIT_STD * torch.randn(b.shape, generator=g, dtype=torch.float32))
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if "norm" in name.lower():
@@ -172,11 +230,6 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
                     if key in name:
                         std = val
                 p.copy_(std * noise)
-        # Routers' score-correction biases are buffers, which HF initialises to zeros: give
-        # them values of the size of the sigmoid scores' spread, so that they change choices.
-        for name, b in sorted(model.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g, dtype=torch.float32))
 
 
 def write_tiny_tokenizer(out_dir: Path) -> None:
@@ -246,6 +299,53 @@ def make_tiny_checkpoint(
     if with_tokenizer:
         write_tiny_tokenizer(out_dir)
     return out_dir
+
+
+def _quantizable(name: str, t: torch.Tensor) -> bool:
+    """The tensors DeepSeek-V3's release stores in fp8: every projection weight (attention,
+    dense MLP, shared and routed experts), not the router, embeddings, LM head or norms."""
+    return t.dim() == 2 and name.endswith("_proj.weight") and ".mlp.gate." not in name
+
+
+def quantize_fp8_checkpoint(src, fp8_dir, dequant_dir, block=(128, 128)) -> tuple[Path, Path]:
+    """``src`` block-quantized in DeepSeek-V3's released layout (float8_e4m3fn weights, a float32
+    ``weight_scale_inv`` per ``block``, ``quantization_config`` in config.json) into
+    ``fp8_dir``, and the same weights dequantized (float32, what HF computes with) into
+    ``dequant_dir``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, fp8_dir, dequant_dir = Path(src), Path(fp8_dir), Path(dequant_dir)
+    tensors = load_file(str(src / "model.safetensors"))
+    fp8, deq = {}, {}
+    bn, bk = block
+    for name, t in tensors.items():
+        if not _quantizable(name, t):
+            fp8[name] = deq[name] = t
+            continue
+        N, K = t.shape
+        padded = torch.zeros(-(-N // bn) * bn, -(-K // bk) * bk)
+        padded[:N, :K] = t
+        blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # e4m3's max
+        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        fp8[name] = q.view(padded.shape)[:N, :K].contiguous()
+        fp8[name.replace(".weight", ".weight_scale_inv")] = scale
+        deq[name] = (q.float() * scale[:, None, :, None]).view(padded.shape)[:N, :K].contiguous()
+    for out, weights in ((fp8_dir, fp8), (dequant_dir, deq)):
+        shutil.copytree(src, out, dirs_exist_ok=True)
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = fp8_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    return fp8_dir, dequant_dir
 
 
 _HF_MODELS: dict[str, torch.nn.Module] = {}

@@ -17,19 +17,28 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        latent: bool = False,
     ):
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        """``latent``: one pool per layer of ``head_dim`` values per token (multi-head latent
+        attention's compressed KV and rotary key, ``num_kv_heads`` 1): `layer` returns it as
+        both the keys and the values."""
+        shape = (num_layers, 1 if latent else 2, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeroed, not torch.empty: attention reads whole blocks and masks the unwritten slots
         # with probability 0, and 0 * NaN (garbage memory) would still poison the output.
         self.pool = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
         # each layer's views, made once (two indexings cost ~5 us, once per layer and step)
-        self._layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(num_layers)]
+        self._layers = [(self.pool[i, 0], self.pool[i, -1]) for i in range(num_layers)]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)`` of layer ``i``: views of the pool."""
         return self._layers[i]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes, over all layers."""
+        return self.nbytes // (self.num_blocks * self.block_size)
 
     @property
     def nbytes(self) -> int:

@@ -15,11 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from splitmoe.attention_nodes.kv_cache import PagedKVCache
+from splitmoe.attention_nodes.mla import MlaWeights
 from splitmoe.config import ModelConfig
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.backends import AttentionBackend
 from splitmoe.kernels.linear import linear
 from splitmoe.models import routing
+from splitmoe.models.rope import rope_inv_freq, yarn_softmax_scale
 
 
 class ExpertExecutor(Protocol):
@@ -64,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 class LayerWeights:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    w_qkv: torch.Tensor  # [(nh + 2 nkv) d, H]
+    w_qkv: torch.Tensor | None  # [(nh + 2 nkv) d, H] (None under MLA)
     b_qkv: torch.Tensor | None
     o_proj: torch.Tensor  # [H, nh d]
     q_norm: torch.Tensor | None
@@ -75,6 +77,7 @@ class LayerWeights:
     mlp_down: torch.Tensor | None  # [H, I]
     shared_expert_gate: torch.Tensor | None  # [1, H]
     qk_head_norm: torch.Tensor | None = None  # [nh + nkv, d]: per-head q then k norm weights
+    mla: MlaWeights | None = None  # multi-head latent attention's projections
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], cfg: ModelConfig) -> LayerWeights:
@@ -85,10 +88,11 @@ class LayerWeights:
             gate, up, down = t.get("shared_gate"), t.get("shared_up"), t.get("shared_down")
         else:
             gate, up, down = t["mlp_gate"], t["mlp_up"], t["mlp_down"]
+        mla = MlaWeights.from_tensors(t, cfg) if cfg.is_mla else None
         return cls(
             input_norm=t["input_norm"],
             post_norm=t["post_norm"],
-            w_qkv=torch.cat([t["q_proj"], t["k_proj"], t["v_proj"]]),
+            w_qkv=None if mla else torch.cat([t["q_proj"], t["k_proj"], t["v_proj"]]),
             b_qkv=b,
             o_proj=t["o_proj"],
             q_norm=t.get("q_norm"),
@@ -107,6 +111,7 @@ class LayerWeights:
             )
             if cfg.qk_norm == "head"
             else None,
+            mla=mla,
         )
 
 
@@ -116,14 +121,19 @@ def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tor
     return linear(F.silu(h[:, :inter]) * h[:, inter:], down)
 
 
-def rope_rows(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_rows(
+    inv_freq: torch.Tensor, positions: torch.Tensor, factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin [T, rd]`` float32 of ``positions`` (``inv_freq [rd/2]``; rd is the head dim,
-    or fewer with partial rotary), ``sin``'s first half negated (`AttentionModel.rope`)."""
+    or fewer with partial rotary), ``sin``'s first half negated (`AttentionModel.rope`), both
+    times ``factor`` (the rope type's attention factor)."""
     freqs = positions[:, None].float() * inv_freq[None, :]  # [T, rd/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, rd]
-    sin = emb.sin()
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
     sin[:, : sin.shape[-1] // 2].neg_()
-    return emb.cos(), sin
+    return cos, sin
 
 
 class AttentionModel:
@@ -143,11 +153,11 @@ class AttentionModel:
         self.attention_backend = attention
         d = cfg.head_dim
         rd = cfg.rotary_dim or d  # partial rotary (GLM-4.5, MiniMax-M2): the first rd dims
-        self.inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=device) / rd)
-        )  # [rd/2]
+        self.inv_freq, self.rope_factor = rope_inv_freq(cfg, rd, device)  # [rd/2]
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, 1, rd] (rope)
         self.scale = d**-0.5
+        if cfg.is_mla:  # a head's q.k spans its nope and rotary parts
+            self.scale = yarn_softmax_scale(cfg, (cfg.qk_nope_head_dim + d) ** -0.5)
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
 
@@ -165,7 +175,7 @@ class AttentionModel:
             cos, sin = self.rope_table(int(positions.max()), dtype)
             if cos.dtype == dtype:
                 return cos.index_select(0, positions), sin.index_select(0, positions)
-        cos, sin = rope_rows(self.inv_freq, positions)
+        cos, sin = rope_rows(self.inv_freq, positions, self.rope_factor)
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def rope_table(self, top: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +183,7 @@ class AttentionModel:
         ``top``: row p holds position p's values (the first table's dtype stays)."""
         if self._rope_table is None or top >= self._rope_table[0].shape[0]:
             n = max(2 * (top + 1), 1024)
-            cos, sin = rope_rows(self.inv_freq, torch.arange(n))
+            cos, sin = rope_rows(self.inv_freq, torch.arange(n), self.rope_factor)
             self._rope_table = (cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :])
         return self._rope_table
 
@@ -201,6 +211,8 @@ class AttentionModel:
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if layer.mla is not None:
+            return self.mla_attention(layer, x, cos_sin, kv[0], meta)
         cfg = self.cfg
         T = x.shape[0]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -223,6 +235,43 @@ class AttentionModel:
         self.attention_backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self.attention_backend.attend(q, k_cache, v_cache, meta, self.scale)
         return linear(o.reshape(T, self.q_size), layer.o_proj)
+
+    def mla_attention(
+        self,
+        layer: LayerWeights,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Multi-head latent attention in the absorbed form (`splitmoe.attention_nodes.mla`):
+        the new tokens' latent rows into ``cache [blocks, block_size, 1, Lr + R]``, attention of
+        the absorbed queries over it, each head's value up-projection, ``o_proj``."""
+        cfg, w = self.cfg, layer.mla
+        T = x.shape[0]
+        nh, nope, R, Lr = cfg.num_heads, cfg.qk_nope_head_dim, cfg.head_dim, cfg.kv_lora_rank
+        eps = cfg.rms_norm_eps
+        if w.q_a is not None:
+            x_q = rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, eps)
+        else:
+            x_q = x
+        q = linear(x_q, w.w_q).view(T, nh, nope + R)
+        ckv = linear(x, w.kv_a, w.kv_a_bias)  # [T, Lr + R]
+        latent = torch.cat(
+            [
+                rms_norm(ckv[:, :Lr], w.kv_a_norm, eps),
+                self.apply_rope(ckv[:, None, Lr:], cos_sin)[:, 0],
+            ],
+            dim=-1,
+        )  # [T, Lr + R]
+        self.attention_backend.store_latent(latent, cache, meta.slot_mapping)
+        q_lat = torch.bmm(q[:, :, :nope].transpose(0, 1), w.w_uk)  # [nh, T, Lr]
+        q_abs = torch.cat(
+            [q_lat.transpose(0, 1), self.apply_rope(q[:, :, nope:], cos_sin)], dim=-1
+        )  # [T, nh, Lr + R]
+        o = self.attention_backend.attend_mla(q_abs, cache, meta, self.scale, Lr)  # [T, nh, Lr]
+        o = torch.bmm(o.transpose(0, 1), w.w_uv_t)  # [nh, T, v]
+        return linear(o.transpose(0, 1).reshape(T, nh * cfg.v_head_dim), layer.o_proj, w.o_bias)
 
     def start_moe(
         self,

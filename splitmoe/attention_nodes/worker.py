@@ -129,7 +129,14 @@ class AttentionWorker:
             m, dtype, cfg.scheduler.max_num_seqs, cfg.max_model_len
         )
         self.kv_cache = PagedKVCache(
-            m.num_layers, num_blocks, block_size, m.num_kv_heads, m.head_dim, dtype, device
+            m.num_layers,
+            num_blocks,
+            block_size,
+            m.num_kv_heads,
+            m.kv_values_per_token if m.is_mla else m.head_dim,
+            dtype,
+            device,
+            latent=m.is_mla,
         )
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, m.eos_token_ids, cfg.max_model_len)
@@ -147,6 +154,7 @@ class AttentionWorker:
         return {
             "kv_blocks_used": self.blocks.num_used,
             "kv_blocks_total": self.blocks.num_blocks,
+            "kv_cache_bytes_per_token": self.kv_cache.bytes_per_token,
             "running": len(s.running),
             "waiting": len(s.waiting),
             "preemptions": s.num_preemptions,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from splitmoe.kernels.fused_moe import MOE_KERNELS
+from splitmoe.kernels.mla_attention import MLA_KERNELS, store_latent
 from splitmoe.kernels.paged_attention import ATTENTION_KERNELS, store_kv
 from splitmoe.kernels.triton_utils import require_triton
 
@@ -33,11 +34,17 @@ class AttentionBackend:
         head_dim], meta, scale) -> [T, num_heads, head_dim]``, causal over the cache;
     store_kv: ``(k, v [T, num_kv_heads, head_dim], k_cache, v_cache, slots [T])``, writes the
         new keys and values into their flat cache slots.
+    attend_mla: multi-head latent attention (`splitmoe.kernels.mla_attention`): ``(q [T,
+        num_heads, Dk] absorbed queries, cache [blocks, block_size, 1, Dk], meta, scale, v_dim)
+        -> [T, num_heads, v_dim]``, causal over the latent cache;
+    store_latent: ``(latent [T, Dk], cache, slots [T])``.
     """
 
     name: str
     attend: Callable[..., torch.Tensor]
     store_kv: Callable[..., None] = store_kv
+    attend_mla: Callable[..., torch.Tensor] | None = None
+    store_latent: Callable[..., None] = store_latent
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,7 @@ def attention_backend(name: str, device: torch.device) -> AttentionBackend:
     name = resolve_backend(name, device.type)
     if name == "triton":
         require_triton("attention_backend", device)
-    return AttentionBackend(name, ATTENTION_KERNELS[name])
+    return AttentionBackend(name, ATTENTION_KERNELS[name], attend_mla=MLA_KERNELS[name])
 
 
 def moe_backend(name: str, device: torch.device) -> MoeBackend:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from splitmoe.models.rope import parse_rope
+
 # Canonical per-layer tensors held by attention ranks.
 ATTENTION_KEYS = ("input_norm", "post_norm", "q_proj", "k_proj", "v_proj", "o_proj")
 BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
@@ -21,6 +23,39 @@ DENSE_KEYS = ("mlp_gate", "mlp_up", "mlp_down")
 SHARED_KEYS = ("shared_gate", "shared_up", "shared_down")
 SHARED_GATE_KEY = "shared_expert_gate"  # where `ModelConfig.shared_expert_gate`
 EXPERT_KEYS = ("gate", "up", "down")
+# Multi-head latent attention (DeepSeek-V2/V3): the query (through a low-rank q_a -> norm -> q_b
+# when q_lora_rank is set, else one q_proj), the joint KV down-projection with the rotary key,
+# its norm, the per-head KV up-projection, and the output projection.
+MLA_KEYS = ("input_norm", "post_norm", "kv_a_proj", "kv_a_norm", "kv_b_proj", "o_proj")
+MLA_Q_LORA_KEYS = ("q_a_proj", "q_a_norm", "q_b_proj")
+MLA_BIAS_KEYS = ("kv_a_bias", "o_bias")  # with q_a_bias under q LoRA (attention_bias)
+
+
+# Weight formats `splitmoe.models.loader` reads besides plain tensors (``quant_method`` of
+# config.json's ``quantization_config``).
+QUANT_METHODS = ("fp8",)
+
+
+def parse_quantization(raw: dict[str, Any], cfg_file: Path | str) -> dict[str, Any]:
+    """`ModelConfig`'s ``quantization`` and ``weight_block_size`` from ``quantization_config``;
+    a method the loader cannot read is a ValueError naming it."""
+    qc = raw.get("quantization_config")
+    if not qc:
+        return {}
+    method = qc.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise ValueError(
+            f"{cfg_file}: quantization method {method!r} is not supported; splitmoe loads "
+            f"{', '.join(QUANT_METHODS)} (fp8: float8_e4m3fn weights with a weight_scale_inv "
+            "per block, DeepSeek-V3's released format); use an unquantized checkpoint otherwise"
+        )
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(int(b) > 0 for b in block)):
+        raise ValueError(
+            f"{cfg_file}: fp8 quantization needs weight_block_size [rows, cols] (block-wise "
+            f"scales); got {block!r}"
+        )
+    return dict(quantization=method, weight_block_size=(int(block[0]), int(block[1])))
 
 
 @dataclass(frozen=True)
@@ -39,12 +74,6 @@ class Family:
                     return raw[k]
             raise ValueError(f"{cfg_file} lacks {key!r}, which a {self.model_type} model needs")
 
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(
-                f"{cfg_file}: rope type {rope_type!r} is not supported yet (only default RoPE)"
-            )
         if raw.get("use_sliding_window"):
             raise ValueError(f"{cfg_file}: use_sliding_window=true is not supported")
         hidden = int(need("hidden_size"))
@@ -61,7 +90,6 @@ class Family:
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
             max_position_embeddings=int(need("max_position_embeddings")),
             num_experts=int(need("num_experts", "num_local_experts", "n_routed_experts")),
             top_k=int(need("num_experts_per_tok")),
@@ -69,6 +97,8 @@ class Family:
             eos_token_ids=eos_ids,
             checkpoint_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         )
+        fields.update(parse_rope(raw, cfg_file))
+        fields.update(parse_quantization(raw, cfg_file))
         fields.update(self.family_fields(raw, need, layers))
         return fields
 
@@ -300,7 +330,75 @@ class MiniMaxM2(Family):
         return super().layer_name(layer, key)
 
 
+@dataclass(frozen=True)
+class Deepseek(Family):
+    """DeepSeek-V3 / Kimi-K2 (``deepseek_v3``) and DeepSeek-V2 (``deepseek_v2``): multi-head
+    latent attention, shared experts without a gate, the first layers dense. V3 routes by
+    sigmoid with a correction bias over expert groups (noaux_tc); V2 by softmax, greedy or
+    group-limited. V2's rotary pairs are always interleaved (HF's complex form); V3's when
+    ``rope_interleave``."""
+
+    def family_fields(self, raw, need, layers):
+        v3 = self.model_type == "deepseek_v3"
+        n_shared = int(raw.get("n_shared_experts") or 0)
+        moe_inter = int(need("moe_intermediate_size"))
+        rope_dim = int(need("qk_rope_head_dim"))
+        if rope_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={rope_dim} must be even")
+        q_lora = raw.get("q_lora_rank")
+        fields = dict(
+            num_experts=int(need("n_routed_experts")),
+            moe_intermediate_size=moe_inter,
+            dense_intermediate_size=int(raw.get("intermediate_size") or 0),
+            shared_expert_intermediate_size=n_shared * moe_inter,
+            moe_layers=first_k_dense_moe_layers(raw, layers),
+            head_dim=rope_dim,
+            num_kv_heads=1,  # one latent "head" shared by every query head
+            kv_lora_rank=int(need("kv_lora_rank")),
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            qk_nope_head_dim=int(need("qk_nope_head_dim")),
+            v_head_dim=int(need("v_head_dim")),
+            rope_interleave=bool(raw.get("rope_interleave", True)) if v3 else True,
+            attention_bias=bool(raw.get("attention_bias", False)),
+        )
+        if v3:
+            fields.update(grouped_sigmoid_routing(raw))
+        else:
+            method = raw.get("topk_method") or "greedy"
+            fields.update(
+                topk_method=method,
+                n_group=int(raw.get("n_group") or 1),
+                topk_group=int(raw.get("topk_group") or 1),
+                # HF's DeepseekV2TopkRouter never renormalises (its configs say false)
+                norm_topk_prob=False,
+                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            )
+        return fields
+
+    def layer_name(self, layer: int, key: str) -> str:
+        p = f"model.layers.{layer}"
+        a = f"{p}.self_attn"
+        mla = {
+            "q_proj": f"{a}.q_proj.weight",
+            "q_a_proj": f"{a}.q_a_proj.weight",
+            "q_a_bias": f"{a}.q_a_proj.bias",
+            "q_a_norm": f"{a}.q_a_layernorm.weight",
+            "q_b_proj": f"{a}.q_b_proj.weight",
+            "kv_a_proj": f"{a}.kv_a_proj_with_mqa.weight",
+            "kv_a_bias": f"{a}.kv_a_proj_with_mqa.bias",
+            "kv_a_norm": f"{a}.kv_a_layernorm.weight",
+            "kv_b_proj": f"{a}.kv_b_proj.weight",
+            "o_bias": f"{a}.o_proj.bias",
+            "shared_gate": f"{p}.mlp.shared_experts.gate_proj.weight",
+            "shared_up": f"{p}.mlp.shared_experts.up_proj.weight",
+            "shared_down": f"{p}.mlp.shared_experts.down_proj.weight",
+        }
+        return mla[key] if key in mla else super().layer_name(layer, key)
+
+
 FAMILIES: dict[str, Family] = {
+    "deepseek_v3": Deepseek("deepseek_v3"),
+    "deepseek_v2": Deepseek("deepseek_v2"),
     "qwen3_moe": Qwen3Moe("qwen3_moe"),
     "qwen2_moe": Qwen2Moe("qwen2_moe"),
     "mixtral": Mixtral("mixtral", moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2")),

@@ -19,6 +19,9 @@ from splitmoe.models.families import (
     ATTENTION_KEYS,
     BIAS_KEYS,
     DENSE_KEYS,
+    MLA_BIAS_KEYS,
+    MLA_KEYS,
+    MLA_Q_LORA_KEYS,
     QK_NORM_KEYS,
     ROUTER_BIAS_KEY,
     ROUTER_KEY,
@@ -42,6 +45,8 @@ def expected_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         cfg.shared_expert_intermediate_size,
     )
     full = cfg.qk_norm == "full"
+    if cfg.is_mla and key in _MLA_SHAPE_KEYS:
+        return mla_shape(cfg, key)
     return {
         "embed": (cfg.vocab_size, H),
         "lm_head": (cfg.vocab_size, H),
@@ -72,9 +77,43 @@ def expected_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
     }[key]
 
 
+_MLA_SHAPE_KEYS = (
+    "q_proj", "q_a_proj", "q_a_bias", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_bias",
+    "kv_a_norm", "kv_b_proj", "o_proj", "o_bias",
+)  # fmt: skip
+
+
+def mla_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
+    """Shape of a multi-head latent attention tensor (`MLA_KEYS`)."""
+    H, nh, R = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    qk = nh * (cfg.qk_nope_head_dim + R)
+    Lr, Qr = cfg.kv_lora_rank, cfg.q_lora_rank
+    return {
+        "q_proj": (qk, H),
+        "q_a_proj": (Qr, H),
+        "q_a_bias": (Qr,),
+        "q_a_norm": (Qr,),
+        "q_b_proj": (qk, Qr),
+        "kv_a_proj": (Lr + R, H),
+        "kv_a_bias": (Lr + R,),
+        "kv_a_norm": (Lr,),
+        "kv_b_proj": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), Lr),
+        "o_proj": (H, nh * cfg.v_head_dim),
+        "o_bias": (H,),
+    }[key]
+
+
 def attention_layer_keys(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
     """Canonical tensors an attention rank holds for one layer."""
-    keys = list(ATTENTION_KEYS)
+    if cfg.is_mla:
+        keys = list(MLA_KEYS)
+        keys += MLA_Q_LORA_KEYS if cfg.q_lora_rank is not None else ("q_proj",)
+        if cfg.attention_bias:
+            keys += MLA_BIAS_KEYS
+            if cfg.q_lora_rank is not None:
+                keys.append("q_a_bias")
+    else:
+        keys = list(ATTENTION_KEYS)
     if cfg.qkv_bias:
         keys += BIAS_KEYS
     if cfg.qk_norm != "none":
@@ -92,11 +131,33 @@ def attention_layer_keys(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
     return tuple(keys)
 
 
-class CheckpointReader:
-    """Finds and reads named tensors of an HF safetensors checkpoint directory."""
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-    def __init__(self, path: str | Path):
+
+def dequantize_fp8_blocks(
+    w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """``w [N, K]`` float8 times its per-block scale ``scale_inv [ceil(N / bn), ceil(K / bk)]``
+    (DeepSeek-V3's ``weight_dequant``), float32."""
+    bn, bk = block
+    N, K = w.shape
+    if scale_inv.shape != (-(-N // bn), -(-K // bk)):
+        raise CheckpointError(
+            f"weight_scale_inv of shape {tuple(scale_inv.shape)} does not fit a {N}x{K} weight "
+            f"in {bn}x{bk} blocks"
+        )
+    s = scale_inv.float().repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+    return w.float() * s
+
+
+class CheckpointReader:
+    """Finds and reads named tensors of an HF safetensors checkpoint directory. With
+    ``fp8_block`` (block-quantized checkpoints), a float8 ``X.weight`` is read with its
+    ``X.weight_scale_inv`` and dequantized."""
+
+    def __init__(self, path: str | Path, fp8_block: tuple[int, int] | None = None):
         self.root = Path(path)
+        self.fp8_block = fp8_block
         self.weight_map = self._build_weight_map()
 
     def _build_weight_map(self) -> dict[str, Path]:
@@ -168,6 +229,8 @@ class CheckpointReader:
                     raise CheckpointError(
                         f"cannot read tensor {name!r} from {shard}: {e} (truncated or corrupt?)"
                     ) from None
+                if t.dtype in FP8_DTYPES:
+                    t = self._dequantize(name, t)
                 if tuple(t.shape) != tuple(shape):
                     raise CheckpointError(
                         f"tensor {name!r} in {shard.name} has shape {tuple(t.shape)}, but "
@@ -178,13 +241,31 @@ class CheckpointReader:
                 out[key] = t.to(device=device, dtype=torch.float32 if keep else dtype)
         return out
 
+    def _dequantize(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        scale_name = name + "_scale_inv"
+        if self.fp8_block is None or scale_name not in self.weight_map:
+            raise CheckpointError(
+                f"tensor {name!r} is {t.dtype} but "
+                + (
+                    "config.json has no fp8 quantization_config"
+                    if self.fp8_block is None
+                    else f"the checkpoint has no {scale_name!r} to dequantize it with"
+                )
+            )
+        scale = self._open(self.weight_map[scale_name]).get_tensor(scale_name)
+        return dequantize_fp8_blocks(t, scale, self.fp8_block)
+
+
+def reader_for(cfg: ModelConfig) -> CheckpointReader:
+    return CheckpointReader(cfg.path, cfg.weight_block_size if cfg.quantization == "fp8" else None)
+
 
 def load_attention_weights(
     cfg: ModelConfig, dtype: torch.dtype, device: str
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     """Non-expert weights: (globals ``embed``/``final_norm``/``lm_head``, one dict per layer)."""
     fam = family_for(cfg.model_type)
-    reader = CheckpointReader(cfg.path)
+    reader = reader_for(cfg)
     glob_keys = ["embed", "final_norm"]
     if not cfg.tie_word_embeddings:
         glob_keys.append("lm_head")
@@ -213,7 +294,7 @@ def load_expert_weights(
     rows) and ``w2 [n, H, I]``. ``experts``: one list for every MoE layer, or per layer (only the
     layers given are loaded; an expert may appear more than once)."""
     fam = family_for(cfg.model_type)
-    reader = CheckpointReader(cfg.path)
+    reader = reader_for(cfg)
     per_layer = (
         experts if isinstance(experts, dict) else {layer: experts for layer in cfg.moe_layers}
     )

@@ -107,10 +107,12 @@ class ModelShape:
 
     # ---- per token ----------------------------------------------------------------------------
     def kv_bytes_per_token(self, elem: int = 2) -> int:
-        """KV cache bytes per token and layer."""
+        """KV cache bytes per token and layer, by the runtime's rule (`kv_values_per_token`)."""
+        from splitmoe.config import kv_values_per_token
+
         if self.attention == "mla":
-            return (self.kv_lora_rank + self.qk_rope_dim) * elem
-        return 2 * self.num_kv_heads * self.head_dim * elem
+            return kv_values_per_token(1, self.qk_rope_dim, self.kv_lora_rank) * elem
+        return kv_values_per_token(self.num_kv_heads, self.head_dim) * elem
 
     def attn_core_flops(self, context: float) -> float:
         """FLOPs of one query token attending over ``context`` cached tokens (scores + values)."""
