@@ -78,6 +78,20 @@ def test_triton_backends(family, tiny_ckpt, hf_ref):
     _check(outs, ckpt, hf_ref)
 
 
+def test_minimax_m2_fp8_release_format(tiny_ckpt, hf_ref, tmp_path):
+    """MiniMax-M2 is released block-quantized like DeepSeek-V3 (float8_e4m3fn attention and
+    expert weights, a weight_scale_inv per block): loaded and dequantized, it generates HF's
+    tokens for the same (dequantized) weights."""
+    from tiny_models import quantize_fp8_checkpoint
+
+    fp8, dequant = quantize_fp8_checkpoint(
+        tiny_ckpt("minimax_m2"), tmp_path / "fp8", tmp_path / "dequant", block=(16, 16)
+    )
+    with LLM(str(fp8), attention_ranks=1, expert_ranks=1, dtype="float32", device="cpu") as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+    _check(outs, dequant, hf_ref)
+
+
 def test_configs_parse_as_hf_reads_them(tiny_ckpt):
     """What each family's config.json means, against the released models' keys and HF's
     defaults for missing ones."""

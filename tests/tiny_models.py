@@ -302,9 +302,11 @@ def make_tiny_checkpoint(
 
 
 def _quantizable(name: str, t: torch.Tensor) -> bool:
-    """The tensors DeepSeek-V3's release stores in fp8: every projection weight (attention,
-    dense MLP, shared and routed experts), not the router, embeddings, LM head or norms."""
-    return t.dim() == 2 and name.endswith("_proj.weight") and ".mlp.gate." not in name
+    """The tensors DeepSeek-V3's (and MiniMax-M2's) release stores in fp8: every projection
+    weight (attention, dense MLP, shared and routed experts, MiniMax's w1/w2/w3 included), not
+    the router, embeddings, LM head or norms."""
+    proj = name.endswith(("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
+    return t.dim() == 2 and proj and ".mlp.gate." not in name
 
 
 def quantize_fp8_checkpoint(src, fp8_dir, dequant_dir, block=(128, 128)) -> tuple[Path, Path]:
