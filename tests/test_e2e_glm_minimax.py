@@ -96,7 +96,7 @@ def test_configs_parse_as_hf_reads_them(tiny_ckpt):
     """What each family's config.json means, against the released models' keys and HF's
     defaults for missing ones."""
     glm = ModelConfig.from_hf(tiny_ckpt("glm4_moe"))
-    assert (glm.rotary_dim, glm.head_dim) == (8, 16)
+    assert (glm.rotary_dim, glm.head_dim) == (16, 32)
     assert glm.moe_layers == (1, 2) and glm.shared_expert_intermediate_size == 32
     assert (glm.scoring_func, glm.topk_method, glm.n_group, glm.topk_group) == (
         "sigmoid",
@@ -108,7 +108,7 @@ def test_configs_parse_as_hf_reads_them(tiny_ckpt):
     assert glm.qkv_bias and glm.qk_norm == "head"
     mm = ModelConfig.from_hf(tiny_ckpt("minimax_m2"))
     assert (mm.rotary_dim, mm.qk_norm, mm.scoring_func, mm.topk_method) == (
-        4,
+        8,
         "full",
         "sigmoid",
         "greedy",

@@ -25,6 +25,7 @@ KV_HEADS = 2
 EXPERT_INTERMEDIATE = 32
 DENSE_INTERMEDIATE = 96
 SHARED_INTERMEDIATE = 48
+WIDE_HEAD_DIM = 32  # GLM-4.5 / MiniMax-M2: num_heads * head_dim > hidden, as in the releases
 MAX_POS = 256
 INIT_STD = 0.1
 # Per-parameter init std overrides (by substring of the parameter name). A large
@@ -103,11 +104,12 @@ def _config(family: str, num_layers: int, num_experts: int, top_k: int, override
         kw.update(overrides)
         return OlmoeConfig(**kw)
     if family == "glm4_moe":
-        # GLM-4.5's shape of things: half of each head rotates, qkv bias, per-head q/k norm,
-        # grouped sigmoid routing (2 groups of 4, one chosen) scaled by 2.5, a shared expert,
-        # layer 0 dense.
+        # GLM-4.5's shape of things: heads wider than hidden / heads, half of each head
+        # rotates, qkv bias, per-head q/k norm, grouped sigmoid routing (2 groups of 4, one
+        # chosen) scaled by 2.5, a shared expert, layer 0 dense.
         kw = dict(
             common,
+            head_dim=WIDE_HEAD_DIM,
             intermediate_size=DENSE_INTERMEDIATE,
             moe_intermediate_size=EXPERT_INTERMEDIATE,
             n_routed_experts=num_experts,
@@ -124,12 +126,14 @@ def _config(family: str, num_layers: int, num_experts: int, top_k: int, override
         kw.update(overrides)
         return Glm4MoeConfig(**kw)
     if family == "minimax_m2":
-        # MiniMax-M2's intermediate_size *is* the expert size; rotary_dim: a quarter of a head.
+        # MiniMax-M2's intermediate_size *is* the expert size; heads wider than hidden / heads,
+        # rotary_dim a quarter of a head.
         kw = dict(
             common,
             intermediate_size=EXPERT_INTERMEDIATE,
             num_local_experts=num_experts,
-            rotary_dim=HIDDEN // HEADS // 4,
+            head_dim=WIDE_HEAD_DIM,
+            rotary_dim=WIDE_HEAD_DIM // 4,
         )
         kw.update(overrides)
         return MiniMaxM2Config(**kw)
