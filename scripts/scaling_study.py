@@ -152,6 +152,8 @@ def plan_topologies(args, notes: list[str]) -> list[Topology]:
     ):
         if e == 0 and (tr != usable[0] or bal != "static"):
             continue  # colocated: no transport, no expert balancer
+        if bal != "static" and e < 2:
+            continue  # a redundant replica must live on another expert rank than its original
         if (a + e) * rep > args.max_processes:
             notes.append(
                 f"skipped {a}A+{e}E x{rep}: more than --max-processes {args.max_processes}"

@@ -98,6 +98,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     from splitmoe.attention_nodes.model import AttentionModel, rms_norm
     from splitmoe.config import ModelConfig
     from splitmoe.expert_nodes.experts import LocalExperts
+    from splitmoe.kernels.backends import attention_backend, moe_backend
     from splitmoe.models.loader import load_attention_weights
     from splitmoe.sim.model import ModelShape
     from splitmoe.sim.simulator import Simulator
@@ -107,7 +108,8 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     shape = ModelShape.from_config(checkpoint)
     sim = Simulator(shape, hw)
     g, layers = load_attention_weights(cfg, torch.float32, "cpu")
-    model = AttentionModel(cfg, g, layers, torch.device("cpu"), "torch")
+    cpu = torch.device("cpu")
+    model = AttentionModel(cfg, g, layers, cpu, attention_backend("torch", cpu))
     L = cfg.num_layers
 
     def layers_once(h, pos, meta, kv) -> None:
@@ -138,7 +140,9 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     ys = [attn_time(b, 16, 16) - sim._attn(16 * b, 0, b, 8)[0] - attn_layer_s for b in pre_b]
     _, prefill_seq_layer_s = _fit_line(pre_b, ys)
 
-    experts = LocalExperts(cfg, list(range(cfg.num_experts)), torch.float32, "cpu", "torch")
+    experts = LocalExperts(
+        cfg, list(range(cfg.num_experts)), torch.float32, cpu, moe_backend("torch", cpu)
+    )
     x = torch.randn(32, cfg.hidden_size)
     k = cfg.top_k
     w = torch.full((32, k), 1.0 / k)

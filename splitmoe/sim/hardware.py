@@ -83,7 +83,10 @@ class HardwareProfile:
     mem_bytes_per_s: device memory bandwidth; memory_bytes: device memory capacity;
     flops_efficiency / mem_efficiency: fraction of peak that real kernels reach;
     gpus_per_node: ranks that share the fast (``intra``) link;
-    cores: ranks that can compute at once on one host (None: a device per rank, no contention).
+    cores: ranks that can compute at once on one host (None: a device per rank, no contention);
+    a2a_fixed_s: fixed seconds of one GPU-initiated dispatch or combine call (DeepEP low-latency,
+        StepMesh, MegaScale-Infer's M2N: launch, signalling, one network round trip), the
+        ``gpu_a2a`` transport's per-call cost beside its bytes over the links.
     """
 
     name: str
@@ -96,6 +99,7 @@ class HardwareProfile:
     fp8_flops: float = 0.0
     weight_bytes: int = 2
     cores: float | None = None
+    a2a_fixed_s: float = 30e-6
     overheads: Overheads = field(default_factory=Overheads)
     links: CostModel = field(default_factory=CostModel)
     description: str = ""
