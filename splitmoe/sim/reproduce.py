@@ -99,11 +99,15 @@ def _deployments(spec: dict) -> list[Deployment]:
 
 
 def best_under_slo(
-    sim: Simulator, dep: Deployment, context: float, tpot_slo: float | None
+    sim: Simulator,
+    dep: Deployment,
+    context: float,
+    tpot_slo: float | None,
+    max_batch: int | None = None,
 ) -> DecodePrediction | None:
     """Highest tokens/s per GPU over batches whose KV cache fits and whose TPOT meets the
-    target (every fitting batch without a target)."""
-    limit = sim.max_batch(dep, context)
+    target (every fitting batch without a target), at most ``max_batch`` (an engine's cap)."""
+    limit = min(sim.max_batch(dep, context), max_batch or 10**9)
     best = None
     for b in SEARCH_BATCHES:
         if b > limit:
@@ -135,7 +139,7 @@ def _throughput_prediction(case: dict, sim: Simulator) -> DecodePrediction | Non
         elif case.get("batch_from") == "little":
             p = sim.decode(dep, round(case["published"] / case["per_user_tok_s"]), ctx)
         else:
-            p = best_under_slo(sim, dep, ctx, slo)
+            p = best_under_slo(sim, dep, ctx, slo, case.get("max_batch"))
         if p is not None and (best is None or p.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu):
             best = p
     return best
@@ -157,13 +161,23 @@ def evaluate(case: dict) -> list[Row]:
                     detail)]  # fmt: skip
     if kind == "ratio":
         p = _throughput_prediction(case, sim)
-        base = _throughput_prediction({**case, "deployment": case["baseline"]}, sim)
+        cap = case.get("baseline_max_batch")
+        base_case = {**case, "deployment": case["baseline"], "max_batch": cap}
+        base = _throughput_prediction(base_case, sim)
         if p is None or base is None:
             return [Row(name, "AF / colocated", case["published"], 0.0, case["unit"], "no plan")]
         detail = (
             f"AF {p.tokens_per_s_per_gpu:.0f} tok/s/GPU ({_describe(p)}); colocated "
             f"{base.tokens_per_s_per_gpu:.0f} ({_describe(base)})"
         )
+        if cap:
+            free = _throughput_prediction({**base_case, "max_batch": None}, sim)
+            if free is not None:
+                detail += (
+                    f"; without the baseline's {cap}-sequence cap it reaches "
+                    f"{free.tokens_per_s_per_gpu:.0f} (batch {free.batch}): AF / colocated "
+                    f"{p.tokens_per_s_per_gpu / free.tokens_per_s_per_gpu:.2f}x"
+                )
         ratio = p.tokens_per_s_per_gpu / base.tokens_per_s_per_gpu
         return [Row(name, "AF / colocated", case["published"], ratio, case["unit"], detail)]
     if kind == "a2a":
