@@ -167,7 +167,9 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
 # (attention ranks, expert ranks, sequences) of the closed-batch `LLM` runs the step-level
 # constants are fitted from, in fitting order; prompts of CALIBRATION_PROMPT tokens, each
 # generating CALIBRATION_TOKENS. Every other configuration is left for validation.
-CALIBRATION_RUNS = ((1, 0, 1), (1, 0, 16), (1, 1, 1), (2, 0, 16), (1, 2, 1), (2, 2, 1))
+CALIBRATION_RUNS = (
+    (1, 0, 1), (1, 0, 16), (2, 0, 1), (2, 0, 16), (1, 1, 1), (1, 2, 1), (2, 2, 1),
+)  # fmt: skip
 CALIBRATION_PROMPT = 16
 CALIBRATION_TOKENS = 32
 
@@ -203,11 +205,12 @@ def _scaled(hw: HardwareProfile, speed: float, step_s: float) -> HardwareProfile
 
 
 def fit_runs(shape, hw: HardwareProfile, tbt: dict[tuple[int, int, int], float]) -> HardwareProfile:
-    """Fits ``step_s`` and the components' scale (1 colocated rank at 1 and 16 sequences),
-    ``cores`` (2 colocated ranks, between 1 and the machine's count) and ``collective_s`` per
-    world size (1 attention + 1 or 2 expert ranks, 2 + 2) so the simulator reproduces the
-    measured TBT (p50, seconds) of the `CALIBRATION_RUNS` present in ``tbt``; constants without
-    a run keep ``hw``'s value."""
+    """Fits ``step_s`` and the components' scale (1 colocated rank at 1 and 16 sequences), the
+    multi-process step costs ``proc_step_s`` / ``proc_seq_step_s`` (2 colocated ranks at 1 and
+    16 sequences) and ``collective_s`` per world size (1 attention + 1 or 2 expert ranks, 2 + 2)
+    so the simulator reproduces the measured TBT (p50, seconds) of the `CALIBRATION_RUNS`
+    present in ``tbt``, in that order; ``cores`` is the machine's count; constants without a
+    run keep ``hw``'s value."""
     from splitmoe.sim.simulator import Deployment, Simulator
 
     def pred(h: HardwareProfile, a: int, e: int, b: int) -> float:
@@ -244,12 +247,27 @@ def fit_runs(shape, hw: HardwareProfile, tbt: dict[tuple[int, int, int], float])
         coll = list(hw.overheads.collective_s)
         return hw
 
-    if (1, 1, 1) in tbt:
-        hw = fit_collective(hw, (1, 1, 1), 2)
+    # more than one rank process: the driver's fixed and per-sequence cost per step, from two
+    # colocated runs (no exchange between the ranks; they run on the machine's own cores)
+    hw = replace(hw, cores=float(os.cpu_count() or 1))
+
+    def with_proc(step_s: float, seq_s: float) -> HardwareProfile:
+        oh = replace(hw.overheads, proc_step_s=step_s, proc_seq_step_s=seq_s)
+        return replace(hw, overheads=oh)
+
+    # (2,0,1) and (1,1,1) share the fixed multi-process cost and the 2-rank collective: fit
+    # them in turn until both runs are reproduced
+    for _ in range(4 if (2, 0, 1) in tbt else 1):
+        if (2, 0, 1) in tbt:
+            step_s = hw.overheads.proc_step_s
+            c = _solve(lambda c: pred(with_proc(c, 0.0), 2, 0, 1) - tbt[(2, 0, 1)], 0.0, 0.05)
+            hw = with_proc(c, 0.0)
+        if (1, 1, 1) in tbt:
+            hw = fit_collective(hw, (1, 1, 1), 2)
     if (2, 0, 16) in tbt:
-        ncpu = float(os.cpu_count() or 1)
-        cores = _solve(lambda k: tbt[(2, 0, 16)] - pred(replace(hw, cores=k), 2, 0, 16), 1.0, ncpu)
-        hw = replace(hw, cores=cores)
+        step_s = hw.overheads.proc_step_s
+        s = _solve(lambda s: pred(with_proc(step_s, s), 2, 0, 16) - tbt[(2, 0, 16)], 0.0, 0.01)
+        hw = with_proc(step_s, s)
     for key, world in (((1, 2, 1), 3), ((2, 2, 1), 4)):
         if key in tbt:
             hw = fit_collective(hw, key, world)

@@ -43,6 +43,10 @@ class Overheads:
         ``collective_s[min(w, len) - 1] + collective_slope_s * max(0, w - len)`` (index 0: w = 1);
     wake_s: extra latency when the receiving side of an exchange was blocked waiting (a process
         woken by the OS; on a GPU, a kernel that polls — 0);
+    proc_step_s / proc_seq_step_s: per step, and per sequence and step, when an instance runs
+        more than one rank process (the driver scheduling, broadcasting the step and collecting
+        each sequence's token from separate processes; a single rank runs in the driver's
+        process; 0 on the GPU profiles, whose ranks are driven by their own processes anyway);
     """
 
     step_s: float = 0.0
@@ -55,6 +59,8 @@ class Overheads:
     collective_s: tuple[float, ...] = (0.0,)
     collective_slope_s: float = 0.0
     wake_s: float = 0.0
+    proc_step_s: float = 0.0
+    proc_seq_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collective_s", tuple(float(x) for x in self.collective_s))

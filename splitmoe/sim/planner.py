@@ -278,22 +278,30 @@ def closed_form_ratio(
     sim: Simulator, expert_ranks: int, batch: int, context: float, micro_batches: int = 3,
     transport: str = "gpu_a2a",
 ) -> float:  # fmt: skip
-    """The A:E ratio where the FFN side stops hiding behind attention, derived from the same
-    per-layer costs (the structure of arXiv 2601.21351's rule r* = max(r_A, r_C, r_peak) for
-    rA-1F bundles): with ``batch`` sequences per attention GPU, grow A until the experts' or
-    the links' time per micro-batch reaches attention's. Below it attention binds (add FFN
-    load: more A), above it experts or communication bind (A idles)."""
-    ta = sim.step(Deployment(1, expert_ranks, micro_batches, transport), batch, context).t_attn
+    """The A:E ratio past which the FFN side binds, from the same per-layer costs (derived here,
+    with the structure of arXiv 2601.21351's rule for rA-1F bundles, r* = max(r_A, r_C,
+    r_peak)): with ``batch`` sequences per attention GPU, the expert ranks' time is flat while
+    they only read weights (their floor: every local expert read once per micro-batch) and grows once the aggregated tokens make
+    them compute- or link-bound. Grow A while the experts' and the links' time per layer stays
+    under max(attention's time, the experts' floor): below this ratio attention (or the
+    weight reads) bind and more A is free throughput; above it A idles waiting for the FFN."""
+
+    def step(a: int):
+        return sim.step(Deployment(a, expert_ranks, micro_batches, transport), batch, context)
+
+    one = step(1)
+    per_rank = math.ceil(sim.model.num_experts / expert_ranks)
+    floor = micro_batches * sim._experts(1.0, per_rank)  # every local expert's weights, read
+    limit = max(one.t_attn, floor)
     lo, hi = 1, 4096
-    while lo < hi:  # the largest A whose expert and comm time stay under attention's
+    while lo < hi:  # the largest A whose expert and link time stay under the limit
         mid = (lo + hi + 1) // 2
-        st = sim.step(Deployment(mid, expert_ranks, micro_batches, transport), batch, context)
-        if max(st.t_expert, st.t_comm) <= ta:
+        st = step(mid)
+        if max(st.t_expert, st.t_comm) <= limit * 1.02:
             lo = mid
         else:
             hi = mid - 1
     return lo / expert_ranks
-
 
 CROSSOVER_PARAMS = ("bandwidth", "context", "sparsity")
 

@@ -385,8 +385,9 @@ class Simulator:
         sequences are those of one tensor-parallel group, every GPU of which sees all of them."""
         m, hw, oh = self.model, self.hw, self.hw.overheads
         tp = dep.attention_tp
-        # a sequence is never split across micro-batches: fewer sequences, fewer micro-batches
-        mb = max(1, min(dep.micro_batches, math.ceil(decode_seqs + prefill_seqs)))
+        # every micro-batch runs, empty or not (the runtime's split: empty micro-batches still
+        # take part in the collectives), so more micro-batches than sequences only cost
+        mb = dep.micro_batches
         q_per_seq = 1 + self.draft_tokens
         tokens = decode_seqs * q_per_seq + prefill_tokens
         seqs = decode_seqs + prefill_seqs
@@ -422,7 +423,7 @@ class Simulator:
             self.recorded_load,
         )
         te = self._experts(load.pairs_max, load.active_max)
-        tc = self._comm(dep, t_mb, load) if routed else 0.0
+        tc = self._comm(dep, t_mb, load) if tokens else 0.0
         if dep.colocated:
             busy = dep.attention_ranks
             ta, te = attn_moe * hw.contention(busy), te * hw.contention(busy)
@@ -443,8 +444,15 @@ class Simulator:
         )
         # MTP: each drafted token runs the draft module, one more MoE layer (DeepSeek-V3)
         mtp = self.draft_tokens * layer
+        # the driver handles every sequence of the instance, whichever rank holds it
+        procs = (
+            oh.proc_step_s + oh.proc_seq_step_s * seqs * dep.attention_ranks
+            if dep.ranks > 1
+            else 0.0
+        )
         t_step = (
             oh.step_s
+            + procs
             + oh.seq_step_s * seqs
             + oh.collective(dep.ranks)
             + head * hw.contention(dep.attention_ranks)
