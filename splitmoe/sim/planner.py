@@ -281,10 +281,11 @@ def closed_form_ratio(
     """The A:E ratio past which the FFN side binds, from the same per-layer costs (derived here,
     with the structure of arXiv 2601.21351's rule for rA-1F bundles, r* = max(r_A, r_C,
     r_peak)): with ``batch`` sequences per attention GPU, the expert ranks' time is flat while
-    they only read weights (their floor: every local expert read once per micro-batch) and grows once the aggregated tokens make
-    them compute- or link-bound. Grow A while the experts' and the links' time per layer stays
-    under max(attention's time, the experts' floor): below this ratio attention (or the
-    weight reads) bind and more A is free throughput; above it A idles waiting for the FFN."""
+    they only read weights (their floor: every local expert read once per micro-batch) and
+    grows once the aggregated tokens make them compute- or link-bound. Grow A while the
+    experts' and the links' time per layer stays under max(attention's time, the experts'
+    floor): below this ratio attention (or the weight reads) bind and more A is free
+    throughput; above it A idles waiting for the FFN."""
 
     def step(a: int):
         return sim.step(Deployment(a, expert_ranks, micro_batches, transport), batch, context)
