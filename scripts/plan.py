@@ -201,15 +201,20 @@ def plot(sim: Simulator, args, space: CompareSpace, v, sweep) -> list[Path]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     # 2. A:E ratio sweep at a fixed E, with the closed-form ratio
-    e = 16 if 16 <= sim.model.num_experts else sim.model.num_experts
-    attn = [a for a in (2, 4, 8, 12, 16, 24, 32, 48, 64) if a + e <= max(args.gpus, 2 * e)]
-    rs = ae_ratio_sweep(sim, e, attn, args.tpot_slo, args.context, batches=space.batches)
+    # at the best AF plan's E and micro-batches (the verdict's), A from E/4 to 4E
+    e, m = min(16, sim.model.num_experts), 2
+    if v.af:
+        e, m = v.af.prediction.deployment.expert_ranks, v.af.prediction.deployment.micro_batches
+    attn = sorted({max(1, round(e * r)) for r in (0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4)})
+    rs = ae_ratio_sweep(sim, e, attn, args.tpot_slo, args.context, m, batches=space.batches)
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     ok = [(a, p) for a, p in rs if p is not None]
-    ax.plot([a / e for a, _ in ok], [p.per_gpu for _, p in ok], marker="o", label=f"E = {e}")
+    ax.plot(
+        [a / e for a, _ in ok], [p.per_gpu for _, p in ok], marker="o", label=f"E = {e}, m = {m}"
+    )
     if ok:
         best = max(ok, key=lambda ap: ap[1].per_gpu)[1].prediction
-        r = closed_form_ratio(sim, e, best.batch, args.context)
+        r = closed_form_ratio(sim, e, best.batch, args.context, m)
         ax.axvline(r, color="tab:red", ls="--", lw=1,
                    label=f"closed form {r:.2f} (batch {best.batch})")  # fmt: skip
     ax.set_xlabel("A : E")

@@ -49,6 +49,7 @@ from splitmoe import LLM, SamplingParams  # noqa: E402
 from splitmoe.config import ModelConfig  # noqa: E402
 from splitmoe.metrics import summarize  # noqa: E402
 from splitmoe.models.default_model import default_model_path
+from splitmoe.sim.calibrate import decode_step_time  # noqa: E402
 
 # axis -> (LLM keyword, default value); the default runs even when the keyword does not exist.
 OPTIONAL_AXES = {
@@ -228,28 +229,11 @@ def run_point(llms: list[LLM], topo: Topology, num_requests: int, rate: float, a
         tbt_p90_ms=m.tbt_p90 * 1e3,
         tbt_p99_ms=m.tbt_p99 * 1e3,
         tpot_mean_ms=m.tpot_mean * 1e3,
-        step_p50_ms=decode_step_p50(records, m.tbt_p50) * 1e3,
+        step_p50_ms=decode_step_time(records, m.tbt_p50) * 1e3,
         comm_share=(comm1 - comm0) / busy if busy else 0.0,
         imbalance=imbalance,
         seqs_per_step_mean=m.seqs_per_step_mean,
     )
-
-
-def decode_step_p50(records: list[list], fallback: float) -> float:
-    """Median seconds between consecutive pure-decode steps of one attention rank, as the rank
-    timed them: the decode step time. (Client-side token gaps, TBT, are not: with several rank
-    processes the driver receives tokens in bursts, so the median gap is not one step.)"""
-    gaps = []
-    for recs in records:  # one instance's records
-        by_rank: dict[int, list] = {}
-        for s in recs:
-            by_rank.setdefault(s.rank, []).append(s)
-        for steps in by_rank.values():
-            steps.sort(key=lambda s: s.time)
-            for a, b in zip(steps, steps[1:]):
-                if a.num_seqs == a.num_decode and b.num_seqs == b.num_decode > 0:
-                    gaps.append(b.time - a.time)
-    return statistics.median(gaps) if gaps else fallback
 
 
 def median_dict(runs: list[dict]) -> dict:
@@ -621,14 +605,13 @@ def validate(args, hw, rows: list[dict], out: Path):
     if not args.profile:
         same = args.prompt_len == CALIBRATION_PROMPT and args.max_tokens == CALIBRATION_TOKENS
         tbt = {
-            (r["attention_ranks"], r["expert_ranks"], r["num_requests"]): step_ms(r) / 1e3
+            run_key(r): step_ms(r) / 1e3
             for r in rows
             if same
             and predictable(r)
-            and r["micro_batches"] == 1
             and r["balancer"] == "static"
             and r["transport"] in ("none", "flat")
-            and (r["attention_ranks"], r["expert_ranks"], r["num_requests"]) in CALIBRATION_RUNS
+            and run_key(r) in CALIBRATION_RUNS
         }
         missing = set(CALIBRATION_RUNS) - set(tbt)
         if missing:
@@ -649,14 +632,21 @@ def _fit(shape, hw, tbt, model):
     fitted = fit_runs(shape, hw, tbt)
     oh = fitted.overheads
     print(
-        f"fitted: step {oh.step_s * 1e3:.3f} ms, effective cores {fitted.cores:.2f}, collective "
+        f"fitted: step {oh.step_s * 1e3:.3f} ms, multi-process {oh.proc_step_s * 1e3:.3f} ms + "
+        f"{oh.proc_seq_step_s * 1e3:.3f} ms/seq, micro-batch {oh.micro_batch_s * 1e3:.3f} ms, "
+        "collective "
         + ", ".join(f"W={w + 1} {c * 1e3:.3f} ms" for w, c in enumerate(oh.collective_s) if w)
     )
     return replace(fitted, name="cpu", source={
         "measured_by": "scripts/scaling_study.py --validate", "checkpoint": str(model),
-        "runs_tbt_s": {f"{a}A+{e}E b{b}": t for (a, e, b), t in sorted(tbt.items())},
+        "runs_step_s": {f"{a}A+{e}E b{b} m={m}": t for (a, e, b, m), t in sorted(tbt.items())},
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": os.getloadavg()[0],
     })  # fmt: skip
+
+
+def run_key(r: dict) -> tuple[int, int, int, int]:
+    """(attention ranks, expert ranks, requests, micro-batches): a `CALIBRATION_RUNS` key."""
+    return (r["attention_ranks"], r["expert_ranks"], r["num_requests"], r["micro_batches"])
 
 
 def step_ms(r: dict) -> float:

@@ -164,11 +164,13 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
 
 
 # ---- fitted from end-to-end runs -------------------------------------------------------------
-# (attention ranks, expert ranks, sequences) of the closed-batch `LLM` runs the step-level
-# constants are fitted from, in fitting order; prompts of CALIBRATION_PROMPT tokens, each
-# generating CALIBRATION_TOKENS. Every other configuration is left for validation.
+# (attention ranks, expert ranks, sequences, micro-batches) of the closed-batch `LLM` runs the
+# step-level constants are fitted from, in fitting order (flat transport, static balancer);
+# prompts of CALIBRATION_PROMPT tokens, each generating CALIBRATION_TOKENS. Every other
+# configuration is left for validation.
 CALIBRATION_RUNS = (
-    (1, 0, 1), (1, 0, 16), (2, 0, 1), (2, 0, 16), (1, 1, 1), (1, 2, 1), (2, 2, 1),
+    (1, 0, 1, 1), (1, 0, 16, 1), (2, 0, 1, 1), (2, 0, 16, 1), (1, 1, 1, 1), (1, 2, 1, 1),
+    (2, 2, 1, 1), (1, 0, 16, 2),
 )  # fmt: skip
 CALIBRATION_PROMPT = 16
 CALIBRATION_TOKENS = 32
@@ -204,18 +206,41 @@ def _scaled(hw: HardwareProfile, speed: float, step_s: float) -> HardwareProfile
     )
 
 
-def fit_runs(shape, hw: HardwareProfile, tbt: dict[tuple[int, int, int], float]) -> HardwareProfile:
+def decode_step_time(records: list[list], fallback: float) -> float:
+    """Median seconds between consecutive pure-decode steps of one attention rank, as the rank
+    timed them (`StepRecord.time`), over the step records of one or more instances: the decode
+    step time. (Client-side token gaps are not: with several rank processes the driver receives
+    tokens in bursts, so the median gap is about two steps.)"""
+    gaps = []
+    for recs in records:
+        by_rank: dict[int, list] = {}
+        for s in recs:
+            by_rank.setdefault(s.rank, []).append(s)
+        for steps in by_rank.values():
+            steps.sort(key=lambda s: s.time)
+            for a, b in zip(steps, steps[1:]):
+                if a.num_seqs == a.num_decode and b.num_seqs == b.num_decode > 0:
+                    gaps.append(b.time - a.time)
+    return statistics.median(gaps) if gaps else fallback
+
+
+def fit_runs(
+    shape, hw: HardwareProfile, tbt: dict[tuple[int, int, int, int], float]
+) -> HardwareProfile:
     """Fits ``step_s`` and the components' scale (1 colocated rank at 1 and 16 sequences), the
     multi-process step costs ``proc_step_s`` / ``proc_seq_step_s`` (2 colocated ranks at 1 and
     16 sequences) and ``collective_s`` per world size (1 attention + 1 or 2 expert ranks, 2 + 2)
-    so the simulator reproduces the measured TBT (p50, seconds) of the `CALIBRATION_RUNS`
+    and ``micro_batch_s`` (1 colocated rank, 16 sequences in two micro-batches) so the
+    simulator reproduces the measured decode step time (seconds) of the `CALIBRATION_RUNS`
     present in ``tbt``, in that order; ``cores`` is the machine's count; constants without a
     run keep ``hw``'s value."""
     from splitmoe.sim.simulator import Deployment, Simulator
 
-    def pred(h: HardwareProfile, a: int, e: int, b: int) -> float:
+    tbt = {k[:3] if len(k) == 4 and k[3] == 1 else k: v for k, v in tbt.items()}
+
+    def pred(h: HardwareProfile, a: int, e: int, b: int, m: int = 1) -> float:
         run = Simulator(shape, h).run(
-            Deployment(a, e), b, CALIBRATION_PROMPT, CALIBRATION_TOKENS, 2048
+            Deployment(a, e, micro_batches=m), b, CALIBRATION_PROMPT, CALIBRATION_TOKENS, 2048
         )
         return run.tbt
 
@@ -271,34 +296,44 @@ def fit_runs(shape, hw: HardwareProfile, tbt: dict[tuple[int, int, int], float])
     for key, world in (((1, 2, 1), 3), ((2, 2, 1), 4)):
         if key in tbt:
             hw = fit_collective(hw, key, world)
+    if (1, 0, 16, 2) in tbt:  # each further micro-batch: building its inputs and metadata
+
+        def with_mb(c: float) -> HardwareProfile:
+            return replace(hw, overheads=replace(hw.overheads, micro_batch_s=c))
+
+        c = _solve(lambda c: pred(with_mb(c), 1, 0, 16, 2) - tbt[(1, 0, 16, 2)], 0.0, 0.05)
+        hw = with_mb(c)
     slope = coll[-1] - coll[-2] if len(coll) >= 3 else 0.0
     return replace(hw, overheads=replace(hw.overheads, collective_slope_s=max(0.0, slope)))
 
 
 def measure_calibration_runs(
     checkpoint: str | Path, max_world: int = 4, repeats: int = 3, log=print
-) -> dict[tuple[int, int, int], float]:
-    """Median TBT p50 (seconds) of each of `CALIBRATION_RUNS` that fits in ``max_world`` ranks."""
+) -> dict[tuple[int, int, int, int], float]:
+    """Median decode step time (seconds) of each of `CALIBRATION_RUNS` that fits in
+    ``max_world`` ranks."""
     from splitmoe import LLM, SamplingParams
 
     out = {}
     g = torch.Generator().manual_seed(0)
-    topologies = sorted({(a, e) for a, e, _ in CALIBRATION_RUNS if a + e <= max_world})
-    for a, e in topologies:
-        with LLM(str(checkpoint), attention_ranks=a, expert_ranks=e, device="cpu",
-                 threads_per_rank=1, timeout_s=120) as llm:  # fmt: skip
+    topologies = sorted({(a, e, m) for a, e, _, m in CALIBRATION_RUNS if a + e <= max_world})
+    for a, e, m in topologies:
+        with LLM(str(checkpoint), attention_ranks=a, expert_ranks=e, micro_batches=m,
+                 device="cpu", threads_per_rank=1, timeout_s=120) as llm:  # fmt: skip
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
-            for a2, e2, b in CALIBRATION_RUNS:
-                if (a2, e2) != (a, e):
+            for key in CALIBRATION_RUNS:
+                if (key[0], key[1], key[3]) != (a, e, m):
                     continue
+                b = key[2]
                 prompts = torch.randint(1, 500, (b, CALIBRATION_PROMPT), generator=g).tolist()
                 sp = SamplingParams(max_tokens=CALIBRATION_TOKENS, ignore_eos=True)
-                tbt = []
+                times = []
                 for _ in range(repeats):
+                    llm.reset_metrics()
                     llm.generate(prompts, sp, use_tqdm=False)
-                    tbt.append(llm.metrics().tbt_p50)
-                out[(a, e, b)] = statistics.median(tbt)
-                log(f"calibration run {a}A+{e}E batch {b}: TBT p50 {out[(a, e, b)] * 1e3:.2f} ms")
+                    times.append(decode_step_time([llm.step_records], llm.metrics().tbt_p50))
+                out[key] = statistics.median(times)
+                log(f"calibration run {a}A+{e}E m={m} batch {b}: step {out[key] * 1e3:.2f} ms")
     return out
 
 
@@ -342,7 +377,7 @@ def calibrate(
         source={
             "measured_by": "splitmoe.sim.calibrate.calibrate",
             "checkpoint": str(checkpoint),
-            "runs_tbt_s": {f"{a}A+{e}E b{b}": t for (a, e, b), t in sorted(runs.items())},
+            "runs_step_s": {f"{a}A+{e}E b{b} m={m}": t for (a, e, b, m), t in sorted(runs.items())},
             "when": time.strftime("%Y-%m-%d %H:%M:%S"),
             "seconds": round(time.time() - t0, 1),
             "load_average": os.getloadavg()[0],

@@ -47,6 +47,7 @@ class Overheads:
         more than one rank process (the driver scheduling, broadcasting the step and collecting
         each sequence's token from separate processes; a single rank runs in the driver's
         process; 0 on the GPU profiles, whose ranks are driven by their own processes anyway);
+    micro_batch_s: per step and micro-batch beyond the first (building its inputs and metadata);
     """
 
     step_s: float = 0.0
@@ -61,6 +62,7 @@ class Overheads:
     wake_s: float = 0.0
     proc_step_s: float = 0.0
     proc_seq_step_s: float = 0.0
+    micro_batch_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collective_s", tuple(float(x) for x in self.collective_s))

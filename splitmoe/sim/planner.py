@@ -245,6 +245,9 @@ class Verdict:
                 f"{binding(sim, p)} (per MoE layer: attention {p.step.t_attn * 1e3:.2f}, "
                 f"experts {p.step.t_expert * 1e3:.2f}, communication {p.step.t_comm * 1e3:.2f} ms)"
             )
+        if self.af is None and self.colocated is None:
+            lines.append("neither meets the target: relax the TPOT target or add GPUs")
+            return "\n".join(lines)
         g = self.gain
         word = "beats" if g > 1.0 else "does not beat"
         lines.append(f"AF {word} colocated: {g:.2f}x throughput per GPU")
@@ -303,6 +306,7 @@ def closed_form_ratio(
         else:
             hi = mid - 1
     return lo / expert_ranks
+
 
 CROSSOVER_PARAMS = ("bandwidth", "context", "sparsity")
 

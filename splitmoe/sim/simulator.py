@@ -452,6 +452,7 @@ class Simulator:
         )
         t_step = (
             oh.step_s
+            + oh.micro_batch_s * (mb - 1)
             + procs
             + oh.seq_step_s * seqs
             + oh.collective(dep.ranks)

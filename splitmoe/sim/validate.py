@@ -126,20 +126,22 @@ class Check:
 def check(
     model: ModelShape, hw: HardwareProfile, rows: list[dict], calibration: set | None = None
 ) -> Check:
-    """Predicts every predictable row; the rows whose (attention ranks, expert ranks, requests)
-    are in ``calibration`` (at m=1, static, flat) fitted the profile, the others validate it."""
+    """Predicts every predictable row; the rows whose (attention ranks, expert ranks, requests,
+    micro-batches) are in ``calibration`` (static, flat) fitted the profile, the others validate
+    it."""
     sim = Simulator(model, hw)
     out = []
     for row in rows:
         if not predictable(row):
             continue
         r = {**row, **predict_row(sim, row)}
-        key = (int(row["attention_ranks"]), int(row["expert_ranks"]), int(row["num_requests"]))
-        default = (
-            int(row["micro_batches"]) == 1
-            and row["transport"] in ("none", "flat")
-            and row.get("balancer", "static") == "static"
+        key = (
+            int(row["attention_ranks"]),
+            int(row["expert_ranks"]),
+            int(row["num_requests"]),
+            int(row["micro_batches"]),
         )
+        default = row["transport"] in ("none", "flat") and row.get("balancer", "static") == "static"
         r["calibration"] = bool(calibration) and default and key in calibration
         out.append(r)
     return Check(rows=out)
