@@ -141,14 +141,6 @@ def table(plans: list[Plan], title: str, top: int = 8) -> str:
 
 
 # ---- what a researcher asks: fronts, ratios, verdicts, crossovers ------------------------------
-def binding(sim: Simulator, p: DecodePrediction) -> str:
-    """What stops this plan from growing its batch: the KV cache filling the attention GPU's
-    memory, else the part of the step that takes longest (attention, experts, communication)."""
-    if p.batch >= sim.max_batch(p.deployment, p.context):
-        return "KV memory"
-    return p.binding
-
-
 def pareto_front(points: list[DecodePrediction]) -> list[DecodePrediction]:
     """The non-dominated points (lower TPOT, higher tokens/s per GPU), by increasing TPOT; along
     the front throughput per GPU strictly increases."""
@@ -186,6 +178,20 @@ class CompareSpace:
     transport: str = "gpu_a2a"
     batches: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384,
                                 448, 512, 640, 768, 896, 1024)  # fmt: skip
+
+
+def binding(
+    sim: Simulator, p: DecodePrediction, batches: Iterable[int] = CompareSpace.batches
+) -> str:
+    """What stops this plan from growing its batch: the KV cache filling the attention GPU's
+    memory (the next batch tried would not fit), else the part of the step that takes longest
+    (attention, experts, communication)."""
+    bigger = [b for b in batches if b > p.batch]
+    if p.batch >= sim.max_batch(p.deployment, p.context) or (
+        bigger and min(bigger) > sim.max_batch(p.deployment, p.context)
+    ):
+        return "KV memory"
+    return p.binding
 
 
 def af_deployments(sim: Simulator, gpus: int, space: CompareSpace) -> list[Deployment]:

@@ -25,7 +25,7 @@ roofline come from the `HardwareProfile`; ranks sharing too few cores slow down 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -383,6 +383,10 @@ class Simulator:
         ``context`` cached tokens each (``1 + draft_tokens`` query tokens each with MTP), plus
         ``prefill_tokens`` prompt tokens in ``prefill_seqs`` chunks. With ``attention_tp`` the
         sequences are those of one tensor-parallel group, every GPU of which sees all of them."""
+        if dep.colocated and self.expert_hw is not None:  # experts on the attention GPUs
+            return replace(self, expert_hw=None).step(
+                dep, decode_seqs, context, prefill_tokens, prefill_seqs
+            )
         m, hw, oh = self.model, self.hw, self.hw.overheads
         tp = dep.attention_tp
         # every micro-batch runs, empty or not (the runtime's split: empty micro-batches still
@@ -476,6 +480,8 @@ class Simulator:
     # ---- what users ask -----------------------------------------------------------------------
     def memory_gb(self, dep: Deployment, batch: int, max_context: float) -> tuple[float, float]:
         """Bytes an attention rank and an expert rank hold (GB): weights + full-context KV."""
+        if dep.colocated and self.expert_hw is not None:
+            return replace(self, expert_hw=None).memory_gb(dep, batch, max_context)
         m = self.model
         tp = dep.attention_tp
         kv = batch * max_context * m.kv_bytes_per_token(self.kv_bytes) * m.num_layers

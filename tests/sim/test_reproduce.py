@@ -145,6 +145,9 @@ def test_heterogeneous_expert_gpu():
     assert a.t_attn == pytest.approx(b.t_attn)
     assert b.t_expert > a.t_expert  # 864 GB/s GDDR6 against 4 TB/s HBM for the expert weights
     assert hetero.decode(dep, 64, 2048).expert_mem_gb < l40s.memory_bytes / 1e9
+    # a colocated deployment runs its experts on the attention GPUs: the expert GPU is unused
+    co = Deployment(8, 0, 2, "gpu_a2a", expert_parallel=8)
+    assert hetero.decode(co, 64, 2048).tpot == pytest.approx(homo.decode(co, 64, 2048).tpot)
 
 
 def test_tensor_parallel_baseline():
