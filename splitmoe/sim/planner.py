@@ -171,7 +171,7 @@ class CompareSpace:
     instances of ``A + E`` GPUs, colocated EP instances, both with GPU-initiated all-to-all and
     the ping-pong / two-micro-batch overlap."""
 
-    attention_ranks: tuple[int, ...] = (4, 8, 16, 32)
+    attention_ranks: tuple[int, ...] = (4, 8, 12, 16, 24, 32, 48)
     expert_ranks: tuple[int, ...] = (4, 8, 16, 32)
     micro_batches: tuple[int, ...] = (2, 3)
     colocated_sizes: tuple[int, ...] = (8, 16, 32, 64)
@@ -292,9 +292,9 @@ def closed_form_ratio(
     r_peak)): with ``batch`` sequences per attention GPU, the expert ranks' time is flat while
     they only read weights (their floor: every local expert read once per micro-batch) and
     grows once the aggregated tokens make them compute- or link-bound. Grow A while the
-    experts' and the links' time per layer stays under max(attention's time, the experts'
-    floor): below this ratio attention (or the weight reads) bind and more A is free
-    throughput; above it A idles waiting for the FFN."""
+    experts' and the links' time per layer stays under max(attention's time, one attention
+    GPU's own exchange time at A = 1, the experts' floor): below this ratio the attention side
+    binds and more A is free throughput; above it A idles waiting for the FFN side."""
 
     def step(a: int):
         return sim.step(Deployment(a, expert_ranks, micro_batches, transport), batch, context)
@@ -302,7 +302,9 @@ def closed_form_ratio(
     one = step(1)
     per_rank = math.ceil(sim.model.num_experts / expert_ranks)
     floor = micro_batches * sim._experts(1.0, per_rank)  # every local expert's weights, read
-    limit = max(one.t_attn, floor)
+    # the attention GPU's own pace: its attention, or its NIC's egress (which does not grow with
+    # A), or the experts' weight reads
+    limit = max(one.t_attn, one.t_comm, floor)
     lo, hi = 1, 4096
     while lo < hi:  # the largest A whose expert and link time stay under the limit
         mid = (lo + hi + 1) // 2
