@@ -170,7 +170,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
 # configuration is left for validation.
 CALIBRATION_RUNS = (
     (1, 0, 1, 1), (1, 0, 16, 1), (2, 0, 1, 1), (2, 0, 16, 1), (1, 1, 1, 1), (1, 2, 1, 1),
-    (2, 2, 1, 1), (1, 0, 16, 2),
+    (2, 2, 1, 1), (1, 2, 16, 1), (1, 0, 16, 2),
 )  # fmt: skip
 CALIBRATION_PROMPT = 16
 CALIBRATION_TOKENS = 32
@@ -224,6 +224,12 @@ def decode_step_time(records: list[list], fallback: float) -> float:
     return statistics.median(gaps) if gaps else fallback
 
 
+def _fit_oversubscribed(hw: HardwareProfile, err) -> HardwareProfile:
+    """``hw`` with the ``oversubscribed`` slow-down that zeroes ``err(profile)``."""
+    k = _solve(lambda k: err(replace(hw, oversubscribed=k)), 1.0, 50.0)
+    return replace(hw, oversubscribed=k)
+
+
 def fit_runs(
     shape, hw: HardwareProfile, tbt: dict[tuple[int, int, int, int], float]
 ) -> HardwareProfile:
@@ -273,7 +279,7 @@ def fit_runs(
         return hw
 
     # more than one rank process: the driver's fixed and per-sequence cost per step, from two
-    # colocated runs (no exchange between the ranks; they run on the machine's own cores)
+    # colocated runs (no exchange between the ranks; two ranks on the machine's own cores)
     hw = replace(hw, cores=float(os.cpu_count() or 1))
 
     def with_proc(step_s: float, seq_s: float) -> HardwareProfile:
@@ -293,9 +299,14 @@ def fit_runs(
         step_s = hw.overheads.proc_step_s
         s = _solve(lambda s: pred(with_proc(step_s, s), 2, 0, 16) - tbt[(2, 0, 16)], 0.0, 0.01)
         hw = with_proc(step_s, s)
-    for key, world in (((1, 2, 1), 3), ((2, 2, 1), 4)):
-        if key in tbt:
-            hw = fit_collective(hw, key, world)
+    # more rank processes than cores: the slow-down (from 1+2 at 16 sequences) and the 3- and
+    # 4-rank collectives (at 1 sequence) depend on each other: fit them in turn
+    for _ in range(4 if (1, 2, 16) in tbt else 1):
+        for key, world in (((1, 2, 1), 3), ((2, 2, 1), 4)):
+            if key in tbt:
+                hw = fit_collective(hw, key, world)
+        if (1, 2, 16) in tbt:
+            hw = _fit_oversubscribed(hw, lambda h: pred(h, 1, 2, 16) - tbt[(1, 2, 16)])
     if (1, 0, 16, 2) in tbt:  # each further micro-batch: building its inputs and metadata
 
         def with_mb(c: float) -> HardwareProfile:

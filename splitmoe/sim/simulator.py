@@ -395,7 +395,10 @@ class Simulator:
         q_per_seq = 1 + self.draft_tokens
         tokens = decode_seqs * q_per_seq + prefill_tokens
         seqs = decode_seqs + prefill_seqs
-        t_mb = tokens / mb
+        # micro-batches with sequences in them (the others skip the compute but still take part
+        # in the exchange)
+        full = min(mb, max(1, math.ceil(seqs))) if seqs else mb
+        t_mb = tokens / full
         ctx = (
             context
             if not prefill_tokens
@@ -407,7 +410,7 @@ class Simulator:
                 / max(tokens, 1)
             )
         )
-        attn_moe, attn_dense = self._attn(t_mb, decode_seqs / mb, prefill_seqs / mb, ctx, tp)
+        attn_moe, attn_dense = self._attn(t_mb, decode_seqs / full, prefill_seqs / full, ctx, tp)
         # expert load of one micro-batch: routed tokens of all attention ranks (or EP group)
         if tp > 1:
             group, senders = tp, 1  # every GPU of the group holds all tokens, 1/tp of experts
@@ -428,19 +431,16 @@ class Simulator:
         )
         te = self._experts(load.pairs_max, load.active_max)
         tc = self._comm(dep, t_mb, load) if tokens else 0.0
+        # More rank processes than a host's cores: every rank computes slower
+        # (`HardwareProfile.contention`; 1 on GPUs).
+        slow = hw.contention(dep.ranks)
+        ta, te = attn_moe * slow, te * slow
         if dep.colocated:
-            busy = dep.attention_ranks
-            ta, te = attn_moe * hw.contention(busy), te * hw.contention(busy)
             comp = ta + te
-            layer = max(mb * comp, mb * tc) + min(comp, tc)
+            layer = max(full * comp, mb * tc) + min(comp, tc)
         else:
-            if mb == 1:
-                ta = attn_moe * hw.contention(dep.attention_ranks)
-                te = te * self.ehw.contention(dep.expert_ranks)
-            else:
-                ta, te = (x * hw.contention(dep.ranks) for x in (attn_moe, te))
-            layer = max(mb * ta, mb * te, mb * tc, ta + te + tc)
-        dense = mb * attn_dense * hw.contention(dep.attention_ranks)
+            layer = max(full * ta, full * te, mb * tc, ta + te + tc)
+        dense = full * attn_dense * slow
         if tp > 1:
             dense += mb * self._allreduce(tp, t_mb)
         head = hw.gemm_s(
@@ -460,14 +460,14 @@ class Simulator:
             + procs
             + oh.seq_step_s * seqs
             + oh.collective(dep.ranks)
-            + head * hw.contention(dep.attention_ranks)
+            + head * slow
             + m.num_moe_layers * layer
             + m.num_dense_layers * dense
             + mtp
         )
         return StepPrediction(
-            t_attn=mb * ta,
-            t_expert=mb * te,
+            t_attn=full * ta,
+            t_expert=full * te,
             t_comm=mb * tc,
             t_moe_layer=layer,
             t_dense_layer=dense,
