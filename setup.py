@@ -11,11 +11,11 @@ setup(
     python_requires=">=3.10",
     # torch is pinned by the install scripts (scripts/setup_env.sh) to a CPU build on machines
     # without CUDA; here we only state the lower bound the code needs.
-    install_requires=["torch>=2.4", "safetensors>=0.4", "tokenizers>=0.15", "numpy", "tqdm"],
+    install_requires=["torch>=2.4", "safetensors>=0.4", "tokenizers>=0.15", "numpy", "tqdm",
+                      "matplotlib"],
     extras_require={
         "test": ["pytest>=7", "transformers>=4.51", "triton>=3.0", "ruff"],
         "mpi": ["mpi4py>=3.1", "openmpi"],
         "triton": ["triton>=3.0"],
-        "plots": ["matplotlib"],
     },
 )

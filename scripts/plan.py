@@ -1,17 +1,28 @@
 """A:E planner: the best disaggregated deployments of a model on a GPU budget under a TPOT target.
 
+    python scripts/plan.py --reproduce                 # published AF / EP results, simulated
     python scripts/plan.py --model qwen3-235b-a22b --hardware h100 --gpus 64 --tpot-slo 50ms
+    python scripts/plan.py --model deepseek-v3 --hardware h800 --gpus 64 --tpot-slo 50ms \\
+        --verdict --crossover bandwidth=0.25,0.5,1,2,4,8 --plot out/plan
     python scripts/plan.py --model path/to/config.json --hardware h200 --gpus 32 --tpot-slo 30ms \\
         --context 8192 --skew 0.5
 
-``--model``: a ``config.json`` (any supported family, or DeepSeek-V2/V3), a checkpoint
-directory, or a shipped config name (``qwen3-235b-a22b``, ``deepseek-v3``). ``--hardware``:
-``h100``, ``h200``, ``cpu`` or a profile JSON. Prints the best plans (attention:expert ranks,
+``--model``: a ``config.json`` (any supported family, DeepSeek-V2/V3, Step-3, or any MoE config
+with the common Hugging Face keys), a checkpoint directory, or a shipped config name
+(``splitmoe/sim/configs/``). ``--hardware``: a profile name (``splitmoe/sim/profiles/``: h100,
+h800, h200, a100, h20, l40s, gb200, cpu) or a profile JSON; ``--expert-hardware`` puts the expert
+ranks on another GPU (heterogeneous AF). Prints the best plans (attention:expert ranks,
 micro-batches, transport, balancer, replicas, batch per attention rank) with their predicted
 TPOT, throughput per GPU and per-layer times, beside the best colocated deployment (experts
 sharded over the same GPUs, attention data-parallel). Per-layer columns are milliseconds per
 MoE layer for a whole step (all micro-batches); ``ovlp`` is the share of the serial time hidden
 by the ping-pong overlap.
+
+``--verdict``: whether AF beats colocated under the target and what binds each side;
+``--crossover PARAM=v1,v2,...``: that verdict as ``bandwidth`` (network bytes/s scale),
+``context`` (mean tokens) or ``sparsity`` (top-k / experts at the same expert parameters) varies;
+``--plot DIR``: throughput per GPU against TPOT (Pareto fronts, AF and colocated), the A:E ratio
+sweep with the closed-form ratio, and the crossover.
 """
 
 from __future__ import annotations
@@ -19,10 +30,26 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from splitmoe.sim.hardware import load_profile
 from splitmoe.sim.model import ModelShape
-from splitmoe.sim.planner import SearchSpace, search, table
+from splitmoe.sim.planner import (
+    CROSSOVER_PARAMS,
+    CompareSpace,
+    SearchSpace,
+    ae_ratio_sweep,
+    af_deployments,
+    binding,
+    closed_form_ratio,
+    colocated_deployments,
+    crossover,
+    pareto_front,
+    search,
+    sweep_points,
+    table,
+    verdict,
+)
 from splitmoe.sim.simulator import Simulator
 
 
@@ -36,38 +63,73 @@ def seconds(text: str) -> float:
     return float(t)
 
 
-def main(argv=None) -> int:
+def crossover_arg(text: str) -> tuple[str, list[float]]:
+    name, _, values = text.partition("=")
+    if name not in CROSSOVER_PARAMS or not values:
+        raise argparse.ArgumentTypeError(
+            f"--crossover {text!r}: use PARAM=v1,v2,... with PARAM one of {CROSSOVER_PARAMS}"
+        )
+    return name, [float(v) for v in values.split(",")]
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--reproduce", action="store_true",
+                    help="simulate the published deployments in splitmoe/sim/cases/")  # fmt: skip
+    ap.add_argument("--model")
     ap.add_argument("--hardware", default="h100")
-    ap.add_argument("--gpus", type=int, required=True)
-    ap.add_argument("--tpot-slo", type=seconds, required=True, help="e.g. 50ms")
+    ap.add_argument("--expert-hardware", default=None, help="expert ranks' GPU (heterogeneous)")
+    ap.add_argument("--gpus", type=int)
+    ap.add_argument("--tpot-slo", type=seconds, help="e.g. 50ms")
     ap.add_argument("--context", type=float, default=4096, help="mean KV tokens per sequence")
     ap.add_argument("--skew", type=float, default=0.3, help="routing skew (Zipf exponent)")
+    ap.add_argument("--kv-bytes", type=int, default=2, help="bytes per KV element (1: FP8)")
     ap.add_argument("--top", type=int, default=8, help="plans to print")
     ap.add_argument("--quick", action="store_true", help="a smaller search space")
+    ap.add_argument("--verdict", action="store_true", help="does AF beat colocated, and why")
+    ap.add_argument("--crossover", type=crossover_arg, default=None, metavar="PARAM=v1,v2,...")
+    ap.add_argument("--plot", default=None, metavar="DIR", help="write the planner's figures")
     args = ap.parse_args(argv)
+    if not args.reproduce and not (args.model and args.gpus and args.tpot_slo):
+        ap.error("--model, --gpus and --tpot-slo are required (or --reproduce)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.reproduce:
+        from splitmoe.sim.reproduce import reproduce
+        from splitmoe.sim.reproduce import table as reproduce_table
+
+        rows = reproduce()
+        print(reproduce_table(rows))
+        return 0 if all(r.within for r in rows) else 1
     model = ModelShape.from_config(args.model)
     hw = load_profile(args.hardware)
-    sim = Simulator(model, hw, skew=args.skew)
+    ehw = load_profile(args.expert_hardware) if args.expert_hardware else None
+    sim = Simulator(model, hw, skew=args.skew, expert_hw=ehw, kv_bytes=args.kv_bytes)
+    print(model.describe())
+    print(
+        f"{hw.name}: {hw.description}"
+        + (f"\nexpert ranks on {ehw.name}: {ehw.description}" if ehw else "")
+        + f"\n{args.gpus} GPUs, TPOT <= {args.tpot_slo * 1e3:.0f} ms, mean context "
+        f"{args.context:.0f} tokens, routing skew {args.skew}\n"
+    )
+    if args.verdict or args.crossover or args.plot:
+        return explain(sim, args)
     space = SearchSpace()
     if args.quick:
         space = SearchSpace(
             attention_ranks=(2, 4, 8, 16, 32),
             expert_ranks=(2, 4, 8, 16),
             micro_batches=(1, 2, 3),
-            transports=("flat", "auto"),
+            transports=("flat", "auto", "gpu_a2a"),
             balancers=(("static", 0), ("global", 1)),
             colocated_sizes=(8, 16, 32, 64),
         )
     t0 = time.time()
     disagg, colocated = search(sim, args.gpus, args.tpot_slo, args.context, space)
-    print(model.describe())
-    print(
-        f"{hw.name}: {hw.description}\n{args.gpus} GPUs, TPOT <= {args.tpot_slo * 1e3:.0f} ms, "
-        f"mean context {args.context:.0f} tokens, routing skew {args.skew} "
-        f"({len(disagg) + len(colocated)} feasible plans in {time.time() - t0:.1f} s)\n"
-    )
+    print(f"{len(disagg) + len(colocated)} feasible plans in {time.time() - t0:.1f} s\n")
     if not disagg and not colocated:
         print("no deployment meets the TPOT target within memory: relax --tpot-slo or add GPUs")
         return 1
@@ -78,6 +140,112 @@ def main(argv=None) -> int:
         gain = disagg[0].per_gpu / colocated[0].per_gpu
         print(f"\nbest disaggregated / best colocated throughput per GPU: {gain:.2f}x")
     return 0
+
+
+def explain(sim: Simulator, args) -> int:
+    """--verdict / --crossover / --plot: the small comparison space (GPU-initiated all-to-all,
+    ping-pong micro-batches; colocated EP with two micro-batches)."""
+    space = CompareSpace()
+    v = verdict(sim, args.gpus, args.tpot_slo, args.context, space)
+    print(v.text(sim))
+    sweep = None
+    if args.crossover:
+        param, values = args.crossover
+        sweep = crossover(sim, param, values, args.gpus, args.tpot_slo, args.context, space)
+        print(f"\nAF / colocated as {param} varies:")
+        print(f"{param:>10}{'AF tok/s/GPU':>14}{'colocated':>11}{'AF/coloc':>10}  AF bound by"
+              "          colocated bound by")  # fmt: skip
+        for value, vd in sweep:
+            af = vd.af.per_gpu if vd.af else 0.0
+            co = vd.colocated.per_gpu if vd.colocated else 0.0
+            ab = binding(sim, vd.af.prediction) if vd.af else "-"
+            cb = binding(sim, vd.colocated.prediction) if vd.colocated else "-"
+            print(f"{value:>10g}{af:>14.0f}{co:>11.0f}{vd.gain:>10.2f}  {ab:<20} {cb}")
+    if args.plot:
+        for p in plot(sim, args, space, v, sweep):
+            print(f"plot: {p}")
+    return 0
+
+
+def plot(sim: Simulator, args, space: CompareSpace, v, sweep) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(args.plot)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{sim.model.name} on {sim.hw.name}"
+    paths = []
+    # 1. throughput per GPU against TPOT: every AF and colocated point, and their fronts
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for label, deps, color in (
+        ("AF", af_deployments(sim, args.gpus, space), "tab:blue"),
+        ("colocated EP", colocated_deployments(args.gpus, space), "tab:orange"),
+    ):
+        pts = sweep_points(sim, deps, args.context, space.batches)
+        ax.scatter([p.tpot * 1e3 for p in pts], [p.tokens_per_s_per_gpu for p in pts], s=6,
+                   alpha=0.25, color=color)  # fmt: skip
+        front = pareto_front(pts)
+        ax.plot([p.tpot * 1e3 for p in front], [p.tokens_per_s_per_gpu for p in front],
+                marker="o", ms=3, color=color, label=f"{label} Pareto front")  # fmt: skip
+    ax.axvline(args.tpot_slo * 1e3, color="k", ls="--", lw=0.8, label="TPOT target")
+    ax.set_xlim(0, args.tpot_slo * 1e3 * 3)
+    ax.set_xlabel("TPOT, ms")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title(f"{name}: throughput vs latency ({args.gpus} GPUs, context {args.context:.0f})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(out / "pareto.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    # 2. A:E ratio sweep at a fixed E, with the closed-form ratio
+    # at the best AF plan's E and micro-batches (the verdict's), A from E/4 to 4E
+    e, m = min(16, sim.model.num_experts), 2
+    if v.af:
+        e, m = v.af.prediction.deployment.expert_ranks, v.af.prediction.deployment.micro_batches
+    attn = sorted({max(1, round(e * r)) for r in (0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4)})
+    rs = ae_ratio_sweep(sim, e, attn, args.tpot_slo, args.context, m, batches=space.batches)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ok = [(a, p) for a, p in rs if p is not None]
+    ax.plot(
+        [a / e for a, _ in ok], [p.per_gpu for _, p in ok], marker="o", label=f"E = {e}, m = {m}"
+    )
+    if ok:
+        best = max(ok, key=lambda ap: ap[1].per_gpu)[1].prediction
+        r = closed_form_ratio(sim, e, best.batch, args.context, m)
+        ax.axvline(r, color="tab:red", ls="--", lw=1,
+                   label=f"closed form {r:.2f} (batch {best.batch})")  # fmt: skip
+    ax.set_xlabel("A : E")
+    ax.set_ylabel("output tokens/s per GPU (best batch under the target)")
+    ax.set_title(f"{name}: attention-to-expert ratio")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(out / "ae_ratio.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    # 3. the crossover
+    if sweep:
+        param = args.crossover[0]
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        xs = [x for x, _ in sweep]
+        ax.plot(xs, [vd.af.per_gpu if vd.af else 0 for _, vd in sweep], marker="o", label="AF")
+        ax.plot(xs, [vd.colocated.per_gpu if vd.colocated else 0 for _, vd in sweep], marker="s",
+                label="colocated EP")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel({"bandwidth": "network bandwidth (x profile)", "context": "mean context",
+                       "sparsity": "top-k / experts (same expert parameters)"}[param])  # fmt: skip
+        ax.set_ylabel("output tokens/s per GPU under the target")
+        ax.set_title(f"{name}: AF vs colocated as {param} varies")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(out / f"crossover_{param}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
 
 
 if __name__ == "__main__":

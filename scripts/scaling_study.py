@@ -49,6 +49,7 @@ from splitmoe import LLM, SamplingParams  # noqa: E402
 from splitmoe.config import ModelConfig  # noqa: E402
 from splitmoe.metrics import summarize  # noqa: E402
 from splitmoe.models.default_model import default_model_path
+from splitmoe.sim.calibrate import decode_step_time  # noqa: E402
 
 # axis -> (LLM keyword, default value); the default runs even when the keyword does not exist.
 OPTIONAL_AXES = {
@@ -61,7 +62,7 @@ FIELDS = [
     "micro_batches", "balancer", "redundant_experts", "num_requests", "rate", "prompt_len",
     "max_tokens", "max_num_batched_tokens", "repeats", "duration_s", "output_tok_s",
     "output_tok_s_per_rank", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tbt_p50_ms",
-    "tbt_p90_ms", "tbt_p99_ms", "tpot_mean_ms", "comm_share", "imbalance",
+    "tbt_p90_ms", "tbt_p99_ms", "tpot_mean_ms", "step_p50_ms", "comm_share", "imbalance",
     "seqs_per_step_mean", "pred_output_tok_s", "pred_tbt_ms", "pred_ttft_ms", "pred_comm_share",
     "err_output_tok_s", "err_tbt", "calibration",
 ]  # fmt: skip
@@ -152,6 +153,8 @@ def plan_topologies(args, notes: list[str]) -> list[Topology]:
     ):
         if e == 0 and (tr != usable[0] or bal != "static"):
             continue  # colocated: no transport, no expert balancer
+        if bal != "static" and e < 2:
+            continue  # a redundant replica must live on another expert rank than its original
         if (a + e) * rep > args.max_processes:
             notes.append(
                 f"skipped {a}A+{e}E x{rep}: more than --max-processes {args.max_processes}"
@@ -209,7 +212,8 @@ def run_point(llms: list[LLM], topo: Topology, num_requests: int, rate: float, a
                     outputs.append(out)
                     pending -= 1
     end = max(o.metrics.arrival_time + o.metrics.e2e_latency for o in outputs)
-    steps = [s for llm in llms for s in llm.step_records]
+    records = [llm.step_records for llm in llms]
+    steps = [s for recs in records for s in recs]
     m = summarize(outputs, steps, end - start_wall)
     comm1, served1 = stats_counters(llms)
     served = [b - a for a, b in zip(served0, served1)]
@@ -225,6 +229,7 @@ def run_point(llms: list[LLM], topo: Topology, num_requests: int, rate: float, a
         tbt_p90_ms=m.tbt_p90 * 1e3,
         tbt_p99_ms=m.tbt_p99 * 1e3,
         tpot_mean_ms=m.tpot_mean * 1e3,
+        step_p50_ms=decode_step_time(records, m.tbt_p50) * 1e3,
         comm_share=(comm1 - comm0) / busy if busy else 0.0,
         imbalance=imbalance,
         seqs_per_step_mean=m.seqs_per_step_mean,
@@ -420,7 +425,7 @@ def write_plots(rows: list[dict], out: Path, notes: list[str]) -> list[Path]:
         xs = [lo, hi]
         ax.plot(xs, xs, color="k", lw=0.8)
         ax.fill_between(
-            xs, [x * 0.75 for x in xs], [x * 1.25 for x in xs], alpha=0.15, label="±25%"
+            xs, [x * 0.85 for x in xs], [x * 1.15 for x in xs], alpha=0.15, label="±15%"
         )
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -600,14 +605,13 @@ def validate(args, hw, rows: list[dict], out: Path):
     if not args.profile:
         same = args.prompt_len == CALIBRATION_PROMPT and args.max_tokens == CALIBRATION_TOKENS
         tbt = {
-            (r["attention_ranks"], r["expert_ranks"], r["num_requests"]): r["tbt_p50_ms"] / 1e3
+            run_key(r): step_ms(r) / 1e3
             for r in rows
             if same
             and predictable(r)
-            and r["micro_batches"] == 1
             and r["balancer"] == "static"
             and r["transport"] in ("none", "flat")
-            and (r["attention_ranks"], r["expert_ranks"], r["num_requests"]) in CALIBRATION_RUNS
+            and run_key(r) in CALIBRATION_RUNS
         }
         missing = set(CALIBRATION_RUNS) - set(tbt)
         if missing:
@@ -628,14 +632,26 @@ def _fit(shape, hw, tbt, model):
     fitted = fit_runs(shape, hw, tbt)
     oh = fitted.overheads
     print(
-        f"fitted: step {oh.step_s * 1e3:.3f} ms, effective cores {fitted.cores:.2f}, collective "
+        f"fitted: step {oh.step_s * 1e3:.3f} ms, multi-process {oh.proc_step_s * 1e3:.3f} ms + "
+        f"{oh.proc_seq_step_s * 1e3:.3f} ms/seq, micro-batch {oh.micro_batch_s * 1e3:.3f} ms, "
+        "collective "
         + ", ".join(f"W={w + 1} {c * 1e3:.3f} ms" for w, c in enumerate(oh.collective_s) if w)
     )
     return replace(fitted, name="cpu", source={
         "measured_by": "scripts/scaling_study.py --validate", "checkpoint": str(model),
-        "runs_tbt_s": {f"{a}A+{e}E b{b}": t for (a, e, b), t in sorted(tbt.items())},
+        "runs_step_s": {f"{a}A+{e}E b{b} m={m}": t for (a, e, b, m), t in sorted(tbt.items())},
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": os.getloadavg()[0],
     })  # fmt: skip
+
+
+def run_key(r: dict) -> tuple[int, int, int, int]:
+    """(attention ranks, expert ranks, requests, micro-batches): a `CALIBRATION_RUNS` key."""
+    return (r["attention_ranks"], r["expert_ranks"], r["num_requests"], r["micro_batches"])
+
+
+def step_ms(r: dict) -> float:
+    """A row's decode step time (ms): the ranks' own step period, TBT p50 for older CSVs."""
+    return r.get("step_p50_ms") or r["tbt_p50_ms"]
 
 
 def id_key(r: dict) -> tuple:

@@ -98,6 +98,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     from splitmoe.attention_nodes.model import AttentionModel, rms_norm
     from splitmoe.config import ModelConfig
     from splitmoe.expert_nodes.experts import LocalExperts
+    from splitmoe.kernels.backends import attention_backend, moe_backend
     from splitmoe.models.loader import load_attention_weights
     from splitmoe.sim.model import ModelShape
     from splitmoe.sim.simulator import Simulator
@@ -107,7 +108,8 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     shape = ModelShape.from_config(checkpoint)
     sim = Simulator(shape, hw)
     g, layers = load_attention_weights(cfg, torch.float32, "cpu")
-    model = AttentionModel(cfg, g, layers, torch.device("cpu"), "torch")
+    cpu = torch.device("cpu")
+    model = AttentionModel(cfg, g, layers, cpu, attention_backend("torch", cpu))
     L = cfg.num_layers
 
     def layers_once(h, pos, meta, kv) -> None:
@@ -138,7 +140,9 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     ys = [attn_time(b, 16, 16) - sim._attn(16 * b, 0, b, 8)[0] - attn_layer_s for b in pre_b]
     _, prefill_seq_layer_s = _fit_line(pre_b, ys)
 
-    experts = LocalExperts(cfg, list(range(cfg.num_experts)), torch.float32, "cpu", "torch")
+    experts = LocalExperts(
+        cfg, list(range(cfg.num_experts)), torch.float32, cpu, moe_backend("torch", cpu)
+    )
     x = torch.randn(32, cfg.hidden_size)
     k = cfg.top_k
     w = torch.full((32, k), 1.0 / k)
@@ -160,10 +164,14 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
 
 
 # ---- fitted from end-to-end runs -------------------------------------------------------------
-# (attention ranks, expert ranks, sequences) of the closed-batch `LLM` runs the step-level
-# constants are fitted from, in fitting order; prompts of CALIBRATION_PROMPT tokens, each
-# generating CALIBRATION_TOKENS. Every other configuration is left for validation.
-CALIBRATION_RUNS = ((1, 0, 1), (1, 0, 16), (1, 1, 1), (2, 0, 16), (1, 2, 1), (2, 2, 1))
+# (attention ranks, expert ranks, sequences, micro-batches) of the closed-batch `LLM` runs the
+# step-level constants are fitted from, in fitting order (flat transport, static balancer);
+# prompts of CALIBRATION_PROMPT tokens, each generating CALIBRATION_TOKENS. Every other
+# configuration is left for validation.
+CALIBRATION_RUNS = (
+    (1, 0, 1, 1), (1, 0, 16, 1), (2, 0, 1, 1), (2, 0, 16, 1), (1, 1, 1, 1), (1, 2, 1, 1),
+    (2, 2, 1, 1), (1, 2, 16, 1), (1, 0, 16, 2),
+)  # fmt: skip
 CALIBRATION_PROMPT = 16
 CALIBRATION_TOKENS = 32
 
@@ -198,17 +206,47 @@ def _scaled(hw: HardwareProfile, speed: float, step_s: float) -> HardwareProfile
     )
 
 
-def fit_runs(shape, hw: HardwareProfile, tbt: dict[tuple[int, int, int], float]) -> HardwareProfile:
-    """Fits ``step_s`` and the components' scale (1 colocated rank at 1 and 16 sequences),
-    ``cores`` (2 colocated ranks, between 1 and the machine's count) and ``collective_s`` per
-    world size (1 attention + 1 or 2 expert ranks, 2 + 2) so the simulator reproduces the
-    measured TBT (p50, seconds) of the `CALIBRATION_RUNS` present in ``tbt``; constants without
-    a run keep ``hw``'s value."""
+def decode_step_time(records: list[list], fallback: float) -> float:
+    """Median seconds between consecutive pure-decode steps of one attention rank, as the rank
+    timed them (`StepRecord.time`), over the step records of one or more instances: the decode
+    step time. (Client-side token gaps are not: with several rank processes the driver receives
+    tokens in bursts, so the median gap is about two steps.)"""
+    gaps = []
+    for recs in records:
+        by_rank: dict[int, list] = {}
+        for s in recs:
+            by_rank.setdefault(s.rank, []).append(s)
+        for steps in by_rank.values():
+            steps.sort(key=lambda s: s.time)
+            for a, b in zip(steps, steps[1:]):
+                if a.num_seqs == a.num_decode and b.num_seqs == b.num_decode > 0:
+                    gaps.append(b.time - a.time)
+    return statistics.median(gaps) if gaps else fallback
+
+
+def _fit_oversubscribed(hw: HardwareProfile, err) -> HardwareProfile:
+    """``hw`` with the ``oversubscribed`` slow-down that zeroes ``err(profile)``."""
+    k = _solve(lambda k: err(replace(hw, oversubscribed=k)), 1.0, 50.0)
+    return replace(hw, oversubscribed=k)
+
+
+def fit_runs(
+    shape, hw: HardwareProfile, tbt: dict[tuple[int, int, int, int], float]
+) -> HardwareProfile:
+    """Fits ``step_s`` and the components' scale (1 colocated rank at 1 and 16 sequences), the
+    multi-process step costs ``proc_step_s`` / ``proc_seq_step_s`` (2 colocated ranks at 1 and
+    16 sequences) and ``collective_s`` per world size (1 attention + 1 or 2 expert ranks, 2 + 2)
+    and ``micro_batch_s`` (1 colocated rank, 16 sequences in two micro-batches) so the
+    simulator reproduces the measured decode step time (seconds) of the `CALIBRATION_RUNS`
+    present in ``tbt``, in that order; ``cores`` is the machine's count; constants without a
+    run keep ``hw``'s value."""
     from splitmoe.sim.simulator import Deployment, Simulator
 
-    def pred(h: HardwareProfile, a: int, e: int, b: int) -> float:
+    tbt = {k[:3] if len(k) == 4 and k[3] == 1 else k: v for k, v in tbt.items()}
+
+    def pred(h: HardwareProfile, a: int, e: int, b: int, m: int = 1) -> float:
         run = Simulator(shape, h).run(
-            Deployment(a, e), b, CALIBRATION_PROMPT, CALIBRATION_TOKENS, 2048
+            Deployment(a, e, micro_batches=m), b, CALIBRATION_PROMPT, CALIBRATION_TOKENS, 2048
         )
         return run.tbt
 
@@ -240,43 +278,73 @@ def fit_runs(shape, hw: HardwareProfile, tbt: dict[tuple[int, int, int], float])
         coll = list(hw.overheads.collective_s)
         return hw
 
-    if (1, 1, 1) in tbt:
-        hw = fit_collective(hw, (1, 1, 1), 2)
+    # more than one rank process: the driver's fixed and per-sequence cost per step, from two
+    # colocated runs (no exchange between the ranks; two ranks on the machine's own cores)
+    hw = replace(hw, cores=float(os.cpu_count() or 1))
+
+    def with_proc(step_s: float, seq_s: float) -> HardwareProfile:
+        oh = replace(hw.overheads, proc_step_s=step_s, proc_seq_step_s=seq_s)
+        return replace(hw, overheads=oh)
+
+    # (2,0,1) and (1,1,1) share the fixed multi-process cost and the 2-rank collective: fit
+    # them in turn until both runs are reproduced
+    for _ in range(4 if (2, 0, 1) in tbt else 1):
+        if (2, 0, 1) in tbt:
+            step_s = hw.overheads.proc_step_s
+            c = _solve(lambda c: pred(with_proc(c, 0.0), 2, 0, 1) - tbt[(2, 0, 1)], 0.0, 0.05)
+            hw = with_proc(c, 0.0)
+        if (1, 1, 1) in tbt:
+            hw = fit_collective(hw, (1, 1, 1), 2)
     if (2, 0, 16) in tbt:
-        ncpu = float(os.cpu_count() or 1)
-        cores = _solve(lambda k: tbt[(2, 0, 16)] - pred(replace(hw, cores=k), 2, 0, 16), 1.0, ncpu)
-        hw = replace(hw, cores=cores)
-    for key, world in (((1, 2, 1), 3), ((2, 2, 1), 4)):
-        if key in tbt:
-            hw = fit_collective(hw, key, world)
+        step_s = hw.overheads.proc_step_s
+        s = _solve(lambda s: pred(with_proc(step_s, s), 2, 0, 16) - tbt[(2, 0, 16)], 0.0, 0.01)
+        hw = with_proc(step_s, s)
+    # more rank processes than cores: the slow-down (from 1+2 at 16 sequences) and the 3- and
+    # 4-rank collectives (at 1 sequence) depend on each other: fit them in turn
+    for _ in range(4 if (1, 2, 16) in tbt else 1):
+        for key, world in (((1, 2, 1), 3), ((2, 2, 1), 4)):
+            if key in tbt:
+                hw = fit_collective(hw, key, world)
+        if (1, 2, 16) in tbt:
+            hw = _fit_oversubscribed(hw, lambda h: pred(h, 1, 2, 16) - tbt[(1, 2, 16)])
+    if (1, 0, 16, 2) in tbt:  # each further micro-batch: building its inputs and metadata
+
+        def with_mb(c: float) -> HardwareProfile:
+            return replace(hw, overheads=replace(hw.overheads, micro_batch_s=c))
+
+        c = _solve(lambda c: pred(with_mb(c), 1, 0, 16, 2) - tbt[(1, 0, 16, 2)], 0.0, 0.05)
+        hw = with_mb(c)
     slope = coll[-1] - coll[-2] if len(coll) >= 3 else 0.0
     return replace(hw, overheads=replace(hw.overheads, collective_slope_s=max(0.0, slope)))
 
 
 def measure_calibration_runs(
     checkpoint: str | Path, max_world: int = 4, repeats: int = 3, log=print
-) -> dict[tuple[int, int, int], float]:
-    """Median TBT p50 (seconds) of each of `CALIBRATION_RUNS` that fits in ``max_world`` ranks."""
+) -> dict[tuple[int, int, int, int], float]:
+    """Median decode step time (seconds) of each of `CALIBRATION_RUNS` that fits in
+    ``max_world`` ranks."""
     from splitmoe import LLM, SamplingParams
 
     out = {}
     g = torch.Generator().manual_seed(0)
-    topologies = sorted({(a, e) for a, e, _ in CALIBRATION_RUNS if a + e <= max_world})
-    for a, e in topologies:
-        with LLM(str(checkpoint), attention_ranks=a, expert_ranks=e, device="cpu",
-                 threads_per_rank=1, timeout_s=120) as llm:  # fmt: skip
+    topologies = sorted({(a, e, m) for a, e, _, m in CALIBRATION_RUNS if a + e <= max_world})
+    for a, e, m in topologies:
+        with LLM(str(checkpoint), attention_ranks=a, expert_ranks=e, micro_batches=m,
+                 device="cpu", threads_per_rank=1, timeout_s=120) as llm:  # fmt: skip
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
-            for a2, e2, b in CALIBRATION_RUNS:
-                if (a2, e2) != (a, e):
+            for key in CALIBRATION_RUNS:
+                if (key[0], key[1], key[3]) != (a, e, m):
                     continue
+                b = key[2]
                 prompts = torch.randint(1, 500, (b, CALIBRATION_PROMPT), generator=g).tolist()
                 sp = SamplingParams(max_tokens=CALIBRATION_TOKENS, ignore_eos=True)
-                tbt = []
+                times = []
                 for _ in range(repeats):
+                    llm.reset_metrics()
                     llm.generate(prompts, sp, use_tqdm=False)
-                    tbt.append(llm.metrics().tbt_p50)
-                out[(a, e, b)] = statistics.median(tbt)
-                log(f"calibration run {a}A+{e}E batch {b}: TBT p50 {out[(a, e, b)] * 1e3:.2f} ms")
+                    times.append(decode_step_time([llm.step_records], llm.metrics().tbt_p50))
+                out[key] = statistics.median(times)
+                log(f"calibration run {a}A+{e}E m={m} batch {b}: step {out[key] * 1e3:.2f} ms")
     return out
 
 
@@ -320,7 +388,7 @@ def calibrate(
         source={
             "measured_by": "splitmoe.sim.calibrate.calibrate",
             "checkpoint": str(checkpoint),
-            "runs_tbt_s": {f"{a}A+{e}E b{b}": t for (a, e, b), t in sorted(runs.items())},
+            "runs_step_s": {f"{a}A+{e}E b{b} m={m}": t for (a, e, b, m), t in sorted(runs.items())},
             "when": time.strftime("%Y-%m-%d %H:%M:%S"),
             "seconds": round(time.time() - t0, 1),
             "load_average": os.getloadavg()[0],

@@ -43,6 +43,11 @@ class Overheads:
         ``collective_s[min(w, len) - 1] + collective_slope_s * max(0, w - len)`` (index 0: w = 1);
     wake_s: extra latency when the receiving side of an exchange was blocked waiting (a process
         woken by the OS; on a GPU, a kernel that polls — 0);
+    proc_step_s / proc_seq_step_s: per step, and per sequence and step, when an instance runs
+        more than one rank process (the driver scheduling, broadcasting the step and collecting
+        each sequence's token from separate processes; a single rank runs in the driver's
+        process; 0 on the GPU profiles, whose ranks are driven by their own processes anyway);
+    micro_batch_s: per step and micro-batch beyond the first (building its inputs and metadata);
     """
 
     step_s: float = 0.0
@@ -55,6 +60,9 @@ class Overheads:
     collective_s: tuple[float, ...] = (0.0,)
     collective_slope_s: float = 0.0
     wake_s: float = 0.0
+    proc_step_s: float = 0.0
+    proc_seq_step_s: float = 0.0
+    micro_batch_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collective_s", tuple(float(x) for x in self.collective_s))
@@ -83,7 +91,13 @@ class HardwareProfile:
     mem_bytes_per_s: device memory bandwidth; memory_bytes: device memory capacity;
     flops_efficiency / mem_efficiency: fraction of peak that real kernels reach;
     gpus_per_node: ranks that share the fast (``intra``) link;
-    cores: ranks that can compute at once on one host (None: a device per rank, no contention).
+    cores: ranks that can compute at once on one host (None: a device per rank, no contention);
+    oversubscribed: the slow-down of every rank's compute once more rank processes than
+        ``cores`` share the host (each holds a core while it computes or polls a peer, so the
+        OS time-slices them: measured here as a step, the same at 3 and 4 processes on 2 cores);
+    a2a_fixed_s: fixed seconds of one GPU-initiated dispatch or combine call (DeepEP low-latency,
+        StepMesh, MegaScale-Infer's M2N: launch, signalling, one network round trip), the
+        ``gpu_a2a`` transport's per-call cost beside its bytes over the links.
     """
 
     name: str
@@ -96,6 +110,8 @@ class HardwareProfile:
     fp8_flops: float = 0.0
     weight_bytes: int = 2
     cores: float | None = None
+    oversubscribed: float = 1.0
+    a2a_fixed_s: float = 30e-6
     overheads: Overheads = field(default_factory=Overheads)
     links: CostModel = field(default_factory=CostModel)
     description: str = ""
@@ -112,6 +128,8 @@ class HardwareProfile:
             raise ValueError(f"{self.name}: gpus_per_node must be an integer >= 1")
         if self.cores is not None and not self.cores > 0:
             raise ValueError(f"{self.name}: cores={self.cores!r} must be None or > 0")
+        if not self.oversubscribed >= 1:
+            raise ValueError(f"{self.name}: oversubscribed={self.oversubscribed!r} must be >= 1")
 
     def gemm_s(self, flops: float, nbytes: float, fp8: bool = False) -> float:
         """Roofline seconds of a kernel doing ``flops`` and moving ``nbytes``."""
@@ -122,10 +140,11 @@ class HardwareProfile:
         )
 
     def contention(self, busy_ranks: int) -> float:
-        """Slow-down of each of ``busy_ranks`` ranks computing at once on one host."""
-        if self.cores is None:
+        """Slow-down of each of ``busy_ranks`` rank processes on one host: 1 while they have a
+        core each, ``oversubscribed`` beyond."""
+        if self.cores is None or busy_ranks <= self.cores:
             return 1.0
-        return max(1.0, busy_ranks / self.cores)
+        return self.oversubscribed
 
     # ---- files --------------------------------------------------------------------------------
     def to_dict(self) -> dict:

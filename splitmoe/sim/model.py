@@ -32,7 +32,7 @@ class ModelShape:
     moe_intermediate: int
     shared_intermediate: int = 0  # shared expert(s) of a MoE layer, on the attention rank
     dense_intermediate: int = 0  # MLP of the non-MoE layers
-    attention: str = "gqa"
+    attention: str = "gqa"  # "gqa" (MHA/GQA/MQA, Step-3's MFA with q_lora_rank) or "mla"
     num_heads: int = 1
     num_kv_heads: int = 1
     head_dim: int = 1
@@ -56,7 +56,12 @@ class ModelShape:
         H = self.hidden
         if self.attention == "gqa":
             d = self.head_dim
-            return H * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * H
+            q = (
+                H * self.num_heads * d
+                if not self.q_lora_rank
+                else H * self.q_lora_rank + self.q_lora_rank * self.num_heads * d
+            )  # Step-3's MFA: a low-rank query factorisation shared by the heads
+            return q + H * 2 * self.num_kv_heads * d + self.num_heads * d * H
         qk = self.qk_nope_dim + self.qk_rope_dim
         q = (
             H * self.num_heads * qk
@@ -149,6 +154,14 @@ class ModelShape:
         name = p.stem if p.name != "config.json" else p.parent.name
         if raw.get("model_type") in ("deepseek_v2", "deepseek_v3"):
             return cls._from_deepseek(raw, name)
+        if raw.get("model_type") in ("step3_text", "step3v"):
+            return cls._from_step3(raw.get("text_config", raw), name)
+        try:
+            from splitmoe.models.families import family_for
+
+            family_for(raw.get("model_type"), p)
+        except ValueError:
+            return cls._from_generic(raw, name, p)  # a family the runtime does not run (yet)
         return cls._from_family(raw, name, p)
 
     @classmethod
@@ -207,5 +220,81 @@ class ModelShape:
             qk_nope_dim=int(raw["qk_nope_head_dim"]),
             qk_rope_dim=int(raw["qk_rope_head_dim"]),
             v_head_dim=int(raw["v_head_dim"]),
+            fp8_weights=quant == "fp8",
+        )
+
+    @classmethod
+    def _from_step3(cls, raw: dict, name: str) -> ModelShape:
+        """StepFun Step-3 (``step3_text``, as vLLM's ``step3_text.py`` reads it): MFA attention
+        (``num_attention_groups`` KV heads of ``head_dim``, a ``share_q_dim`` low-rank query),
+        MoE layers listed in ``moe_layers_enum``, one shared expert of ``share_expert_dim``."""
+        layers = int(raw["num_hidden_layers"])
+        moe = raw.get("moe_layers_enum")
+        moe_layers = (
+            [int(x) for x in str(moe).split(",")] if moe is not None else list(range(layers))
+        )
+        return cls(
+            name=name,
+            hidden=int(raw["hidden_size"]),
+            num_layers=layers,
+            num_moe_layers=len(moe_layers),
+            vocab=int(raw["vocab_size"]),
+            num_experts=int(raw["moe_num_experts"]),
+            top_k=int(raw["moe_top_k"]),
+            moe_intermediate=int(raw["moe_intermediate_size"]),
+            shared_intermediate=int(raw.get("share_expert_dim") or 0),
+            dense_intermediate=int(raw.get("intermediate_size") or 0),
+            attention="gqa",
+            num_heads=int(raw["num_attention_heads"]),
+            num_kv_heads=int(raw.get("num_attention_groups", 1)),
+            head_dim=int(raw["head_dim"]),
+            q_lora_rank=int(raw.get("share_q_dim") or 0),
+            fp8_weights=(raw.get("quantization_config") or {}).get("quant_method") == "fp8",
+        )
+
+    @classmethod
+    def _from_generic(cls, raw: dict, name: str, cfg_file: Path) -> ModelShape:
+        """A MoE ``config.json`` of a family the runtime does not parse, read by the common
+        Hugging Face key names (expert count, top-k, expert and shared-expert widths, dense
+        layers first)."""
+
+        def first(*keys, default=None):
+            for k in keys:
+                if raw.get(k) is not None:
+                    return raw[k]
+            if default is None:
+                raise ValueError(
+                    f"{cfg_file}: model_type={raw.get('model_type')!r} has none of {keys}; the "
+                    "simulator needs them to size the model"
+                )
+            return default
+
+        hidden = int(first("hidden_size", "d_model"))
+        heads = int(first("num_attention_heads", "n_heads"))
+        layers = int(first("num_hidden_layers", "n_layers"))
+        experts = int(first("n_routed_experts", "num_local_experts", "num_experts",
+                            "moe_num_experts"))  # fmt: skip
+        inter = int(first("moe_intermediate_size", "intermediate_size"))
+        dense_first = int(first("first_k_dense_replace", default=0))
+        shared = int(
+            first("shared_expert_intermediate_size", "shared_intermediate_size", default=0)
+        )
+        shared = shared or inter * int(first("n_shared_experts", default=0))
+        quant = (raw.get("quantization_config") or {}).get("quant_method")
+        return cls(
+            name=name,
+            hidden=hidden,
+            num_layers=layers,
+            num_moe_layers=layers - dense_first,
+            vocab=int(first("vocab_size")),
+            num_experts=experts,
+            top_k=int(first("num_experts_per_tok", "moe_top_k", "experts_per_token")),
+            moe_intermediate=inter,
+            shared_intermediate=shared,
+            dense_intermediate=int(first("intermediate_size", default=0)) if dense_first else 0,
+            attention="gqa",
+            num_heads=heads,
+            num_kv_heads=int(first("num_key_value_heads", default=heads)),
+            head_dim=int(first("head_dim", default=hidden // heads)),
             fp8_weights=quant == "fp8",
         )

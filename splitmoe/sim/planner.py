@@ -12,6 +12,7 @@ searched the same way.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,11 +26,12 @@ class SearchSpace:
     attention_ranks: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
     expert_ranks: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     micro_batches: tuple[int, ...] = (1, 2, 3, 4)
-    transports: tuple[str, ...] = ("flat", "two_phase", "auto")
+    transports: tuple[str, ...] = ("flat", "two_phase", "auto", "gpu_a2a")
     # (balancer, redundant experts as a multiple of E): static, and EPLB-style with 1 or 2
     # extra slots per expert rank
     balancers: tuple[tuple[str, int], ...] = (("static", 0), ("global", 1), ("global", 2))
     colocated_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)
+    colocated_transports: tuple[str, ...] = ("flat", "gpu_a2a")
     batches: tuple[int, ...] = BATCHES
 
 
@@ -87,18 +89,20 @@ def search(
                 continue
             replicas = gpus // size
             for m, tr in itertools.product(space.micro_batches, space.transports):
-                if tr != "flat" and size <= sim.hw.gpus_per_node:
-                    continue  # one node: every scheme is the flat one
+                if tr in ("two_phase", "auto") and size <= sim.hw.gpus_per_node:
+                    continue  # one node: every host-issued scheme is the flat one
                 dep = Deployment(a, e, m, tr, bal, red, replicas)
                 p = best_batch(sim, dep, tpot_slo, context, space.batches)
                 if p is not None:
                     disagg.append(Plan(p, gpus))
     colocated: list[Plan] = []
-    for size, m in itertools.product(space.colocated_sizes, space.micro_batches[:2]):
+    for size, m, tr in itertools.product(
+        space.colocated_sizes, space.micro_batches[:2], space.colocated_transports
+    ):
         if size > gpus:
             continue
         for bal, per_rank in space.balancers:
-            dep = Deployment(size, 0, m, "flat", bal, per_rank * size, gpus // size, size)
+            dep = Deployment(size, 0, m, tr, bal, per_rank * size, gpus // size, size)
             p = best_batch(sim, dep, tpot_slo, context, space.batches)
             if p is not None:
                 colocated.append(Plan(p, gpus))
@@ -134,3 +138,215 @@ def table(plans: list[Plan], title: str, top: int = 8) -> str:
             f"{p.attention_mem_gb:>6.0f}/{p.expert_mem_gb:<5.0f}"
         )
     return "\n".join(lines)
+
+
+# ---- what a researcher asks: fronts, ratios, verdicts, crossovers ------------------------------
+def pareto_front(points: list[DecodePrediction]) -> list[DecodePrediction]:
+    """The non-dominated points (lower TPOT, higher tokens/s per GPU), by increasing TPOT; along
+    the front throughput per GPU strictly increases."""
+    front: list[DecodePrediction] = []
+    for p in sorted(points, key=lambda p: (p.tpot, -p.tokens_per_s_per_gpu)):
+        if not front or p.tokens_per_s_per_gpu > front[-1].tokens_per_s_per_gpu:
+            front.append(p)
+    return front
+
+
+def sweep_points(
+    sim: Simulator, deps: Iterable[Deployment], context: float, batches: Iterable[int] = BATCHES
+) -> list[DecodePrediction]:
+    """Every (deployment, batch) that fits in memory, for a throughput-latency plot."""
+    out = []
+    for dep in deps:
+        limit = sim.max_batch(dep, context)
+        for b in batches:
+            if b > limit:
+                break
+            out.append(sim.decode(dep, b, context))
+    return out
+
+
+@dataclass(frozen=True)
+class CompareSpace:
+    """A small space for verdicts and sweeps (hundreds of simulator calls, not thousands): AF
+    instances of ``A + E`` GPUs, colocated EP instances, both with GPU-initiated all-to-all and
+    the ping-pong / two-micro-batch overlap."""
+
+    attention_ranks: tuple[int, ...] = (4, 8, 12, 16, 24, 32, 48)
+    expert_ranks: tuple[int, ...] = (4, 8, 16, 32)
+    micro_batches: tuple[int, ...] = (2, 3)
+    colocated_sizes: tuple[int, ...] = (8, 16, 32, 64)
+    transport: str = "gpu_a2a"
+    batches: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384,
+                                448, 512, 640, 768, 896, 1024)  # fmt: skip
+
+
+def binding(
+    sim: Simulator, p: DecodePrediction, batches: Iterable[int] = CompareSpace.batches
+) -> str:
+    """What stops this plan from growing its batch: the KV cache filling the attention GPU's
+    memory (the next batch tried would not fit), else the part of the step that takes longest
+    (attention, experts, communication)."""
+    bigger = [b for b in batches if b > p.batch]
+    if p.batch >= sim.max_batch(p.deployment, p.context) or (
+        bigger and min(bigger) > sim.max_batch(p.deployment, p.context)
+    ):
+        return "KV memory"
+    return p.binding
+
+
+def af_deployments(sim: Simulator, gpus: int, space: CompareSpace) -> list[Deployment]:
+    out = []
+    for a, e, m in itertools.product(space.attention_ranks, space.expert_ranks,
+                                     space.micro_batches):  # fmt: skip
+        if a + e <= gpus and e <= sim.model.num_experts and _experts_fit(sim, e, 0):
+            out.append(Deployment(a, e, m, space.transport, replicas=gpus // (a + e)))
+    return out
+
+
+def colocated_deployments(gpus: int, space: CompareSpace) -> list[Deployment]:
+    return [
+        Deployment(n, 0, 2, space.transport, replicas=gpus // n, expert_parallel=n)
+        for n in space.colocated_sizes
+        if n <= gpus
+    ]
+
+
+def best_of(
+    sim: Simulator, deps: list[Deployment], tpot_slo: float, context: float, gpus: int,
+    batches: Iterable[int],
+) -> Plan | None:  # fmt: skip
+    best = None
+    for dep in deps:
+        p = best_batch(sim, dep, tpot_slo, context, batches)
+        if p is not None and (best is None or p.tokens_per_s / gpus > best.per_gpu):
+            best = Plan(p, gpus)
+    return best
+
+
+@dataclass(frozen=True)
+class Verdict:
+    af: Plan | None
+    colocated: Plan | None
+
+    @property
+    def gain(self) -> float:
+        """AF tokens/s per GPU over colocated (0 when AF has no plan, inf when colocated has
+        none)."""
+        if self.af is None:
+            return 0.0
+        if self.colocated is None:
+            return math.inf
+        return self.af.per_gpu / self.colocated.per_gpu
+
+    def text(self, sim: Simulator) -> str:
+        lines = []
+        for name, plan in (("AF", self.af), ("colocated", self.colocated)):
+            if plan is None:
+                lines.append(f"{name}: no deployment meets the TPOT target within memory")
+                continue
+            p = plan.prediction
+            lines.append(
+                f"{name}: {p.deployment.label()} x{p.deployment.replicas}, batch {p.batch}, "
+                f"TPOT {p.tpot * 1e3:.1f} ms, {plan.per_gpu:.0f} tok/s/GPU; bound by "
+                f"{binding(sim, p)} (per MoE layer: attention {p.step.t_attn * 1e3:.2f}, "
+                f"experts {p.step.t_expert * 1e3:.2f}, communication {p.step.t_comm * 1e3:.2f} ms)"
+            )
+        if self.af is None and self.colocated is None:
+            lines.append("neither meets the target: relax the TPOT target or add GPUs")
+            return "\n".join(lines)
+        g = self.gain
+        word = "beats" if g > 1.0 else "does not beat"
+        lines.append(f"AF {word} colocated: {g:.2f}x throughput per GPU")
+        return "\n".join(lines)
+
+
+def verdict(
+    sim: Simulator, gpus: int, tpot_slo: float, context: float, space: CompareSpace = CompareSpace()
+) -> Verdict:
+    """Best AF and best colocated plan under the TPOT target, in the small space."""
+    af = best_of(sim, af_deployments(sim, gpus, space), tpot_slo, context, gpus, space.batches)
+    co = best_of(sim, colocated_deployments(gpus, space), tpot_slo, context, gpus, space.batches)
+    return Verdict(af, co)
+
+
+def ae_ratio_sweep(
+    sim: Simulator, expert_ranks: int, attention_ranks: Iterable[int], tpot_slo: float,
+    context: float, micro_batches: int = 3, transport: str = "gpu_a2a",
+    batches: Iterable[int] = CompareSpace.batches,
+) -> list[tuple[int, Plan | None]]:  # fmt: skip
+    """Best plan per A for a fixed E (one instance): tokens/s per GPU against A:E."""
+    out = []
+    for a in attention_ranks:
+        dep = Deployment(a, expert_ranks, micro_batches, transport)
+        p = best_batch(sim, dep, tpot_slo, context, batches)
+        out.append((a, Plan(p, dep.gpus) if p else None))
+    return out
+
+
+def closed_form_ratio(
+    sim: Simulator, expert_ranks: int, batch: int, context: float, micro_batches: int = 3,
+    transport: str = "gpu_a2a",
+) -> float:  # fmt: skip
+    """The A:E ratio past which the FFN side binds, from the same per-layer costs (derived here,
+    with the structure of arXiv 2601.21351's rule for rA-1F bundles, r* = max(r_A, r_C,
+    r_peak)): with ``batch`` sequences per attention GPU, the expert ranks' time is flat while
+    they only read weights (their floor: every local expert read once per micro-batch) and
+    grows once the aggregated tokens make them compute- or link-bound. Grow A while the
+    experts' and the links' time per layer stays under max(attention's time, one attention
+    GPU's own exchange time at A = 1, the experts' floor): below this ratio the attention side
+    binds and more A is free throughput; above it A idles waiting for the FFN side."""
+
+    def step(a: int):
+        return sim.step(Deployment(a, expert_ranks, micro_batches, transport), batch, context)
+
+    one = step(1)
+    per_rank = math.ceil(sim.model.num_experts / expert_ranks)
+    floor = micro_batches * sim._experts(1.0, per_rank)  # every local expert's weights, read
+    # the attention GPU's own pace: its attention, or its NIC's egress (which does not grow with
+    # A), or the experts' weight reads
+    limit = max(one.t_attn, one.t_comm, floor)
+    lo, hi = 1, 4096
+    while lo < hi:  # the largest A whose expert and link time stay under the limit
+        mid = (lo + hi + 1) // 2
+        st = step(mid)
+        if max(st.t_expert, st.t_comm) <= limit * 1.02:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo / expert_ranks
+
+
+CROSSOVER_PARAMS = ("bandwidth", "context", "sparsity")
+
+
+def vary(sim: Simulator, param: str, value: float, context: float) -> tuple[Simulator, float]:
+    """``sim`` and ``context`` with one parameter changed: ``bandwidth`` scales the network
+    (inter-node) link's bytes/s by ``value``; ``context`` sets the mean context; ``sparsity``
+    sets the routed experts to ``top_k / value`` at the same top-k and the same total expert
+    parameters (fewer, larger experts: coarser and denser; more, smaller: finer and sparser)."""
+    from dataclasses import replace
+
+    if param == "bandwidth":
+        links = sim.hw.links
+        inter = replace(links.inter, bytes_per_s=links.inter.bytes_per_s * value)
+        return replace(sim, hw=replace(sim.hw, links=replace(links, inter=inter))), context
+    if param == "context":
+        return sim, float(value)
+    if param == "sparsity":
+        m = sim.model
+        experts = max(m.top_k, round(m.top_k / value))
+        inter = round(m.moe_intermediate * m.num_experts / experts)
+        return replace(sim, model=replace(m, num_experts=experts, moe_intermediate=inter)), context
+    raise ValueError(f"unknown crossover parameter {param!r}: use one of {CROSSOVER_PARAMS}")
+
+
+def crossover(
+    sim: Simulator, param: str, values: Iterable[float], gpus: int, tpot_slo: float,
+    context: float, space: CompareSpace = CompareSpace(),
+) -> list[tuple[float, Verdict]]:  # fmt: skip
+    """The AF-vs-colocated verdict as one parameter varies (see `vary`)."""
+    out = []
+    for v in values:
+        s, ctx = vary(sim, param, v, context)
+        out.append((v, verdict(s, gpus, tpot_slo, ctx, space)))
+    return out

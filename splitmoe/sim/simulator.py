@@ -25,7 +25,7 @@ roofline come from the `HardwareProfile`; ranks sharing too few cores slow down 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -34,7 +34,11 @@ from splitmoe.sim.hardware import HardwareProfile
 from splitmoe.sim.imbalance import BALANCERS, expert_load
 from splitmoe.sim.model import ModelShape
 
-SIM_TRANSPORTS = ("flat", "two_phase", "auto")
+# flat / two_phase: the runtime's transports (host-issued collectives, alpha per message);
+# gpu_a2a: GPU-initiated all-to-all (DeepEP low-latency, StepMesh, MegaScale-Infer's M2N): a fixed
+# cost per call and bytes over the links, every message in flight at once, one row per (token,
+# expert) pair as DeepEP's low-latency kernels send them, FP8 dispatch where the GPU has FP8.
+SIM_TRANSPORTS = ("flat", "two_phase", "auto", "gpu_a2a")
 # collectives per MoE layer on the data group: count exchange + one all-to-all each way (flat);
 # two-phase adds the node-local aggregation all-to-all each way.
 COLLECTIVES_PER_LAYER = {"flat": 3, "two_phase": 5}
@@ -59,6 +63,7 @@ class Deployment:
     redundant_experts: int = 0
     replicas: int = 1
     expert_parallel: int = 1
+    attention_tp: int = 1
 
     def __post_init__(self) -> None:
         if self.attention_ranks < 1 or self.expert_ranks < 0 or self.replicas < 1:
@@ -73,6 +78,13 @@ class Deployment:
             raise ValueError("expert_parallel applies to colocated deployments (expert_ranks=0)")
         if not 1 <= self.expert_parallel <= self.attention_ranks:
             raise ValueError("expert_parallel must be between 1 and attention_ranks")
+        if self.attention_tp > 1 and (
+            self.expert_ranks or self.attention_ranks % self.attention_tp
+        ):
+            raise ValueError(
+                "attention_tp (tensor parallelism, experts sharded over the same group) applies "
+                "to colocated deployments whose attention_ranks it divides"
+            )
 
     @property
     def colocated(self) -> bool:
@@ -89,7 +101,9 @@ class Deployment:
     def label(self) -> str:
         if self.colocated:
             ep = f" EP{self.expert_parallel}" if self.expert_parallel > 1 else ""
-            return f"colocated x{self.attention_ranks}{ep} m={self.micro_batches}"
+            tp = f" TP{self.attention_tp}" if self.attention_tp > 1 else ""
+            tr = " gpu_a2a" if self.transport == "gpu_a2a" else ""
+            return f"colocated x{self.attention_ranks}{tp}{ep} m={self.micro_batches}{tr}"
         bal = "" if self.balancer == "static" else f" {self.balancer}+{self.redundant_experts}"
         return (
             f"{self.attention_ranks}A:{self.expert_ranks}E m={self.micro_batches} "
@@ -109,6 +123,7 @@ class StepPrediction:
     t_step: float
     tokens: int  # new tokens per attention rank in this step
     imbalance: float
+    t_mtp: float = 0.0  # the multi-token-prediction module (draft layers), whole step
 
     @property
     def overlap_saved(self) -> float:
@@ -125,7 +140,7 @@ class StepPrediction:
 @dataclass(frozen=True)
 class DecodePrediction:
     deployment: Deployment
-    batch: int  # sequences per attention rank
+    batch: int  # sequences per attention rank (per tensor-parallel group with attention_tp)
     context: float
     step: StepPrediction
     tpot: float
@@ -134,6 +149,13 @@ class DecodePrediction:
     attention_mem_gb: float
     expert_mem_gb: float
     fits: bool
+    tokens_per_step: float = 1.0  # output tokens per sequence per step (> 1 with MTP)
+    binding: str = ""  # what bounds the step: "attention", "experts" or "communication"
+
+    @property
+    def per_user_tok_s(self) -> float:
+        """Output tokens per second a sequence sees (``tpot`` is per output token)."""
+        return 1.0 / self.tpot
 
     def row(self) -> dict:
         d = asdict(self.deployment)
@@ -154,6 +176,7 @@ class DecodePrediction:
             attention_mem_gb=self.attention_mem_gb,
             expert_mem_gb=self.expert_mem_gb,
             fits=self.fits,
+            binding=self.binding,
         )
         return d
 
@@ -177,6 +200,20 @@ class Simulator:
     hw: HardwareProfile
     skew: float = 0.0  # routing skew (see `splitmoe.sim.imbalance`)
     recorded_load: tuple[float, ...] | None = None
+    expert_hw: HardwareProfile | None = None  # expert ranks' GPU when it differs (heterogeneous)
+    kv_bytes: int = KV_BYTES  # bytes per KV-cache element (1: an FP8 cache)
+    draft_tokens: int = 0  # multi-token prediction: tokens drafted per step (DeepSeek-V3's MTP: 1)
+    draft_acceptance: float = 0.0  # probability each drafted token is accepted
+
+    @property
+    def ehw(self) -> HardwareProfile:
+        return self.expert_hw or self.hw
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Output tokens per sequence per step: 1 + the accepted drafts (each drafted token
+        needs the previous one accepted)."""
+        return 1.0 + sum(self.draft_acceptance**i for i in range(1, self.draft_tokens + 1))
 
     # ---- per-part roofline --------------------------------------------------------------------
     @property
@@ -185,52 +222,81 @@ class Simulator:
         return self.model.fp8_weights and bool(self.hw.fp8_flops)
 
     @property
+    def expert_fp8(self) -> bool:
+        return self.model.fp8_weights and bool(self.ehw.fp8_flops)
+
+    @property
     def wbytes(self) -> int:
         return 1 if self.fp8 else self.hw.weight_bytes
 
     @property
     def expert_wbytes(self) -> int:
-        return self.wbytes
+        return 1 if self.expert_fp8 else self.ehw.weight_bytes
 
     @property
     def act_bytes(self) -> int:
         return self.hw.weight_bytes if self.hw.cores is not None else ACT_BYTES
 
-    def _attn(self, tokens: float, decode_seqs: float, prefill_seqs: float, context: float):
-        """Attention (+ router, + shared expert on MoE layers) of one layer, one rank."""
+    def kv_shard(self, tp: int) -> float:
+        """Fraction of the KV cache one of ``tp`` tensor-parallel GPUs holds: KV heads split,
+        replicated once there are fewer heads than GPUs (MLA's one latent: replicated)."""
+        if tp <= 1:
+            return 1.0
+        heads = self.model.num_kv_heads if self.model.attention == "gqa" else 1
+        return 1.0 / min(tp, heads)
+
+    def _attn(
+        self, tokens: float, decode_seqs: float, prefill_seqs: float, context: float, tp: int = 1
+    ):
+        """Attention (+ router, + shared expert on MoE layers) of one layer, one rank: the
+        projections (weights, FP8 where the checkpoint and GPU have it) and the attention core
+        over the KV cache (BF16 math, bounded by the cache's bytes or the FLOPs), each its own
+        kernel. With ``tp`` GPUs per group, heads and weights are split ``tp`` ways."""
         m, oh = self.model, self.hw.overheads
         seqs = decode_seqs + prefill_seqs
-        flops = 2 * tokens * m.attn_params + tokens * m.attn_core_flops(context)
-        nbytes = m.attn_params * self.wbytes + seqs * context * m.kv_bytes_per_token(KV_BYTES)
         t = oh.attn_layer_s + oh.seq_layer_s * seqs + oh.prefill_seq_layer_s * prefill_seqs
+        if not tokens:
+            return t, t
         fp8 = self.fp8
-        attn = t + self.hw.gemm_s(flops, nbytes, fp8) if tokens else t
+        proj = self.hw.gemm_s(
+            2 * tokens * m.attn_params / tp, m.attn_params * self.wbytes / tp, fp8
+        )
+        kv = seqs * context * m.kv_bytes_per_token(self.kv_bytes) * self.kv_shard(tp)
+        core = self.hw.gemm_s(tokens * m.attn_core_flops(context) / tp, kv) if context else 0.0
+        attn = t + proj + core
         shared = (
-            self.hw.gemm_s(2 * tokens * m.shared_params, m.shared_params * self.wbytes, fp8)
-            if m.shared_params and tokens
+            self.hw.gemm_s(
+                2 * tokens * m.shared_params / tp, m.shared_params * self.wbytes / tp, fp8
+            )
+            if m.shared_params
             else 0.0
         )
         dense = (
-            self.hw.gemm_s(2 * tokens * m.dense_params, m.dense_params * self.wbytes, fp8)
-            if m.dense_params and tokens
+            self.hw.gemm_s(2 * tokens * m.dense_params / tp, m.dense_params * self.wbytes / tp, fp8)
+            if m.dense_params
             else 0.0
         )
         return attn + shared, attn + dense
 
     def _experts(self, pairs: float, active: float) -> float:
-        m, oh = self.model, self.hw.overheads
+        m, oh = self.model, self.ehw.overheads
         if pairs <= 0:
             return oh.moe_layer_s
         flops = 2 * pairs * m.expert_params
         nbytes = active * m.expert_params * self.expert_wbytes
-        fp8 = self.fp8
-        return oh.moe_layer_s + oh.expert_s * active + self.hw.gemm_s(flops, nbytes, fp8)
+        return (
+            oh.moe_layer_s + oh.expert_s * active + self.ehw.gemm_s(flops, nbytes, self.expert_fp8)
+        )
 
     def _comm(self, dep: Deployment, tokens_per_rank: float, load) -> float:
         """Dispatch + combine of one micro-batch of one MoE layer."""
         oh = self.hw.overheads
+        if dep.attention_tp > 1:
+            return self._allreduce(dep.attention_tp, tokens_per_rank)
         if dep.colocated and dep.expert_parallel == 1:
             return 0.0
+        if dep.transport == "gpu_a2a":
+            return self._gpu_a2a(dep, tokens_per_rank, load)
         if dep.colocated:
             senders, receivers, world = dep.expert_parallel, dep.expert_parallel, dep.ranks
         else:
@@ -253,6 +319,57 @@ class Simulator:
             best = min(best, fixed + links[s])
         return best
 
+    def _allreduce(self, tp: int, tokens: float) -> float:
+        """The two ring all-reduces of a tensor-parallel layer (after attention, after the MoE)
+        over NVLink: 2 (tp - 1) messages and 2 (tp - 1) / tp of the activations each."""
+        link = self.hw.links.intra
+        nbytes = tokens * self.model.hidden * self.act_bytes
+        one = 2 * (tp - 1) * link.alpha_s + 2 * (tp - 1) / tp * nbytes / link.bytes_per_s
+        return 2 * one + 2 * self.hw.overheads.collective(tp)
+
+    def _gpu_a2a(self, dep: Deployment, tokens: float, load) -> float:
+        """Dispatch + combine of one micro-batch by GPU-initiated all-to-all (``gpu_a2a``): per
+        call ``a2a_fixed_s``, then the busiest rank's bytes over its NVLink and its NIC at once
+        (sender: every (token, expert) row it routes; receiver: every row the busiest expert rank
+        gets). Colocated EP over ``W`` ranks keeps ``g / W`` of the rows in the node (``g`` GPUs
+        per node, one of them itself); AF puts attention and expert ranks on different nodes
+        once they do not fit one."""
+        hw, m = self.hw, self.model
+        per_node = hw.gpus_per_node
+        if dep.colocated:
+            w = dep.expert_parallel
+            g = min(per_node, w)
+            remote, local = 1 - g / w, (g - 1) / w
+        else:
+            one_node = dep.attention_ranks + dep.expert_ranks <= per_node
+            remote, local = (0.0, 1.0) if one_node else (1.0, 0.0)
+        return sum(self.gpu_a2a_times(tokens * m.top_k, load.pairs_max, remote, local))
+
+    def gpu_a2a_times(
+        self, rows_out: float, rows_in: float, remote: float, local: float
+    ) -> tuple[float, float]:
+        """(dispatch, combine) seconds of one GPU-initiated all-to-all call each: the busiest
+        rank sends ``rows_out`` and receives ``rows_in`` rows, ``remote`` of them over the NIC
+        and ``local`` over NVLink (the rest stay on the GPU). Dispatch rows are FP8 with one
+        fp32 scale per 128 values where both GPUs have FP8 and the checkpoint is FP8, combine
+        rows are BF16 (DeepEP's low-latency kernels)."""
+        hw, m = self.hw, self.model
+        fp8 = self.fp8 and self.expert_fp8
+        dispatch_b = m.hidden + m.hidden // 128 * 4 if fp8 else m.hidden * self.act_bytes
+        combine_b = m.hidden * self.act_bytes
+        links = hw.links
+        out = []
+        for row_b in (dispatch_b, combine_b):
+            worst = max(rows_out, rows_in) * row_b
+            out.append(
+                hw.a2a_fixed_s
+                + max(
+                    worst * remote / links.inter.bytes_per_s,
+                    worst * local / links.intra.bytes_per_s,
+                )
+            )
+        return out[0], out[1]
+
     # ---- one step -----------------------------------------------------------------------------
     def step(
         self,
@@ -262,14 +379,26 @@ class Simulator:
         prefill_tokens: float = 0.0,
         prefill_seqs: float = 0.0,
     ) -> StepPrediction:
-        """One step of the busiest attention rank: ``decode_seqs`` decode tokens over ``context``
-        cached tokens each, plus ``prefill_tokens`` prompt tokens in ``prefill_seqs`` chunks."""
+        """One step of the busiest attention rank: ``decode_seqs`` decode sequences over
+        ``context`` cached tokens each (``1 + draft_tokens`` query tokens each with MTP), plus
+        ``prefill_tokens`` prompt tokens in ``prefill_seqs`` chunks. With ``attention_tp`` the
+        sequences are those of one tensor-parallel group, every GPU of which sees all of them."""
+        if dep.colocated and self.expert_hw is not None:  # experts on the attention GPUs
+            return replace(self, expert_hw=None).step(
+                dep, decode_seqs, context, prefill_tokens, prefill_seqs
+            )
         m, hw, oh = self.model, self.hw, self.hw.overheads
-        # a sequence is never split across micro-batches: fewer sequences, fewer micro-batches
-        mb = max(1, min(dep.micro_batches, math.ceil(decode_seqs + prefill_seqs)))
-        tokens = decode_seqs + prefill_tokens
+        tp = dep.attention_tp
+        # every micro-batch runs, empty or not (the runtime's split: empty micro-batches still
+        # take part in the collectives), so more micro-batches than sequences only cost
+        mb = dep.micro_batches
+        q_per_seq = 1 + self.draft_tokens
+        tokens = decode_seqs * q_per_seq + prefill_tokens
         seqs = decode_seqs + prefill_seqs
-        t_mb = tokens / mb
+        # micro-batches with sequences in them (the others skip the compute but still take part
+        # in the exchange)
+        full = min(mb, max(1, math.ceil(seqs))) if seqs else mb
+        t_mb = tokens / full
         ctx = (
             context
             if not prefill_tokens
@@ -281,13 +410,15 @@ class Simulator:
                 / max(tokens, 1)
             )
         )
-        attn_moe, attn_dense = self._attn(t_mb, decode_seqs / mb, prefill_seqs / mb, ctx)
+        attn_moe, attn_dense = self._attn(t_mb, decode_seqs / full, prefill_seqs / full, ctx, tp)
         # expert load of one micro-batch: routed tokens of all attention ranks (or EP group)
-        if dep.colocated:
-            group = dep.expert_parallel
+        if tp > 1:
+            group, senders = tp, 1  # every GPU of the group holds all tokens, 1/tp of experts
+        elif dep.colocated:
+            group, senders = dep.expert_parallel, dep.expert_parallel
         else:
-            group = dep.expert_ranks
-        routed = round(t_mb * (dep.attention_ranks if not dep.colocated else dep.expert_parallel))
+            group, senders = dep.expert_ranks, dep.attention_ranks
+        routed = round(t_mb * senders)
         load = expert_load(
             max(routed, 0),
             m.num_experts,
@@ -299,73 +430,105 @@ class Simulator:
             self.recorded_load,
         )
         te = self._experts(load.pairs_max, load.active_max)
-        tc = self._comm(dep, t_mb, load) if routed else 0.0
+        tc = self._comm(dep, t_mb, load) if tokens else 0.0
+        # More rank processes than a host's cores: every rank computes slower
+        # (`HardwareProfile.contention`; 1 on GPUs).
+        slow = hw.contention(dep.ranks)
+        ta, te = attn_moe * slow, te * slow
         if dep.colocated:
-            busy = dep.attention_ranks
-            ta, te = attn_moe * hw.contention(busy), te * hw.contention(busy)
             comp = ta + te
-            layer = max(mb * comp, mb * tc) + min(comp, tc)
+            layer = max(full * comp, mb * tc) + min(comp, tc)
         else:
-            if mb == 1:
-                ta = attn_moe * hw.contention(dep.attention_ranks)
-                te = te * hw.contention(dep.expert_ranks)
-            else:
-                ta, te = (x * hw.contention(dep.ranks) for x in (attn_moe, te))
-            layer = max(mb * ta, mb * te, mb * tc, ta + te + tc)
-        dense = mb * attn_dense * hw.contention(dep.attention_ranks)
-        head = hw.gemm_s(2 * seqs * m.hidden * m.vocab, m.hidden * m.vocab * self.wbytes)
+            layer = max(full * ta, full * te, mb * tc, ta + te + tc)
+        dense = full * attn_dense * slow
+        if tp > 1:
+            dense += mb * self._allreduce(tp, t_mb)
+        head = hw.gemm_s(
+            2 * seqs * q_per_seq * m.hidden * m.vocab / tp, m.hidden * m.vocab * self.wbytes / tp
+        )
+        # MTP: each drafted token runs the draft module, one more MoE layer (DeepSeek-V3)
+        mtp = self.draft_tokens * layer
+        # the driver handles every sequence of the instance, whichever rank holds it
+        procs = (
+            oh.proc_step_s + oh.proc_seq_step_s * seqs * dep.attention_ranks
+            if dep.ranks > 1
+            else 0.0
+        )
         t_step = (
             oh.step_s
+            + oh.micro_batch_s * (mb - 1)
+            + procs
             + oh.seq_step_s * seqs
             + oh.collective(dep.ranks)
-            + head * hw.contention(dep.attention_ranks)
+            + head * slow
             + m.num_moe_layers * layer
             + m.num_dense_layers * dense
+            + mtp
         )
         return StepPrediction(
-            t_attn=mb * ta,
-            t_expert=mb * te,
+            t_attn=full * ta,
+            t_expert=full * te,
             t_comm=mb * tc,
             t_moe_layer=layer,
             t_dense_layer=dense,
             t_step=t_step,
             tokens=round(tokens),
             imbalance=load.imbalance,
+            t_mtp=mtp,
         )
 
     # ---- what users ask -----------------------------------------------------------------------
     def memory_gb(self, dep: Deployment, batch: int, max_context: float) -> tuple[float, float]:
         """Bytes an attention rank and an expert rank hold (GB): weights + full-context KV."""
+        if dep.colocated and self.expert_hw is not None:
+            return replace(self, expert_hw=None).memory_gb(dep, batch, max_context)
         m = self.model
-        kv = batch * max_context * m.kv_bytes_per_token(KV_BYTES) * m.num_layers
+        tp = dep.attention_tp
+        kv = batch * max_context * m.kv_bytes_per_token(self.kv_bytes) * m.num_layers
+        kv *= self.kv_shard(tp)
         experts_total = m.num_moe_layers * m.expert_params * self.expert_wbytes
         slots = m.num_experts + dep.redundant_experts
+        attn_w = m.attention_rank_params * self.wbytes / tp
         if dep.colocated:
-            attn = m.attention_rank_params * self.wbytes + kv
-            attn += experts_total * slots / dep.expert_parallel
+            attn = attn_w + kv + experts_total * slots / max(dep.expert_parallel, tp)
             return attn / 1e9, 0.0
         per_rank = math.ceil(slots / dep.expert_ranks)
-        return (m.attention_rank_params * self.wbytes + kv) / 1e9, experts_total * per_rank / 1e9
+        return (attn_w + kv) / 1e9, experts_total * per_rank / 1e9
+
+    def max_batch(self, dep: Deployment, max_context: float) -> int:
+        """The most sequences per attention rank whose KV cache fits beside the weights (90 % of
+        device memory): the attention side's memory bound."""
+        cap = self.hw.memory_bytes / 1e9 * 0.9
+        w, _ = self.memory_gb(dep, 0, max_context)
+        per_seq = self.memory_gb(dep, 1, max_context)[0] - w
+        return max(0, int((cap - w) / per_seq)) if per_seq > 0 else 10**9
 
     def decode(
         self, dep: Deployment, batch: int, context: float, max_context: float | None = None
     ) -> DecodePrediction:
-        """Steady decode with ``batch`` sequences per attention rank at mean ``context``."""
+        """Steady decode with ``batch`` sequences per attention rank (per tensor-parallel group
+        with ``attention_tp``) at mean ``context``."""
         st = self.step(dep, batch, context)
-        tok = dep.attention_ranks * batch / st.t_step * dep.replicas
+        groups = dep.attention_ranks // dep.attention_tp
+        per_step = self.tokens_per_step
+        tok = groups * batch * per_step / st.t_step * dep.replicas
         attn_gb, exp_gb = self.memory_gb(dep, batch, max_context or context)
         cap = self.hw.memory_bytes / 1e9 * 0.9
+        ecap = self.ehw.memory_bytes / 1e9 * 0.9
+        parts = {"attention": st.t_attn, "experts": st.t_expert, "communication": st.t_comm}
         return DecodePrediction(
             deployment=dep,
             batch=batch,
             context=context,
             step=st,
-            tpot=st.t_step,
+            tpot=st.t_step / per_step,
             tokens_per_s=tok,
             tokens_per_s_per_gpu=tok / dep.gpus,
             attention_mem_gb=attn_gb,
             expert_mem_gb=exp_gb,
-            fits=attn_gb <= cap and exp_gb <= cap,
+            fits=attn_gb <= cap and exp_gb <= ecap,
+            tokens_per_step=per_step,
+            binding=max(parts, key=parts.get),
         )
 
     def run(

@@ -5,10 +5,10 @@ of ``num_requests`` prompts of ``prompt_len`` tokens, each generating ``max_toke
 instance of ``attention_ranks + expert_ranks`` ranks. `predict_row` adds the simulator's
 ``pred_*`` figures and relative errors; `check` says which rows fall within the tolerance.
 
-The check is on the decode step time (TBT p50, the simulator's TPOT): it is what the simulator
-predicts and what the planner's SLO is about. End-to-end output tokens/s is reported beside it;
-it also carries the run's start-up and the tail of stalls other work on this machine causes
-(TBT p99 is often 3x the median here), which a model of the median step does not.
+The check is on the decode step time (the ranks' median step period, the simulator's TPOT) and
+on end-to-end output tokens/s (which adds the prefill and the first token), both within
+``TOLERANCE``. (Client-side TBT is not the step time here: with several rank processes the driver
+receives tokens in bursts, so its median gap is about two steps.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ from splitmoe.sim.hardware import HardwareProfile
 from splitmoe.sim.model import ModelShape
 from splitmoe.sim.simulator import Deployment, Simulator
 
-TOLERANCE = 0.25
+TOLERANCE = 0.15
+
+
+def measured_step_ms(row: dict) -> float:
+    """The decode step time a row measured: the ranks' own step period (``step_p50_ms``), or
+    TBT p50 in CSVs that predate it."""
+    return float(row.get("step_p50_ms") or row["tbt_p50_ms"])
 
 
 def predictable(row: dict) -> bool:
@@ -56,46 +62,63 @@ def predict_row(sim: Simulator, row: dict) -> dict:
         "pred_comm_share": r.decode.comm_share,
     }
     out["err_output_tok_s"] = r.output_tok_s / float(row["output_tok_s"]) - 1
-    out["err_tbt"] = r.tbt * 1e3 / float(row["tbt_p50_ms"]) - 1
+    out["err_tbt"] = r.tbt * 1e3 / measured_step_ms(row) - 1
     return out
 
 
 @dataclass(frozen=True)
 class Check:
-    rows: list[dict]  # validation rows with predictions
-    within: int
-    total: int
+    rows: list[dict]  # every predictable row with its predictions (calibration ones flagged)
+
+    @property
+    def validation(self) -> list[dict]:
+        return [r for r in self.rows if not r["calibration"]]
+
+    @property
+    def total(self) -> int:
+        return len(self.validation)
+
+    @property
+    def within_step(self) -> int:
+        return sum(abs(r["err_tbt"]) <= TOLERANCE for r in self.validation)
 
     @property
     def within_tok_s(self) -> int:
+        return sum(abs(r["err_output_tok_s"]) <= TOLERANCE for r in self.validation)
+
+    @property
+    def within(self) -> int:
+        """Validation rows whose decode-step time and output tokens/s are both within."""
         return sum(
-            1 for r in self.rows if not r["calibration"] and abs(r["err_output_tok_s"]) <= TOLERANCE
+            abs(r["err_tbt"]) <= TOLERANCE and abs(r["err_output_tok_s"]) <= TOLERANCE
+            for r in self.validation
         )
 
     @property
     def passed(self) -> bool:
-        return self.total > 0 and self.within >= min(4, self.total)
+        return self.total > 0 and self.within == self.total
 
     def table(self) -> str:
         head = (
-            f"{'config':<24}{'batch':>6}{'meas tok/s':>12}{'pred tok/s':>12}{'err':>8}"
-            f"{'meas TBT ms':>13}{'pred TBT ms':>13}{'err':>8}  use"
+            f"{'config':<26}{'batch':>6}{'meas tok/s':>12}{'pred tok/s':>12}{'err':>8}"
+            f"{'meas step ms':>14}{'pred step ms':>14}{'err':>8}  use"
         )
         lines = [head]
         for r in self.rows:
             cfg = (
                 f"{r['attention_ranks']}A+{r['expert_ranks']}E {r['transport']} "
-                f"m={r['micro_batches']}"
+                f"m={r['micro_batches']} {r['balancer']}"
             )
             lines.append(
-                f"{cfg:<24}{int(r['num_requests']):>6}{float(r['output_tok_s']):>12.1f}"
+                f"{cfg:<26}{int(r['num_requests']):>6}{float(r['output_tok_s']):>12.1f}"
                 f"{r['pred_output_tok_s']:>12.1f}{r['err_output_tok_s']:>+8.0%}"
-                f"{float(r['tbt_p50_ms']):>13.2f}{r['pred_tbt_ms']:>13.2f}{r['err_tbt']:>+8.0%}"
+                f"{measured_step_ms(r):>14.2f}{r['pred_tbt_ms']:>14.2f}{r['err_tbt']:>+8.0%}"
                 f"  {'calibration' if r.get('calibration') else 'validation'}"
             )
         lines.append(
-            f"{self.within} of {self.total} validation runs within ±{TOLERANCE:.0%} on TBT p50 "
-            f"(decode step); {self.within_tok_s} of {self.total} on end-to-end output tokens/s"
+            f"{self.within} of {self.total} validation runs within ±{TOLERANCE:.0%} on both "
+            f"decode-step time and output tokens/s ({self.within_step} on step time, "
+            f"{self.within_tok_s} on tokens/s)"
         )
         return "\n".join(lines)
 
@@ -103,19 +126,22 @@ class Check:
 def check(
     model: ModelShape, hw: HardwareProfile, rows: list[dict], calibration: set | None = None
 ) -> Check:
-    """Predicts every predictable row; counts validation rows (not used for calibration) whose
-    TBT p50 is within ±25 % of the measurement."""
+    """Predicts every predictable row; the rows whose (attention ranks, expert ranks, requests,
+    micro-batches) are in ``calibration`` (static, flat) fitted the profile, the others validate
+    it."""
     sim = Simulator(model, hw)
-    out, within, total = [], 0, 0
+    out = []
     for row in rows:
         if not predictable(row):
             continue
         r = {**row, **predict_row(sim, row)}
-        key = (int(row["attention_ranks"]), int(row["expert_ranks"]), int(row["num_requests"]))
-        default = int(row["micro_batches"]) == 1 and row["transport"] in ("none", "flat")
+        key = (
+            int(row["attention_ranks"]),
+            int(row["expert_ranks"]),
+            int(row["num_requests"]),
+            int(row["micro_batches"]),
+        )
+        default = row["transport"] in ("none", "flat") and row.get("balancer", "static") == "static"
         r["calibration"] = bool(calibration) and default and key in calibration
-        if not r["calibration"]:
-            total += 1
-            within += abs(r["err_tbt"]) <= TOLERANCE
         out.append(r)
-    return Check(rows=out, within=within, total=total)
+    return Check(rows=out)

@@ -131,12 +131,17 @@ def test_ping_pong_overlap():
 def test_contention_only_where_ranks_share_cores():
     oh = Overheads(attn_layer_s=1e-3, moe_layer_s=1e-3)
     gpu = Simulator(TINY, _roofline_only(overheads=oh))
-    cpu = Simulator(TINY, _roofline_only(overheads=oh, cores=2.0))
+    cpu = Simulator(TINY, _roofline_only(overheads=oh, cores=2.0, oversubscribed=2.5))
     assert cpu.step(Deployment(2), 4, 10).t_step == pytest.approx(
         gpu.step(Deployment(2), 4, 10).t_step
     )
+    # more rank processes than cores (colocated or not): every rank computes 2.5x slower
     four_gpu, four_cpu = gpu.step(Deployment(4), 4, 10), cpu.step(Deployment(4), 4, 10)
-    assert four_cpu.t_moe_layer == pytest.approx(2 * four_gpu.t_moe_layer)
+    assert four_cpu.t_moe_layer == pytest.approx(2.5 * four_gpu.t_moe_layer)
+    af_gpu, af_cpu = gpu.step(Deployment(1, 2), 4, 10), cpu.step(Deployment(1, 2), 4, 10)
+    assert af_cpu.t_attn == pytest.approx(2.5 * af_gpu.t_attn)
+    with pytest.raises(ValueError, match="oversubscribed"):
+        _roofline_only(cores=2.0, oversubscribed=0.5)
 
 
 def test_decode_throughput_and_memory():
