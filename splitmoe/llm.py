@@ -26,6 +26,7 @@ import traceback
 import weakref
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 
 from tqdm import tqdm
@@ -38,6 +39,7 @@ from splitmoe.metrics import ServingMetrics, StepRecord, summarize
 from splitmoe.outputs import RequestOutput, StreamDelta
 from splitmoe.runtime import Inbox, run_rank
 from splitmoe.sampling_params import SamplingParams
+from splitmoe.scheduler.block_manager import block_hashes
 from splitmoe.scheduler.request import RequestSpec
 from splitmoe.scheduler.router import LeastLoadRouter
 from splitmoe.tokenizer import Tokenizer
@@ -152,12 +154,32 @@ class _Inboxes:
         self._bell = bell
         if bell is not None:
             os.set_blocking(bell.fileno(), False)
+        # `wake` (from any thread) ends a `get` that waits: a server's engine loop has requests
+        # to submit
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\x01")
+        except (BlockingIOError, OSError):  # (full: it rings already; closed: nobody waits)
+            pass
+
+    def _woken(self, readable) -> bool:
+        if self._wake_r not in readable:
+            return False
+        try:
+            os.read(self._wake_r, 1 << 16)
+        except BlockingIOError:
+            pass
+        return True
 
     def get(self, timeout: float, every_message: bool = True):
-        """The next message; `queue.Empty` if none came within ``timeout`` s. With
-        ``every_message`` False it wakes only when a rank rings the bell (or every
-        `_QUIET_TICK_S`), then takes whatever the pipes hold: messages arrive as before, in
-        the same order, some later."""
+        """The next message; `queue.Empty` if none came within ``timeout`` s, or when `wake`
+        was called. With ``every_message`` False it wakes only when a rank rings the bell (or
+        every `_QUIET_TICK_S`), then takes whatever the pipes hold: messages arrive as before,
+        in the same order, some later."""
         deadline = time.monotonic() + timeout
         quiet = not every_message and self._bell is not None
         while not self._ready:
@@ -168,17 +190,24 @@ class _Inboxes:
                 time.sleep(left)
                 raise queue.Empty
             if quiet:
-                if wait([self._bell], min(left, _QUIET_TICK_S)):
+                rung = wait([self._bell, self._wake_r], min(left, _QUIET_TICK_S))
+                woken = self._woken(rung)
+                if self._bell in rung:
                     self._drain_bell()
                 readable = wait(self._live, 0)
             else:
-                watched = self._live if self._bell is None else [*self._live, self._bell]
+                watched = [*self._live, self._wake_r]
+                if self._bell is not None:
+                    watched.append(self._bell)
                 readable = wait(watched, left)
+                woken = self._woken(readable)
             for conn in readable:
                 if conn is self._bell:
                     self._drain_bell()
-                else:
+                elif conn != self._wake_r:
                     self._read(conn)
+            if woken and not self._ready:
+                raise queue.Empty
         return self._ready.popleft()
 
     def _drain_bell(self) -> None:
@@ -209,6 +238,8 @@ class _Inboxes:
             conn.close()
         if self._bell is not None:
             self._bell.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         self._live = []
 
 
@@ -216,7 +247,8 @@ class _QueueChannel:
     """Channel of an `LLM`-spawned rank: commands in through a queue, results out through a pipe
     of its own (`_Outbox`).
 
-    In: ``("add", [RequestSpec])`` (attention ranks), ``("stats",)``, ``("close",)``.
+    In: ``("add", [RequestSpec])``, ``("abort", [request id])`` (attention ranks),
+    ``("stats",)``, ``("close",)``.
     """
 
     def __init__(self, rank: int, in_q, out: _Outbox, takes_requests: bool):
@@ -239,6 +271,8 @@ class _QueueChannel:
             while True:
                 if msg[0] == "add":
                     inbox.requests.extend(msg[1])
+                elif msg[0] == "abort":
+                    inbox.aborts.extend(msg[1])
                 elif msg[0] == "stats":
                     inbox.stats_wanted = True
                 elif msg[0] == "trace":
@@ -261,8 +295,13 @@ class _QueueChannel:
         ids = [u.request_id for u in updates]
         tokens = [u.new_token_ids for u in updates]
         finished = [(i, u.finish_reason, u.metrics) for i, u in enumerate(updates) if u.metrics]
+        logprobs = None
+        if any(u.logprobs for u in updates):
+            logprobs = [u.logprobs for u in updates]
         # (rings only when a request finished: what every waiting front end wants)
-        self.out.put(("step", self.rank, (ids, tokens, finished), record), ring=bool(finished))
+        self.out.put(
+            ("step", self.rank, (ids, tokens, finished, logprobs), record), ring=bool(finished)
+        )
 
     def send_stats(self, stats: dict) -> None:
         self.out.put(("stats", self.rank, stats))
@@ -365,6 +404,28 @@ class _Detokenizer:
         return new
 
 
+class _StopWatch:
+    """Finds a request's stop strings in its decoded output as its tokens arrive."""
+
+    def __init__(self, tokenizer, strings: tuple[str, ...]):
+        self.detok = _Detokenizer(tokenizer)
+        self.strings = strings
+        self.longest = max(map(len, strings))
+        self.hit: tuple[int, str] | None = None  # (tokens kept, text kept) once one appeared
+
+    def check(self, out: RequestOutput) -> bool:
+        """Whether a stop string has appeared (now or before); the first occurrence wins."""
+        if self.hit is None:
+            new = self.detok.delta(out)
+            if new:
+                text = self.detok.text
+                start = max(0, len(text) - len(new) - self.longest + 1)
+                found = [i for i in (text.find(x, start) for x in self.strings) if i >= 0]
+                if found:
+                    self.hit = (len(out.token_ids), text[: min(found)])
+        return self.hit is not None
+
+
 class LLM:
     """Starts ``attention_ranks + expert_ranks`` rank processes and serves `generate` calls.
 
@@ -416,6 +477,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_checkpoint(model)
         self._next_id = 0
         self._live: dict[int, RequestOutput] = {}
+        self._stops: dict[int, _StopWatch] = {}  # live requests with stop strings
+        self._last_step: dict[int, StepRecord] = {}  # each attention rank's latest step
         self._stats: dict[int, dict] = {}
         self.reset_metrics()
         self._start()
@@ -445,7 +508,11 @@ class LLM:
         self._out = _Inboxes(readers, bell_reader)
         self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._in_qs)
         atexit.register(self._finalizer)
-        self._router = LeastLoadRouter(A)
+        cache = cfg.cache
+        blocks = cache.resolve_num_blocks(
+            cfg.model, cfg.torch_dtype, cfg.scheduler.max_num_seqs, cfg.max_model_len
+        )
+        self._router = LeastLoadRouter(A, blocks if cache.enable_prefix_caching and A > 1 else 0)
         ready = 0
         deadline = time.monotonic() + cfg.parallel.timeout_s + 60
         while ready < W:
@@ -543,29 +610,78 @@ class LLM:
         params = broadcast_params(sampling_params, len(ids))
         for i, (p, sp) in enumerate(zip(ids, params)):
             check_request(i, p, sp, self.config)
+        for sp in params:
+            if sp.stop and self.tokenizer is None:
+                raise ValueError(
+                    "stop strings need the checkpoint's tokenizer.json (they are matched on the "
+                    "decoded text); use stop_token_ids"
+                )
         now = time.time()
         batches: list[list[RequestSpec]] = [[] for _ in range(self.config.parallel.attention_ranks)]
         rids = []
+        route_by_prefix = self._router.capacity > 0
+        bs = self.config.cache.block_size
         for p, sp in zip(ids, params):
             rid = self._next_id
             self._next_id += 1
-            rank = self._router.pick(len(p))
+            rank = self._router.pick(len(p), block_hashes(p, bs) if route_by_prefix else ())
             batches[rank].append(RequestSpec(rid, list(p), sp, now))
             self._live[rid] = RequestOutput(
-                request_id=rid, prompt_token_ids=list(p), attention_rank=rank
+                request_id=rid,
+                prompt_token_ids=list(p),
+                attention_rank=rank,
+                logprobs=None if sp.logprobs is None else [],
             )
+            if sp.stop:
+                self._stops[rid] = _StopWatch(self.tokenizer, sp.stop)
             rids.append(rid)
         for q, batch in zip(self._in_qs, batches):  # (the attention ranks' queues)
             q.put(("add", batch) if batch else ("wake",))  # idle ranks join the next step now
         return rids
 
-    def poll(self, timeout: float | None = None) -> list[tuple[RequestOutput, list[int]]]:
+    def abort(self, request_ids: list[int]) -> None:
+        """Stops these requests on their attention ranks, which free their KV blocks at once;
+        each comes back from `poll` finished with ``finish_reason="abort"`` (ids that already
+        finished are ignored)."""
+        by_rank: dict[int, list[int]] = {}
+        for rid in request_ids:
+            out = self._live.get(rid)
+            if out is not None:
+                by_rank.setdefault(out.attention_rank, []).append(rid)
+        for rank, rids in by_rank.items():
+            self._in_qs[rank].put(("abort", rids))
+
+    def wake(self) -> None:
+        """Makes a `poll` that waits in another thread return now (thread-safe): a server's
+        engine loop has new requests to submit."""
+        self._out.wake()
+
+    def poll(
+        self, timeout: float | None = None, every_step: bool = True
+    ) -> list[tuple[RequestOutput, list[int]]]:
         """Waits for the next step's progress (up to ``timeout`` s, or the job's collective
-        timeout); returns ``(output so far, new token ids)`` per request that advanced. A failed
-        rank raises `RankFailure` here."""
+        timeout, or until `wake`); returns ``(output so far, new token ids)`` per request that
+        advanced. With ``every_step`` False only finished requests are returned (with no new
+        tokens listed), and the ranks wake this process only for steps in which one finished,
+        which spares the cores it shares with them. A failed rank raises `RankFailure` here."""
+        if not every_step:
+            finished: list[RequestOutput] = []
+            self._pump(timeout, None, finished)
+            return [(out, []) for out in finished]
         progress: list[tuple[RequestOutput, list[int]]] = []
         self._pump(timeout, progress, [])
         return progress
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted and not finished yet."""
+        return len(self._live)
+
+    @property
+    def last_steps(self) -> dict[int, StepRecord]:
+        """Each attention rank's most recent `StepRecord` (running and waiting requests, KV
+        blocks in use)."""
+        return dict(self._last_step)
 
     def _pump(self, timeout: float | None, progress: list | None, finished: list) -> None:
         """Reads the ranks' messages until one step's tokens (or a stats answer) arrived, up to
@@ -590,15 +706,30 @@ class LLM:
                 self._stats[msg[1]] = msg[2]
                 return
             if msg[0] == "step":
-                _, rank, (ids, tokens, done), record = msg
-                self._apply_step(rank, ids, tokens, done, record, progress, finished)
+                _, rank, (ids, tokens, done, logprobs), record = msg
+                self._apply_step(rank, ids, tokens, done, logprobs, record, progress, finished)
                 return
 
-    def _apply_step(self, rank, ids, tokens, done, record, progress, finished) -> None:
+    def _apply_step(self, rank, ids, tokens, done, logprobs, record, progress, finished) -> None:
         """One step's new tokens (`_QueueChannel.emit`'s lists) into the live outputs."""
-        self._steps.append(record)
-        live = self._live
-        if progress is None:
+        if record is not None:  # (None: aborted requests, outside a step)
+            self._steps.append(record)
+            self._last_step[rank] = record
+        live, stops = self._live, self._stops
+        if stops or logprobs is not None:
+            for j, (rid, new) in enumerate(zip(ids, tokens)):
+                out = live[rid]
+                out.token_ids.extend(new)
+                if logprobs is not None and logprobs[j]:
+                    out.logprobs.extend(logprobs[j])
+                watch = stops.get(rid)
+                if watch is not None and watch.check(out):
+                    if watch.hit[0] == len(out.token_ids) and new:  # (it just appeared)
+                        self._in_qs[rank].put(("abort", [rid]))
+                    continue  # (nothing past a stop string is reported)
+                if progress is not None:
+                    progress.append((out, new))
+        elif progress is None:
             for rid, new in zip(ids, tokens):
                 live[rid].token_ids.extend(new)
         else:
@@ -609,11 +740,21 @@ class LLM:
         self._router.add(rank, sum(map(len, tokens)))
         for i, reason, metrics in done:
             out = live.pop(ids[i])
-            out.finish_reason, out.metrics = reason, metrics
-            if self.tokenizer is not None:
-                out.text = self.tokenizer.decode(out.token_ids)
             self._router.release(rank, len(out.prompt_token_ids) + len(out.token_ids))
-            self._finished.append(out)
+            watch = stops.pop(ids[i], None)
+            if watch is not None and watch.hit is not None:
+                n, out.text = watch.hit
+                del out.token_ids[n:]
+                if out.logprobs is not None:
+                    del out.logprobs[n:]
+                reason, metrics = "stop", replace(metrics, num_output_tokens=n)
+                if progress is not None:
+                    progress.append((out, []))
+            elif self.tokenizer is not None:
+                out.text = self.tokenizer.decode(out.token_ids)
+            out.finish_reason, out.metrics = reason, metrics
+            if reason != "abort":  # (a request its client gave up on says nothing of speed)
+                self._finished.append(out)
             finished.append(out)
 
     def stream(
@@ -756,6 +897,7 @@ class LLM:
         """Starts a new measurement period for `metrics`."""
         self._finished = []
         self._steps = []
+        self._last_step = {}
         self._metrics_start = time.time()
 
     def metrics(self) -> ServingMetrics:
