@@ -161,6 +161,8 @@ class _Inboxes:
         os.set_blocking(self._wake_w, False)
 
     def wake(self) -> None:
+        if self._wake_w < 0:  # closed (its number may belong to another file by now)
+            return
         try:
             os.write(self._wake_w, b"\x01")
         except (BlockingIOError, OSError):  # (full: it rings already; closed: nobody waits)
@@ -238,8 +240,9 @@ class _Inboxes:
             conn.close()
         if self._bell is not None:
             self._bell.close()
+        wake_w, self._wake_w = self._wake_w, -1
+        os.close(wake_w)
         os.close(self._wake_r)
-        os.close(self._wake_w)
         self._live = []
 
 
@@ -480,6 +483,9 @@ class LLM:
         self._stops: dict[int, _StopWatch] = {}  # live requests with stop strings
         self._last_step: dict[int, StepRecord] = {}  # each attention rank's latest step
         self._stats: dict[int, dict] = {}
+        # progress read while `stats` / `rebalance` waited for their answers: the next `poll`
+        # returns it (a server asks for stats while requests run)
+        self._backlog: list[tuple[RequestOutput, list[int]]] = []
         self.reset_metrics()
         self._start()
 
@@ -664,11 +670,14 @@ class LLM:
         advanced. With ``every_step`` False only finished requests are returned (with no new
         tokens listed), and the ranks wake this process only for steps in which one finished,
         which spares the cores it shares with them. A failed rank raises `RankFailure` here."""
+        if self._backlog:
+            progress, self._backlog = self._backlog, []
+            return progress if every_step else [(o, []) for o, _ in progress if o.finished]
         if not every_step:
             finished: list[RequestOutput] = []
             self._pump(timeout, None, finished)
             return [(out, []) for out in finished]
-        progress: list[tuple[RequestOutput, list[int]]] = []
+        progress = []
         self._pump(timeout, progress, [])
         return progress
 
@@ -847,10 +856,7 @@ class LLM:
             self.config.parallel.timeout_s if timeout is None else timeout
         )
         while len(self._stats) < len(self._procs):
-            if not self.poll(timeout=max(0.0, deadline - time.monotonic())) and (
-                time.monotonic() >= deadline
-            ):
-                self._fail("ranks did not answer a stats request in time")
+            self._await_answer(deadline, "answer a stats request")
         return [self._stats[r] for r in range(len(self._procs))]
 
     def rebalance(self, timeout: float | None = None) -> dict:
@@ -868,11 +874,17 @@ class LLM:
             self.config.parallel.timeout_s if timeout is None else timeout
         )
         while 0 not in self._stats:
-            if not self.poll(timeout=max(0.0, deadline - time.monotonic())) and (
-                time.monotonic() >= deadline
-            ):
-                self._fail("ranks did not finish a rebalance in time")
+            self._await_answer(deadline, "finish a rebalance")
         return self._stats.pop(0).get("stats") or {}
+
+    def _await_answer(self, deadline: float, what: str) -> None:
+        """Reads the ranks' messages until one came or ``deadline`` passed (then fails the
+        job); step progress read meanwhile waits for the next `poll`."""
+        progress: list = []
+        self._pump(max(0.0, deadline - time.monotonic()), progress, [])
+        self._backlog += progress
+        if time.monotonic() >= deadline and not progress:
+            self._fail(f"ranks did not {what} in time")
 
     def expert_load(self, timeout: float | None = None) -> dict:
         """Load statistics: pairs (token, expert) routed to each expert of each MoE layer,
