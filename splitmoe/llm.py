@@ -143,6 +143,10 @@ class _Outbox:
             self._bell.close()
 
 
+class _Woken(queue.Empty):
+    """`_Inboxes.wake` ended a wait for messages."""
+
+
 class _Inboxes:
     """The front end's side of the ranks' `_Outbox` pipes and their shared bell: their
     messages, each rank's in order."""
@@ -209,7 +213,7 @@ class _Inboxes:
                 elif conn != self._wake_r:
                     self._read(conn)
             if woken and not self._ready:
-                raise queue.Empty
+                raise _Woken
         return self._ready.popleft()
 
     def _drain_bell(self) -> None:
@@ -539,6 +543,8 @@ class LLM:
             try:
                 left = max(0.0, min(0.1, deadline - time.monotonic()))
                 msg = self._out.get(left, every_message=every_step)
+            except _Woken:
+                raise
             except queue.Empty:
                 died = self._dead_ranks(exclude=-1, grace_s=0)
                 if died or any(p.exitcode is not None for p in self._procs):

@@ -329,6 +329,8 @@ def _response(state, job: Job, prompts, s: Sampling, chat: bool, outputs) -> dic
             choices.append(
                 {"index": k, "text": out.text or "", "logprobs": logprobs, "finish_reason": reason}
             )
+        if s.return_token_ids:
+            choices[-1]["token_ids"] = list(out.token_ids)
     return {
         "id": new_id("chatcmpl" if chat else "cmpl"),
         "object": "chat.completion" if chat else "text_completion",
@@ -396,7 +398,7 @@ async def _stream(
                 if d.output is not None:
                     outputs[d.index] = d.output
                     left -= 1
-                if not (d.text or d.finish_reason or (lp and d.token_ids)):
+                if not (d.text or d.finish_reason or d.token_ids):
                     continue
                 logprobs = None
                 if lp and d.token_ids and d.logprobs:
@@ -409,6 +411,8 @@ async def _stream(
                 else:
                     choice = {"index": d.index, "text": d.text}
                 choice.update(logprobs=logprobs, finish_reason=reason)
+                if s.return_token_ids:
+                    choice["token_ids"] = d.token_ids
                 parts.append(chunk([choice]))
             if parts:
                 yield "".join(parts)

@@ -196,11 +196,8 @@ class AsyncEngine:
                 return True
             if cmd[0] == "submit":
                 self._submit(cmd[1])
-            elif cmd[0] == "abort":
-                job = cmd[1]
-                self.llm.abort(job.request_ids)
-                for rid in job.request_ids:
-                    self._forget(rid)
+            elif cmd[0] == "abort":  # (its sequences come back finished, "abort", unsent)
+                self.llm.abort(cmd[1].request_ids)
             elif cmd[0] == "stats":
                 _, fut, loop = cmd
                 try:
@@ -245,10 +242,10 @@ class AsyncEngine:
             job, index, text = entry
             if out.finished:
                 self._forget(out.request_id)
-                if self.metrics is not None and out.finish_reason != "abort":
+                if self.metrics is not None:
                     self.metrics.finished(out, now)
                 self._finished_since_reset += 1
-            elif text is None:
+            if job.done or (text is None and not out.finished):
                 continue
             if text is not None:
                 tokens, delta, lps = text.delta(out)

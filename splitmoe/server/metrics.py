@@ -74,7 +74,7 @@ class ServerMetrics:
         """Counts a finished request (the engine thread calls this)."""
         m, lab = out.metrics, self._label
         self.request_success.labels(**lab, finished_reason=out.finish_reason).inc()
-        if m is None:
+        if m is None or out.finish_reason == "abort":  # (its client left: no latency to tell)
             return
         self.prompt_tokens.labels(**lab).inc(m.num_prompt_tokens)
         self.generation_tokens.labels(**lab).inc(len(out.token_ids))

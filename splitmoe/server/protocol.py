@@ -76,6 +76,7 @@ class Sampling:
     include_usage: bool
     logprobs: int | None
     max_tokens_given: bool
+    return_token_ids: bool  # (vLLM's extension: each choice's token ids)
 
 
 def parse_sampling(body: dict, chat: bool, default_max_tokens: int) -> Sampling:
@@ -145,7 +146,7 @@ def parse_sampling(body: dict, chat: bool, default_max_tokens: int) -> Sampling:
         )
         for i in range(n)
     ]
-    return Sampling(params, n, stream, include_usage, logprobs, given)
+    return Sampling(params, n, stream, include_usage, logprobs, given, f.bool("return_token_ids"))
 
 
 def parse_prompts(body: dict) -> list[str | list[int]]:
