@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from splitmoe.config import add_engine_args, engine_args, engine_config
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
+    # uvicorn drains on SIGTERM, then raises it again with the handler it found: this one, so a
+    # drained server exits 0 rather than die by the signal
+    signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
     if state.engine.state == "failed":
         print(f"splitmoe.serve: error: {state.engine.error}", file=sys.stderr)
