@@ -75,12 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     from splitmoe.tokenizer import Tokenizer
 
     options = engine_args(args)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
         if args.max_queued_requests is not None and args.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 0")
         if not 0 < args.port < 65536:
             raise ValueError(f"--port {args.port} must be in 1..65535")
         config = engine_config(args.model, **options)
+        if config.device_type == "cpu" and "threads_per_rank" not in options:
+            # The server process works too (HTTP, detokenizing): its ranks leave it a core. On
+            # 2 cores a rank with 2 threads next to a busy server took 3.5 s to first token
+            # where 1 thread took 8 ms (40 requests at 20/s, default model): a thread of the
+            # rank's pool that loses its core stalls the pool's every barrier.
+            ranks = config.parallel.world_size
+            options["threads_per_rank"] = max(1, (cores - 1) // ranks)
+            config = engine_config(args.model, **options)
         CheckpointReader(args.model)
         tokenizer = Tokenizer.from_checkpoint(args.model)
         chat_template = ChatTemplate.from_checkpoint(args.model)
