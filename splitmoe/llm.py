@@ -26,7 +26,7 @@ import traceback
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 
 from tqdm import tqdm
@@ -363,7 +363,27 @@ def _spawn_failure_hint(procs: list[mp.Process]) -> str:
     )
 
 
-def _rank_main(cfg: EngineConfig, rank: int, init_method: str, in_q, out_conn, bell) -> None:
+@dataclass(frozen=True)
+class LaunchedJob:
+    """A job whose ranks a launcher (torchrun, mpirun) started, this process being rank 0's: an
+    `LLM` built with it spawns only attention rank 0 (as a child that joins the launcher's
+    rendezvous), and the other ranks run `splitmoe.runtime.run_rank` in their own processes."""
+
+    init_method: str
+    local_rank: int
+    local_world_size: int
+
+
+def _rank_main(
+    cfg: EngineConfig,
+    rank: int,
+    init_method: str,
+    in_q,
+    out_conn,
+    bell,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+) -> None:
     _die_with_parent()
     # Ctrl-C reaches the whole terminal process group: the front end handles it and stops the
     # ranks, so a rank ignores it instead of dying mid-collective with a traceback of its own.
@@ -372,7 +392,7 @@ def _rank_main(cfg: EngineConfig, rank: int, init_method: str, in_q, out_conn, b
     out = _Outbox(out_conn, bell)
     channel = _QueueChannel(rank, in_q, out, takes_requests=role == "attention")
     try:
-        run_rank(cfg, rank, init_method, channel)
+        run_rank(cfg, rank, init_method, channel, local_rank, local_world_size)
         shutdown_groups()
     except BaseException as e:  # report every failure, Ctrl-C included, then exit non-zero
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
@@ -473,8 +493,9 @@ class LLM:
             this host) instead of gloo over loopback TCP; False forces torch.distributed.
     """
 
-    def __init__(self, model: str, **options):
+    def __init__(self, model: str, *, launched: LaunchedJob | None = None, **options):
         _check_not_bootstrapping()
+        self._launched = launched
         self._procs: list[mp.Process] = []
         self.config = engine_config(model, **options)
         # Reads and checks every tensor header before any rank starts.
@@ -498,15 +519,24 @@ class LLM:
         cfg = self.config
         ctx = mp.get_context("spawn")
         A, W = cfg.parallel.attention_ranks, cfg.parallel.world_size
-        self._in_qs = [ctx.Queue() for _ in range(W)]
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        job = self._launched
+        if job is not None and A != 1:
+            raise ValueError(
+                f"attention_ranks={A}: under a launcher (torchrun, mpirun) the front end on rank "
+                "0 feeds one attention rank, its own; start it with --attention-ranks 1 (the "
+                "other processes are expert ranks)"
+            )
+        local = 1 if job is not None else W  # (the ranks this process starts)
+        self._in_qs = [ctx.Queue() for _ in range(local)]
+        init_method = job.init_method if job else f"tcp://127.0.0.1:{_free_port()}"
+        where = (job.local_rank, job.local_world_size) if job else (None, None)
         readers = []
         bell_reader, bell = ctx.Pipe(duplex=False)  # (shared by the ranks: see `_Outbox`)
-        for rank in range(W):
+        for rank in range(local):
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_rank_main,
-                args=(cfg, rank, init_method, self._in_qs[rank], writer, bell),
+                args=(cfg, rank, init_method, self._in_qs[rank], writer, bell, *where),
                 name=f"splitmoe-rank{rank}",
                 daemon=True,
             )
@@ -525,7 +555,7 @@ class LLM:
         self._router = LeastLoadRouter(A, blocks if cache.enable_prefix_caching and A > 1 else 0)
         ready = 0
         deadline = time.monotonic() + cfg.parallel.timeout_s + 60
-        while ready < W:
+        while ready < local:
             msg = self._next_message(deadline, "start-up")
             if msg[0] == "ready":
                 ready += 1

@@ -7,7 +7,15 @@ curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
 ```
 
 Every engine option of `splitmoe.config` is a flag (as for the launcher), checked before any rank
-starts. The HTTP server comes up first and answers ``GET /health`` with 503 until every rank is
+starts. Under torchrun or mpirun, rank 0 serves and feeds its own attention rank (a child process
+that joins the launcher's rendezvous); every other process is an expert rank, so one server
+fronts a multi-node job (``--attention-ranks 1``; several attention ranks behind one launched
+server are not supported yet):
+
+```
+torchrun --nnodes 2 --nproc-per-node 4 ... -m splitmoe.serve --model CKPT --attention-ranks 1
+```
+ The HTTP server comes up first and answers ``GET /health`` with 503 until every rank is
 ready. SIGTERM (or Ctrl-C) drains: no new connections, running requests finish (up to
 ``--shutdown-timeout`` s; what still runs then gets an error), the ranks stop, the process
 exits.
@@ -21,7 +29,19 @@ import os
 import signal
 import sys
 
+import uvicorn
+
+from splitmoe.chat import ChatTemplate
+from splitmoe.comm.distributed import shutdown_groups
 from splitmoe.config import add_engine_args, engine_args, engine_config
+from splitmoe.launch import _StaticChannel, detect_env, rendezvous
+from splitmoe.llm import LaunchedJob
+from splitmoe.models.loader import CheckpointReader
+from splitmoe.runtime import run_rank
+from splitmoe.server.app import ServerState, build_app
+from splitmoe.server.engine import AsyncEngine
+from splitmoe.server.metrics import ServerMetrics
+from splitmoe.tokenizer import Tokenizer
 
 logger = logging.getLogger("splitmoe")
 
@@ -65,16 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="[server] %(levelname)s %(message)s",
     )
-    import uvicorn
-
-    from splitmoe.chat import ChatTemplate
-    from splitmoe.models.loader import CheckpointReader
-    from splitmoe.server.app import ServerState, build_app
-    from splitmoe.server.engine import AsyncEngine
-    from splitmoe.server.metrics import ServerMetrics
-    from splitmoe.tokenizer import Tokenizer
-
     options = engine_args(args)
+    env = detect_env()
+    launched = env.launcher != "single"
+    if launched:
+        options["expert_ranks"] = env.world_size - options.get("attention_ranks", 1)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
         if args.max_queued_requests is not None and args.max_queued_requests < 0:
@@ -87,19 +102,33 @@ def main(argv: list[str] | None = None) -> int:
             # 2 cores a rank with 2 threads next to a busy server took 3.5 s to first token
             # where 1 thread took 8 ms (40 requests at 20/s, default model): a thread of the
             # rank's pool that loses its core stalls the pool's every barrier.
-            ranks = config.parallel.world_size
+            ranks = env.local_world_size if launched else config.parallel.world_size
             options["threads_per_rank"] = max(1, (cores - 1) // ranks)
             config = engine_config(args.model, **options)
         CheckpointReader(args.model)
         tokenizer = Tokenizer.from_checkpoint(args.model)
         chat_template = ChatTemplate.from_checkpoint(args.model)
+        if launched and config.parallel.attention_ranks != 1:
+            raise ValueError(
+                f"--attention-ranks {config.parallel.attention_ranks}: under {env.launcher} the "
+                "server on rank 0 feeds one attention rank; use --attention-ranks 1 (the other "
+                "processes are expert ranks)"
+            )
+        if launched and env.world_size < 2:
+            raise ValueError("started by a launcher with one process: run it directly instead")
     except (ValueError, TypeError, OSError) as e:
         print(f"splitmoe.serve: error: {e}", file=sys.stderr)
         return 2
+    job = None
+    if launched:
+        init_method = rendezvous(env)
+        if env.rank != 0:
+            return _work(config, env, init_method)
+        job = LaunchedJob(init_method, env.local_rank, env.local_world_size)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     state = ServerState(
-        engine=AsyncEngine(args.model, options, metrics),
+        engine=AsyncEngine(args.model, options, metrics, job),
         config=config,
         tokenizer=tokenizer,
         chat_template=chat_template,
@@ -131,6 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     if state.engine.state == "failed":
         print(f"splitmoe.serve: error: {state.engine.error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _work(config, env, init_method: str) -> int:
+    """A launched job's rank other than 0: an expert rank, until rank 0's server closes."""
+    try:
+        run_rank(
+            config, env.rank, init_method, _StaticChannel([]), env.local_rank, env.local_world_size
+        )
+    except Exception as e:
+        print(f"splitmoe.serve: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    shutdown_groups()
     return 0
 
 

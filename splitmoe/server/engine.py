@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from splitmoe.llm import LLM, RankFailure, _Detokenizer
+from splitmoe.llm import LLM, LaunchedJob, RankFailure, _Detokenizer
 from splitmoe.outputs import RequestOutput
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.server.metrics import ServerMetrics
@@ -99,9 +99,16 @@ class AsyncEngine:
     rank failed (``error`` says how; every live job got an `EngineError`), ``"stopped"`` after
     `stop`."""
 
-    def __init__(self, model: str, options: dict, metrics: ServerMetrics | None = None):
+    def __init__(
+        self,
+        model: str,
+        options: dict,
+        metrics: ServerMetrics | None = None,
+        launched: LaunchedJob | None = None,
+    ):
         self.model = model
         self.options = options
+        self.launched = launched
         self.metrics = metrics
         self.state = "starting"
         self.error: str | None = None
@@ -162,7 +169,7 @@ class AsyncEngine:
     # ---- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.llm = LLM(self.model, **self.options)
+            self.llm = LLM(self.model, launched=self.launched, **self.options)
         except Exception as e:  # (bad options were checked before the server started)
             self._fail(f"start-up failed: {e}")
             self._ready.set()
