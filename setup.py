@@ -11,10 +11,21 @@ setup(
     python_requires=">=3.10",
     # torch is pinned by the install scripts (scripts/setup_env.sh) to a CPU build on machines
     # without CUDA; here we only state the lower bound the code needs.
-    install_requires=["torch>=2.4", "safetensors>=0.4", "tokenizers>=0.15", "numpy", "tqdm",
-                      "matplotlib"],
+    install_requires=[
+        "torch>=2.4",
+        "safetensors>=0.4",
+        "tokenizers>=0.15",
+        "numpy",
+        "tqdm",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "prometheus_client>=0.20",
+        "jinja2>=3.1.6",
+        "matplotlib",
+    ],
+    entry_points={"console_scripts": ["splitmoe=splitmoe.cli:main"]},
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.51", "triton>=3.0", "ruff"],
+        "test": ["pytest>=7", "transformers>=4.51", "triton>=3.0", "ruff", "openai>=1.0", "httpx"],
         "mpi": ["mpi4py>=3.1", "openmpi"],
         "triton": ["triton>=3.0"],
     },

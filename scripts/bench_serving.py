@@ -1,7 +1,10 @@
-"""Replay a request stream against a topology and report serving metrics.
+"""Replay a request stream against a topology, or a running server, and report serving metrics.
 
     python scripts/bench_serving.py --attention-ranks 2 --expert-ranks 1 --num-requests 500 \
         --rate 50 --prompt-len uniform:4:64 --output-len uniform:4:32
+    python -m splitmoe.serve --model CKPT --port 8000 &
+    python scripts/bench_serving.py --url http://127.0.0.1:8000 --model CKPT --num-requests 500 \
+        --rate 50 --shared-prefix-len 256 --num-prefixes 8
 
 Requests arrive as a Poisson process at ``--rate`` per second (``inf``: all at once), with
 prompt and output lengths drawn from distributions (``fixed:N``, ``uniform:LO:HI``,
@@ -9,13 +12,24 @@ prompt and output lengths drawn from distributions (``fixed:N``, ``uniform:LO:HI
 `splitmoe.launch`). At the end it checks that every request finished exactly once with its
 expected number of tokens, and prints the metrics table (throughput, TTFT/TBT percentiles, KV
 usage, batch sizes). The scaling study drives this script; ``--json FILE`` writes its figures.
+
+With ``--url`` the same stream goes to an OpenAI-compatible server (``python -m splitmoe.serve``)
+as ``/v1/completions`` requests from an asyncio client, streamed (``--no-stream``: whole
+responses), and the same table is printed from what the client measured: TTFT and TBT from the
+chunks' arrival, cached prompt tokens from ``usage`` (the per-step rows, batch sizes and KV
+usage, are the ranks' and stay 0 here: see the server's ``/metrics``). ``--model`` must then
+name the checkpoint the server serves (its vocabulary and context are read from it).
+``--shared-prefix-len N --num-prefixes K`` starts every prompt with one of K random prefixes of N
+tokens (chat and agent traffic: system prompts, history), which the prefix cache serves.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -23,7 +37,9 @@ from pathlib import Path
 
 from splitmoe import LLM, SamplingParams
 from splitmoe.config import ModelConfig
-from splitmoe.models.default_model import default_model_path
+from splitmoe.metrics import summarize
+from splitmoe.models.default_model import resolve_model
+from splitmoe.outputs import RequestMetrics, RequestOutput
 
 
 def parse_dist(spec: str):
@@ -52,11 +68,16 @@ def make_workload(args, vocab: int, max_len: int):
                 items.append((d["prompt_token_ids"], int(d.get("max_tokens", args.default_max))))
     else:
         plen, olen = parse_dist(args.prompt_len), parse_dist(args.output_len)
+        prefixes = [
+            [rng.randrange(1, vocab) for _ in range(args.shared_prefix_len)]
+            for _ in range(args.num_prefixes if args.shared_prefix_len else 0)
+        ]
         items = []
         for _ in range(args.num_requests):
-            p = min(plen(rng), max_len - 2)
-            o = min(olen(rng), max_len - 1 - p)
-            items.append(([rng.randrange(1, vocab) for _ in range(p)], o))
+            prefix = rng.choice(prefixes) if prefixes else []
+            p = min(plen(rng), max_len - 2 - len(prefix))
+            o = min(olen(rng), max_len - 1 - p - len(prefix))
+            items.append((prefix + [rng.randrange(1, vocab) for _ in range(p)], o))
     t, arrivals = 0.0, []
     for _ in items:
         arrivals.append(t)
@@ -65,31 +86,8 @@ def make_workload(args, vocab: int, max_len: int):
     return items, arrivals
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint (default: the built-in model)")
-    ap.add_argument("--attention-ranks", type=int, default=2)
-    ap.add_argument("--expert-ranks", type=int, default=1)
-    ap.add_argument("--transport", default="flat")
-    ap.add_argument("--num-requests", type=int, default=200)
-    ap.add_argument("--rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
-    ap.add_argument("--prompt-len", default="uniform:4:64")
-    ap.add_argument("--output-len", default="uniform:4:32")
-    ap.add_argument("--dataset", default=None, help="JSONL with prompt_token_ids [+ max_tokens]")
-    ap.add_argument("--default-max", type=int, default=16)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--num-kv-blocks", type=int, default=None)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--threads-per-rank", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="write the metrics here as JSON")
-    args = ap.parse_args()
-    args.model = args.model or default_model_path()
-    cfg = ModelConfig.from_hf(args.model)
-    items, arrivals = make_workload(args, cfg.vocab_size, cfg.max_position_embeddings)
-
+def run_in_process(args, items, arrivals):
+    """Returns (metrics, {request: tokens expected}, {request: tokens got}, duplicates)."""
     with LLM(
         args.model,
         attention_ranks=args.attention_ranks,
@@ -101,12 +99,18 @@ def main() -> None:
         num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size,
         threads_per_rank=args.threads_per_rank,
+        enable_prefix_caching=not args.no_prefix_caching,
     ) as llm:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
         llm.reset_metrics()
         expected: dict[int, int] = {}
         finished: dict[int, int] = {}
         duplicates = 0
+        if args.rate == math.inf:  # all at once: one `generate` call
+            outs = llm.generate([p for p, _ in items], _params(args, items), use_tqdm=False)
+            for i, (out, (_, o)) in enumerate(zip(outs, items)):
+                expected[i], finished[i] = o, len(out.token_ids)
+            return llm.metrics(), expected, finished, 0
         start = time.perf_counter()
         nxt = 0
         while nxt < len(items) or len(finished) < len(items):
@@ -116,30 +120,178 @@ def main() -> None:
                 batch.append(items[nxt])
                 nxt += 1
             if batch:
-                params = [
-                    SamplingParams(
-                        max_tokens=o,
-                        temperature=args.temperature,
-                        ignore_eos=True,
-                        seed=args.seed + i,
-                    )
-                    for i, (_, o) in enumerate(batch)
-                ]
-                for rid, (_, o) in zip(llm.submit([p for p, _ in batch], params), batch):
+                rids = llm.submit([p for p, _ in batch], _params(args, batch, nxt - len(batch)))
+                for rid, (_, o) in zip(rids, batch):
                     expected[rid] = o
             wait = 0.05 if nxt >= len(items) else max(0.0, arrivals[nxt] - now)
             for out, _ in llm.poll(timeout=min(wait, 0.05)):
                 if out.finished:
                     duplicates += out.request_id in finished
                     finished[out.request_id] = len(out.token_ids)
-        metrics = llm.metrics()
-        wall = time.perf_counter() - start
+        return llm.metrics(), expected, finished, duplicates
+
+
+def _params(args, items, first: int = 0) -> list[SamplingParams]:
+    return [
+        SamplingParams(
+            max_tokens=o, temperature=args.temperature, ignore_eos=True, seed=args.seed + first + i
+        )
+        for i, (_, o) in enumerate(items)
+    ]
+
+
+async def _one_http(http, url: str, body: dict, stream: bool) -> RequestOutput:
+    """One request; its metrics as the client saw them."""
+    arrival = time.time()
+    t0 = time.perf_counter()
+    times: list[float] = []
+    tokens: list[int] = []
+    reason, usage = None, {}
+    if stream:
+        async with http.stream("POST", url, json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                usage = chunk.get("usage") or usage
+                for c in chunk["choices"]:
+                    if c.get("token_ids"):
+                        now = time.perf_counter() - t0
+                        times += [now] * len(c["token_ids"])
+                        tokens += c["token_ids"]
+                    reason = c.get("finish_reason") or reason
+    else:
+        r = await http.post(url, json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+        data = r.json()
+        usage, c = data["usage"], data["choices"][0]
+        tokens, reason = c["token_ids"], c["finish_reason"]
+        times = [time.perf_counter() - t0] * len(tokens)
+    times = times or [time.perf_counter() - t0]
+    n = len(tokens)
+    metrics = RequestMetrics(
+        arrival_time=arrival,
+        queue_time=0.0,  # (not visible to a client)
+        ttft=times[0],
+        tpot=(times[-1] - times[0]) / (n - 1) if n > 1 else 0.0,
+        e2e_latency=times[-1],
+        num_prompt_tokens=len(body["prompt"]),
+        num_output_tokens=n,
+        num_cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        tbt=tuple(b - a for a, b in zip(times, times[1:])),
+    )
+    return RequestOutput(0, body["prompt"], tokens, finish_reason=reason, metrics=metrics)
+
+
+async def _run_http(args, items, arrivals):
+    import httpx
+
+    url = args.url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=None, headers=headers, limits=limits) as http:
+        models = (await http.get(args.url.rstrip("/") + "/v1/models")).json()
+        name = models["data"][0]["id"]
+
+        def body(prompt, max_tokens, seed):
+            return {
+                "model": name,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": args.temperature,
+                "ignore_eos": True,
+                "seed": seed,
+                "return_token_ids": True,
+                "stream_options": {"include_usage": True},
+            }
+
+        await _one_http(http, url, body([1, 2, 3], 2, 0), not args.no_stream)  # warm-up
+        start = time.perf_counter()
+        t_start = time.time()
+
+        async def later(i, prompt, o):
+            await asyncio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
+            return await _one_http(http, url, body(prompt, o, args.seed + i), not args.no_stream)
+
+        outs = await asyncio.gather(
+            *(later(i, p, o) for i, (p, o) in enumerate(items)), return_exceptions=True
+        )
+    end = max(
+        (
+            o.metrics.arrival_time + o.metrics.e2e_latency
+            for o in outs
+            if isinstance(o, RequestOutput)
+        ),
+        default=t_start,
+    )
+    return outs, end - t_start
+
+
+def run_http(args, items, arrivals):
+    outs, duration = asyncio.run(_run_http(args, items, arrivals))
+    errors = [o for o in outs if not isinstance(o, RequestOutput)]
+    for e in errors[:5]:
+        print(f"request failed: {e}", file=sys.stderr)
+    done = [o for o in outs if isinstance(o, RequestOutput)]
+    expected = {i: o for i, (_, o) in enumerate(items)}
+    finished = {i: len(o.token_ids) for i, o in enumerate(outs) if isinstance(o, RequestOutput)}
+    return summarize(done, [], duration), expected, finished, 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--model", default=None, help="checkpoint or preset (default, realistic; default: default)"
+    )
+    ap.add_argument("--url", default=None, help="a running server (python -m splitmoe.serve)")
+    ap.add_argument("--api-key", default=os.environ.get("SPLITMOE_API_KEY"))
+    ap.add_argument("--no-stream", action="store_true", help="--url: whole responses")
+    ap.add_argument("--attention-ranks", type=int, default=2)
+    ap.add_argument("--expert-ranks", type=int, default=1)
+    ap.add_argument("--transport", default="flat")
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
+    ap.add_argument("--prompt-len", default="uniform:4:64")
+    ap.add_argument("--output-len", default="uniform:4:32")
+    ap.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of a shared prefix")
+    ap.add_argument("--num-prefixes", type=int, default=4, help="distinct shared prefixes")
+    ap.add_argument("--dataset", default=None, help="JSONL with prompt_token_ids [+ max_tokens]")
+    ap.add_argument("--default-max", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--threads-per-rank", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the metrics here as JSON")
+    args = ap.parse_args()
+    args.model = resolve_model(args.model)
+    cfg = ModelConfig.from_hf(args.model)
+    items, arrivals = make_workload(args, cfg.vocab_size, cfg.max_position_embeddings)
+
+    t0 = time.perf_counter()
+    if args.url:
+        metrics, expected, finished, duplicates = run_http(args, items, arrivals)
+        where = f"server {args.url} ({'streamed' if not args.no_stream else 'whole responses'})"
+    else:
+        metrics, expected, finished, duplicates = run_in_process(args, items, arrivals)
+        where = (
+            f"{args.attention_ranks} attention + {args.expert_ranks} expert ranks "
+            f"({args.transport})"
+        )
+    wall = time.perf_counter() - t0
 
     lost = sorted(set(expected) - set(finished))
     wrong = sorted(r for r in finished if finished[r] != expected.get(r))
     print(
-        f"\n{len(items)} requests at rate {args.rate}/s on {args.attention_ranks} attention + "
-        f"{args.expert_ranks} expert ranks ({args.transport}), model {cfg.model_type} "
+        f"\n{len(items)} requests at rate {args.rate}/s on {where}, model {cfg.model_type} "
         f"({cfg.num_layers} layers, {cfg.num_experts} experts), wall {wall:.1f} s"
     )
     print(metrics.table())

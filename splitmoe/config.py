@@ -352,6 +352,11 @@ class CacheConfig:
         None, "KV-cache blocks per layer and attention rank (default: from kv_cache_memory_gb)"
     )
     kv_cache_memory_gb: float = option(1.0, "KV-cache memory per attention rank, GiB")
+    enable_prefix_caching: bool = option(
+        True,
+        "reuse the KV blocks of prompt prefixes computed before (the flag turns it off)",
+        flag="--no-prefix-caching",
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -364,6 +369,10 @@ class CacheConfig:
             )
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False"
+            )
 
     def resolve_num_blocks(
         self, model: ModelConfig, dtype: torch.dtype, max_num_seqs: int, max_model_len: int

@@ -26,6 +26,7 @@ import traceback
 import weakref
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 
 from tqdm import tqdm
@@ -38,6 +39,7 @@ from splitmoe.metrics import ServingMetrics, StepRecord, summarize
 from splitmoe.outputs import RequestOutput, StreamDelta
 from splitmoe.runtime import Inbox, run_rank
 from splitmoe.sampling_params import SamplingParams
+from splitmoe.scheduler.block_manager import block_hashes
 from splitmoe.scheduler.request import RequestSpec
 from splitmoe.scheduler.router import LeastLoadRouter
 from splitmoe.tokenizer import Tokenizer
@@ -141,6 +143,10 @@ class _Outbox:
             self._bell.close()
 
 
+class _Woken(queue.Empty):
+    """`_Inboxes.wake` ended a wait for messages."""
+
+
 class _Inboxes:
     """The front end's side of the ranks' `_Outbox` pipes and their shared bell: their
     messages, each rank's in order."""
@@ -152,12 +158,34 @@ class _Inboxes:
         self._bell = bell
         if bell is not None:
             os.set_blocking(bell.fileno(), False)
+        # `wake` (from any thread) ends a `get` that waits: a server's engine loop has requests
+        # to submit
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    def wake(self) -> None:
+        if self._wake_w < 0:  # closed (its number may belong to another file by now)
+            return
+        try:
+            os.write(self._wake_w, b"\x01")
+        except (BlockingIOError, OSError):  # (full: it rings already; closed: nobody waits)
+            pass
+
+    def _woken(self, readable) -> bool:
+        if self._wake_r not in readable:
+            return False
+        try:
+            os.read(self._wake_r, 1 << 16)
+        except BlockingIOError:
+            pass
+        return True
 
     def get(self, timeout: float, every_message: bool = True):
-        """The next message; `queue.Empty` if none came within ``timeout`` s. With
-        ``every_message`` False it wakes only when a rank rings the bell (or every
-        `_QUIET_TICK_S`), then takes whatever the pipes hold: messages arrive as before, in
-        the same order, some later."""
+        """The next message; `queue.Empty` if none came within ``timeout`` s, or when `wake`
+        was called. With ``every_message`` False it wakes only when a rank rings the bell (or
+        every `_QUIET_TICK_S`), then takes whatever the pipes hold: messages arrive as before,
+        in the same order, some later."""
         deadline = time.monotonic() + timeout
         quiet = not every_message and self._bell is not None
         while not self._ready:
@@ -168,17 +196,24 @@ class _Inboxes:
                 time.sleep(left)
                 raise queue.Empty
             if quiet:
-                if wait([self._bell], min(left, _QUIET_TICK_S)):
+                rung = wait([self._bell, self._wake_r], min(left, _QUIET_TICK_S))
+                woken = self._woken(rung)
+                if self._bell in rung:
                     self._drain_bell()
                 readable = wait(self._live, 0)
             else:
-                watched = self._live if self._bell is None else [*self._live, self._bell]
+                watched = [*self._live, self._wake_r]
+                if self._bell is not None:
+                    watched.append(self._bell)
                 readable = wait(watched, left)
+                woken = self._woken(readable)
             for conn in readable:
                 if conn is self._bell:
                     self._drain_bell()
-                else:
+                elif conn != self._wake_r:
                     self._read(conn)
+            if woken and not self._ready:
+                raise _Woken
         return self._ready.popleft()
 
     def _drain_bell(self) -> None:
@@ -209,6 +244,9 @@ class _Inboxes:
             conn.close()
         if self._bell is not None:
             self._bell.close()
+        wake_w, self._wake_w = self._wake_w, -1
+        os.close(wake_w)
+        os.close(self._wake_r)
         self._live = []
 
 
@@ -216,7 +254,8 @@ class _QueueChannel:
     """Channel of an `LLM`-spawned rank: commands in through a queue, results out through a pipe
     of its own (`_Outbox`).
 
-    In: ``("add", [RequestSpec])`` (attention ranks), ``("stats",)``, ``("close",)``.
+    In: ``("add", [RequestSpec])``, ``("abort", [request id])`` (attention ranks),
+    ``("stats",)``, ``("close",)``.
     """
 
     def __init__(self, rank: int, in_q, out: _Outbox, takes_requests: bool):
@@ -239,6 +278,8 @@ class _QueueChannel:
             while True:
                 if msg[0] == "add":
                     inbox.requests.extend(msg[1])
+                elif msg[0] == "abort":
+                    inbox.aborts.extend(msg[1])
                 elif msg[0] == "stats":
                     inbox.stats_wanted = True
                 elif msg[0] == "trace":
@@ -261,8 +302,13 @@ class _QueueChannel:
         ids = [u.request_id for u in updates]
         tokens = [u.new_token_ids for u in updates]
         finished = [(i, u.finish_reason, u.metrics) for i, u in enumerate(updates) if u.metrics]
+        logprobs = None
+        if any(u.logprobs for u in updates):
+            logprobs = [u.logprobs for u in updates]
         # (rings only when a request finished: what every waiting front end wants)
-        self.out.put(("step", self.rank, (ids, tokens, finished), record), ring=bool(finished))
+        self.out.put(
+            ("step", self.rank, (ids, tokens, finished, logprobs), record), ring=bool(finished)
+        )
 
     def send_stats(self, stats: dict) -> None:
         self.out.put(("stats", self.rank, stats))
@@ -317,7 +363,27 @@ def _spawn_failure_hint(procs: list[mp.Process]) -> str:
     )
 
 
-def _rank_main(cfg: EngineConfig, rank: int, init_method: str, in_q, out_conn, bell) -> None:
+@dataclass(frozen=True)
+class LaunchedJob:
+    """A job whose ranks a launcher (torchrun, mpirun) started, this process being rank 0's: an
+    `LLM` built with it spawns only attention rank 0 (as a child that joins the launcher's
+    rendezvous), and the other ranks run `splitmoe.runtime.run_rank` in their own processes."""
+
+    init_method: str
+    local_rank: int
+    local_world_size: int
+
+
+def _rank_main(
+    cfg: EngineConfig,
+    rank: int,
+    init_method: str,
+    in_q,
+    out_conn,
+    bell,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+) -> None:
     _die_with_parent()
     # Ctrl-C reaches the whole terminal process group: the front end handles it and stops the
     # ranks, so a rank ignores it instead of dying mid-collective with a traceback of its own.
@@ -326,7 +392,7 @@ def _rank_main(cfg: EngineConfig, rank: int, init_method: str, in_q, out_conn, b
     out = _Outbox(out_conn, bell)
     channel = _QueueChannel(rank, in_q, out, takes_requests=role == "attention")
     try:
-        run_rank(cfg, rank, init_method, channel)
+        run_rank(cfg, rank, init_method, channel, local_rank, local_world_size)
         shutdown_groups()
     except BaseException as e:  # report every failure, Ctrl-C included, then exit non-zero
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
@@ -363,6 +429,28 @@ class _Detokenizer:
         new = after[len(before) :]
         self.text += new
         return new
+
+
+class _StopWatch:
+    """Finds a request's stop strings in its decoded output as its tokens arrive."""
+
+    def __init__(self, tokenizer, strings: tuple[str, ...]):
+        self.detok = _Detokenizer(tokenizer)
+        self.strings = strings
+        self.longest = max(map(len, strings))
+        self.hit: tuple[int, str] | None = None  # (tokens kept, text kept) once one appeared
+
+    def check(self, out: RequestOutput) -> bool:
+        """Whether a stop string has appeared (now or before); the first occurrence wins."""
+        if self.hit is None:
+            new = self.detok.delta(out)
+            if new:
+                text = self.detok.text
+                start = max(0, len(text) - len(new) - self.longest + 1)
+                found = [i for i in (text.find(x, start) for x in self.strings) if i >= 0]
+                if found:
+                    self.hit = (len(out.token_ids), text[: min(found)])
+        return self.hit is not None
 
 
 class LLM:
@@ -405,8 +493,9 @@ class LLM:
             this host) instead of gloo over loopback TCP; False forces torch.distributed.
     """
 
-    def __init__(self, model: str, **options):
+    def __init__(self, model: str, *, launched: LaunchedJob | None = None, **options):
         _check_not_bootstrapping()
+        self._launched = launched
         self._procs: list[mp.Process] = []
         self.config = engine_config(model, **options)
         # Reads and checks every tensor header before any rank starts.
@@ -416,7 +505,12 @@ class LLM:
         self.tokenizer = Tokenizer.from_checkpoint(model)
         self._next_id = 0
         self._live: dict[int, RequestOutput] = {}
+        self._stops: dict[int, _StopWatch] = {}  # live requests with stop strings
+        self._last_step: dict[int, StepRecord] = {}  # each attention rank's latest step
         self._stats: dict[int, dict] = {}
+        # progress read while `stats` / `rebalance` waited for their answers: the next `poll`
+        # returns it (a server asks for stats while requests run)
+        self._backlog: list[tuple[RequestOutput, list[int]]] = []
         self.reset_metrics()
         self._start()
 
@@ -425,15 +519,24 @@ class LLM:
         cfg = self.config
         ctx = mp.get_context("spawn")
         A, W = cfg.parallel.attention_ranks, cfg.parallel.world_size
-        self._in_qs = [ctx.Queue() for _ in range(W)]
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        job = self._launched
+        if job is not None and A != 1:
+            raise ValueError(
+                f"attention_ranks={A}: under a launcher (torchrun, mpirun) the front end on rank "
+                "0 feeds one attention rank, its own; start it with --attention-ranks 1 (the "
+                "other processes are expert ranks)"
+            )
+        local = 1 if job is not None else W  # (the ranks this process starts)
+        self._in_qs = [ctx.Queue() for _ in range(local)]
+        init_method = job.init_method if job else f"tcp://127.0.0.1:{_free_port()}"
+        where = (job.local_rank, job.local_world_size) if job else (None, None)
         readers = []
         bell_reader, bell = ctx.Pipe(duplex=False)  # (shared by the ranks: see `_Outbox`)
-        for rank in range(W):
+        for rank in range(local):
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_rank_main,
-                args=(cfg, rank, init_method, self._in_qs[rank], writer, bell),
+                args=(cfg, rank, init_method, self._in_qs[rank], writer, bell, *where),
                 name=f"splitmoe-rank{rank}",
                 daemon=True,
             )
@@ -445,10 +548,14 @@ class LLM:
         self._out = _Inboxes(readers, bell_reader)
         self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._in_qs)
         atexit.register(self._finalizer)
-        self._router = LeastLoadRouter(A)
+        cache = cfg.cache
+        blocks = cache.resolve_num_blocks(
+            cfg.model, cfg.torch_dtype, cfg.scheduler.max_num_seqs, cfg.max_model_len
+        )
+        self._router = LeastLoadRouter(A, blocks if cache.enable_prefix_caching and A > 1 else 0)
         ready = 0
         deadline = time.monotonic() + cfg.parallel.timeout_s + 60
-        while ready < W:
+        while ready < local:
             msg = self._next_message(deadline, "start-up")
             if msg[0] == "ready":
                 ready += 1
@@ -466,6 +573,8 @@ class LLM:
             try:
                 left = max(0.0, min(0.1, deadline - time.monotonic()))
                 msg = self._out.get(left, every_message=every_step)
+            except _Woken:
+                raise
             except queue.Empty:
                 died = self._dead_ranks(exclude=-1, grace_s=0)
                 if died or any(p.exitcode is not None for p in self._procs):
@@ -543,29 +652,81 @@ class LLM:
         params = broadcast_params(sampling_params, len(ids))
         for i, (p, sp) in enumerate(zip(ids, params)):
             check_request(i, p, sp, self.config)
+        for sp in params:
+            if sp.stop and self.tokenizer is None:
+                raise ValueError(
+                    "stop strings need the checkpoint's tokenizer.json (they are matched on the "
+                    "decoded text); use stop_token_ids"
+                )
         now = time.time()
         batches: list[list[RequestSpec]] = [[] for _ in range(self.config.parallel.attention_ranks)]
         rids = []
+        route_by_prefix = self._router.capacity > 0
+        bs = self.config.cache.block_size
         for p, sp in zip(ids, params):
             rid = self._next_id
             self._next_id += 1
-            rank = self._router.pick(len(p))
+            rank = self._router.pick(len(p), block_hashes(p, bs) if route_by_prefix else ())
             batches[rank].append(RequestSpec(rid, list(p), sp, now))
             self._live[rid] = RequestOutput(
-                request_id=rid, prompt_token_ids=list(p), attention_rank=rank
+                request_id=rid,
+                prompt_token_ids=list(p),
+                attention_rank=rank,
+                logprobs=None if sp.logprobs is None else [],
             )
+            if sp.stop:
+                self._stops[rid] = _StopWatch(self.tokenizer, sp.stop)
             rids.append(rid)
         for q, batch in zip(self._in_qs, batches):  # (the attention ranks' queues)
             q.put(("add", batch) if batch else ("wake",))  # idle ranks join the next step now
         return rids
 
-    def poll(self, timeout: float | None = None) -> list[tuple[RequestOutput, list[int]]]:
+    def abort(self, request_ids: list[int]) -> None:
+        """Stops these requests on their attention ranks, which free their KV blocks at once;
+        each comes back from `poll` finished with ``finish_reason="abort"`` (ids that already
+        finished are ignored)."""
+        by_rank: dict[int, list[int]] = {}
+        for rid in request_ids:
+            out = self._live.get(rid)
+            if out is not None:
+                by_rank.setdefault(out.attention_rank, []).append(rid)
+        for rank, rids in by_rank.items():
+            self._in_qs[rank].put(("abort", rids))
+
+    def wake(self) -> None:
+        """Makes a `poll` that waits in another thread return now (thread-safe): a server's
+        engine loop has new requests to submit."""
+        self._out.wake()
+
+    def poll(
+        self, timeout: float | None = None, every_step: bool = True
+    ) -> list[tuple[RequestOutput, list[int]]]:
         """Waits for the next step's progress (up to ``timeout`` s, or the job's collective
-        timeout); returns ``(output so far, new token ids)`` per request that advanced. A failed
-        rank raises `RankFailure` here."""
-        progress: list[tuple[RequestOutput, list[int]]] = []
+        timeout, or until `wake`); returns ``(output so far, new token ids)`` per request that
+        advanced. With ``every_step`` False only finished requests are returned (with no new
+        tokens listed), and the ranks wake this process only for steps in which one finished,
+        which spares the cores it shares with them. A failed rank raises `RankFailure` here."""
+        if self._backlog:
+            progress, self._backlog = self._backlog, []
+            return progress if every_step else [(o, []) for o, _ in progress if o.finished]
+        if not every_step:
+            finished: list[RequestOutput] = []
+            self._pump(timeout, None, finished)
+            return [(out, []) for out in finished]
+        progress = []
         self._pump(timeout, progress, [])
         return progress
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted and not finished yet."""
+        return len(self._live)
+
+    @property
+    def last_steps(self) -> dict[int, StepRecord]:
+        """Each attention rank's most recent `StepRecord` (running and waiting requests, KV
+        blocks in use)."""
+        return dict(self._last_step)
 
     def _pump(self, timeout: float | None, progress: list | None, finished: list) -> None:
         """Reads the ranks' messages until one step's tokens (or a stats answer) arrived, up to
@@ -590,15 +751,30 @@ class LLM:
                 self._stats[msg[1]] = msg[2]
                 return
             if msg[0] == "step":
-                _, rank, (ids, tokens, done), record = msg
-                self._apply_step(rank, ids, tokens, done, record, progress, finished)
+                _, rank, (ids, tokens, done, logprobs), record = msg
+                self._apply_step(rank, ids, tokens, done, logprobs, record, progress, finished)
                 return
 
-    def _apply_step(self, rank, ids, tokens, done, record, progress, finished) -> None:
+    def _apply_step(self, rank, ids, tokens, done, logprobs, record, progress, finished) -> None:
         """One step's new tokens (`_QueueChannel.emit`'s lists) into the live outputs."""
-        self._steps.append(record)
-        live = self._live
-        if progress is None:
+        if record is not None:  # (None: aborted requests, outside a step)
+            self._steps.append(record)
+            self._last_step[rank] = record
+        live, stops = self._live, self._stops
+        if stops or logprobs is not None:
+            for j, (rid, new) in enumerate(zip(ids, tokens)):
+                out = live[rid]
+                out.token_ids.extend(new)
+                if logprobs is not None and logprobs[j]:
+                    out.logprobs.extend(logprobs[j])
+                watch = stops.get(rid)
+                if watch is not None and watch.check(out):
+                    if watch.hit[0] == len(out.token_ids) and new:  # (it just appeared)
+                        self._in_qs[rank].put(("abort", [rid]))
+                    continue  # (nothing past a stop string is reported)
+                if progress is not None:
+                    progress.append((out, new))
+        elif progress is None:
             for rid, new in zip(ids, tokens):
                 live[rid].token_ids.extend(new)
         else:
@@ -609,11 +785,21 @@ class LLM:
         self._router.add(rank, sum(map(len, tokens)))
         for i, reason, metrics in done:
             out = live.pop(ids[i])
-            out.finish_reason, out.metrics = reason, metrics
-            if self.tokenizer is not None:
-                out.text = self.tokenizer.decode(out.token_ids)
             self._router.release(rank, len(out.prompt_token_ids) + len(out.token_ids))
-            self._finished.append(out)
+            watch = stops.pop(ids[i], None)
+            if watch is not None and watch.hit is not None:
+                n, out.text = watch.hit
+                del out.token_ids[n:]
+                if out.logprobs is not None:
+                    del out.logprobs[n:]
+                reason, metrics = "stop", replace(metrics, num_output_tokens=n)
+                if progress is not None:
+                    progress.append((out, []))
+            elif self.tokenizer is not None:
+                out.text = self.tokenizer.decode(out.token_ids)
+            out.finish_reason, out.metrics = reason, metrics
+            if reason != "abort":  # (a request its client gave up on says nothing of speed)
+                self._finished.append(out)
             finished.append(out)
 
     def stream(
@@ -706,10 +892,7 @@ class LLM:
             self.config.parallel.timeout_s if timeout is None else timeout
         )
         while len(self._stats) < len(self._procs):
-            if not self.poll(timeout=max(0.0, deadline - time.monotonic())) and (
-                time.monotonic() >= deadline
-            ):
-                self._fail("ranks did not answer a stats request in time")
+            self._await_answer(deadline, "answer a stats request")
         return [self._stats[r] for r in range(len(self._procs))]
 
     def rebalance(self, timeout: float | None = None) -> dict:
@@ -727,11 +910,17 @@ class LLM:
             self.config.parallel.timeout_s if timeout is None else timeout
         )
         while 0 not in self._stats:
-            if not self.poll(timeout=max(0.0, deadline - time.monotonic())) and (
-                time.monotonic() >= deadline
-            ):
-                self._fail("ranks did not finish a rebalance in time")
+            self._await_answer(deadline, "finish a rebalance")
         return self._stats.pop(0).get("stats") or {}
+
+    def _await_answer(self, deadline: float, what: str) -> None:
+        """Reads the ranks' messages until one came or ``deadline`` passed (then fails the
+        job); step progress read meanwhile waits for the next `poll`."""
+        progress: list = []
+        self._pump(max(0.0, deadline - time.monotonic()), progress, [])
+        self._backlog += progress
+        if time.monotonic() >= deadline and not progress:
+            self._fail(f"ranks did not {what} in time")
 
     def expert_load(self, timeout: float | None = None) -> dict:
         """Load statistics: pairs (token, expert) routed to each expert of each MoE layer,
@@ -756,6 +945,7 @@ class LLM:
         """Starts a new measurement period for `metrics`."""
         self._finished = []
         self._steps = []
+        self._last_step = {}
         self._metrics_start = time.time()
 
     def metrics(self) -> ServingMetrics:

@@ -62,6 +62,8 @@ class ServingMetrics:
     kv_usage_mean: float
     kv_usage_max: float
     num_preemptions: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prefix_cache_hit_rate: float = 0.0  # cached_tokens / input_tokens
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,6 +94,10 @@ class ServingMetrics:
             ("tokens per step mean", f"{self.tokens_per_step_mean:.1f}"),
             ("KV usage mean / max", f"{self.kv_usage_mean:.1%} / {self.kv_usage_max:.1%}"),
             ("preemptions", f"{self.num_preemptions}"),
+            (
+                "prefix cache hits",
+                f"{self.cached_tokens} tokens ({self.prefix_cache_hit_rate:.1%} of input)",
+            ),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -136,4 +142,6 @@ def summarize(
         kv_usage_mean=mean(usage),
         kv_usage_max=max(usage, default=0.0),
         num_preemptions=sum(x.num_preemptions for x in m),
+        cached_tokens=(cached := sum(x.num_cached_tokens for x in m)),
+        prefix_cache_hit_rate=cached / inp if inp else 0.0,
     )

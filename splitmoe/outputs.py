@@ -22,6 +22,7 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_output_tokens: int
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     tbt: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
@@ -39,6 +40,9 @@ class RequestOutput:
     finish_reason: str | None = None  # "length" | "stop"
     metrics: RequestMetrics | None = None
     attention_rank: int | None = None  # which data-parallel attention rank served it
+    # with SamplingParams.logprobs: per output token, (its logprob, [(token, logprob)] of the
+    # most likely tokens)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -53,6 +57,7 @@ class RequestOutput:
             "finish_reason": self.finish_reason,
             "metrics": self.metrics.to_dict() if self.metrics else None,
             "attention_rank": self.attention_rank,
+            "logprobs": self.logprobs,
         }
 
 

@@ -45,6 +45,7 @@ class Inbox:
     """What a rank found in its channel: new requests, and whether a stats snapshot is wanted."""
 
     requests: list[RequestSpec] = field(default_factory=list)
+    aborts: list[int] = field(default_factory=list)  # request ids to drop at once
     stats_wanted: bool = False
     trace_wanted: bool = False
     rebalance_wanted: bool = False  # answered with `send_stats` once every rank has rebalanced
@@ -60,8 +61,9 @@ class Channel(Protocol):
     def poll(self, timeout: float) -> Inbox:
         """New requests and commands; waits up to ``timeout`` seconds when there are none."""
 
-    def emit(self, updates: list[RequestUpdate], record: StepRecord) -> None:
-        """Tokens produced by one step, and the step's record."""
+    def emit(self, updates: list[RequestUpdate], record: StepRecord | None) -> None:
+        """Tokens produced by one step, and the step's record (None: aborted requests' final
+        updates, outside a step)."""
 
     def ready(self, topo: Topology) -> None:
         """This rank has joined the job and loaded its weights."""
@@ -252,6 +254,8 @@ def _loop(
             with worker.timeline.span("schedule", "compute"):
                 for spec in inbox.requests:
                     worker.add_request(spec)
+                if inbox.aborts:
+                    channel.emit(worker.abort(inbox.aborts), None)
                 tokens = worker.plan()
             row = (tokens, channel.closed and not worker.has_work)
         else:

@@ -15,7 +15,11 @@ class SamplingParams:
     probability reaches top_p (1.0: all). seed: a per-request random stream, so a seeded request
     gives the same tokens whatever batch or topology it runs in. stop_token_ids / EOS end a request
     with ``finish_reason="stop"`` (the stop token is kept in ``token_ids``) unless ``ignore_eos``
-    (which only disables EOS).
+    (which only disables EOS). stop: strings that end a request where they first appear in the
+    decoded output (matched by the front end; the text stops before the string and
+    ``token_ids`` at the token that completed it). logprobs: None, or return each output
+    token's log-probability under the model (before temperature, top-k and top-p) and those of
+    the ``logprobs`` most likely tokens (0: only the chosen one's).
     """
 
     max_tokens: int = 16
@@ -25,6 +29,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -45,6 +51,16 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative ints")
         object.__setattr__(self, "stop_token_ids", stop)
+        strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(x, str) or not x for x in strings):
+            raise ValueError(f"stop={self.stop!r} must be non-empty strings")
+        object.__setattr__(self, "stop", strings)
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= 20
+        ):
+            raise ValueError(f"logprobs={self.logprobs!r} must be None or an integer in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -64,6 +80,7 @@ class SamplingParams:
                 f"{where}unknown sampling field(s) {sorted(unknown)}; known: {sorted(fields)}"
             )
         d = dict(d)
-        if "stop_token_ids" in d and d["stop_token_ids"] is not None:
-            d["stop_token_ids"] = tuple(d["stop_token_ids"])
+        for key in ("stop_token_ids", "stop"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
         return cls(**d)

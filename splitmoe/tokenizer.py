@@ -26,3 +26,7 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's own text (special tokens included): what log-probabilities name."""
+        return self._tok.decode([token_id], skip_special_tokens=False)

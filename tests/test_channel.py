@@ -134,3 +134,17 @@ def test_a_full_pipe_rings_the_bell(monkeypatch):
     assert got == sent
     out.close()
     inbox.close()
+
+
+def test_wake_ends_a_wait_at_once():
+    """`LLM.wake` (a server's engine thread has requests to submit) ends a `get` that waits."""
+    reader, writer = mp.get_context("spawn").Pipe(duplex=False)
+    inbox = _Inboxes([reader])
+    for every in (True, False):
+        threading.Timer(0.05, inbox.wake).start()
+        t0 = time.monotonic()
+        with pytest.raises(queue.Empty):
+            inbox.get(5.0, every_message=every)
+        assert time.monotonic() - t0 < 2.0
+    writer.close()
+    inbox.close()

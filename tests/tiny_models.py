@@ -236,6 +236,15 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(std * noise)
 
 
+# The tiny tokenizer has no newline: a chat template on one line
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
 def write_tiny_tokenizer(out_dir: Path) -> None:
     """A character-level tokenizer over the tiny vocab: ids 0-2 are special,
     the rest are printable ASCII characters (and padding characters up to VOCAB)."""
@@ -258,6 +267,7 @@ def write_tiny_tokenizer(out_dir: Path) -> None:
         bos_token="<s>",
         eos_token="</s>",
     )
+    fast.chat_template = TINY_CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
 
 

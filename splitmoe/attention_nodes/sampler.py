@@ -55,3 +55,30 @@ def sample(
         probs = row.softmax(-1)
         tokens[i] = int(torch.multinomial(probs, 1, generator=g).item())
     return tokens
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]
+) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """Per row of ``logits [B, V]``: None where ``params.logprobs`` is None, else the chosen
+    token's log-probability under the model's distribution (before temperature, top-k, top-p,
+    as vLLM reports them) and the ``params.logprobs`` most likely ``(token, logprob)``."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list = [None] * len(params)
+    if not rows:
+        return out
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]
+    k = max(params[i].logprobs for i in rows)
+    top_v, top_i = torch.topk(logp, k, dim=-1) if k else (None, None)  # [R, k]
+    chosen = (
+        logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logp.device))
+        .squeeze(1)
+        .tolist()
+    )
+    top_v = top_v.tolist() if k else None
+    top_i = top_i.tolist() if k else None
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        top = list(zip(top_i[j][:n], top_v[j][:n])) if n else []
+        out[i] = (chosen[j], top)
+    return out

@@ -12,7 +12,7 @@ import torch
 
 from splitmoe.attention_nodes.kv_cache import PagedKVCache
 from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
-from splitmoe.attention_nodes.sampler import make_generator, sample
+from splitmoe.attention_nodes.sampler import make_generator, sample, token_logprobs
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
 from splitmoe.expert_nodes.experts import LocalExperts
@@ -36,6 +36,7 @@ class RequestUpdate:
     new_token_ids: list[int]
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
+    logprobs: list | None = None  # per new token, `sampler.token_logprobs`'s entry
 
 
 class RemoteExperts:
@@ -138,7 +139,7 @@ class AttentionWorker:
             device,
             latent=m.is_mla,
         )
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.blocks, m.eos_token_ids, cfg.max_model_len)
         self.generators: dict[int, torch.Generator | None] = {}
         self._batch = ScheduledBatch()
@@ -158,6 +159,8 @@ class AttentionWorker:
             "running": len(s.running),
             "waiting": len(s.waiting),
             "preemptions": s.num_preemptions,
+            "prefix_cached_blocks": self.blocks.num_cached,
+            "prefix_evictions": self.blocks.num_evictions,
             "attention_backend": self.model.attention_backend.name,
             "moe_backend": local.backend.name if local else None,  # None: on expert ranks
         }
@@ -167,6 +170,17 @@ class AttentionWorker:
         self.generators[spec.request_id] = make_generator(
             spec.params, spec.request_id, self.seed, self.device
         )
+
+    def abort(self, request_ids: list[int]) -> list[RequestUpdate]:
+        """Drops these requests at once, blocks freed; an update (``"abort"``) for each that was
+        still here."""
+        updates = []
+        for rid in request_ids:
+            req = self.scheduler.abort(rid)
+            if req is not None:
+                self.generators.pop(rid, None)
+                updates.append(RequestUpdate(rid, [], "abort", req.metrics()))
+        return updates
 
     def plan(self) -> int:
         """Schedules this step; returns how many tokens it computes (0: only takes part)."""
@@ -275,7 +289,7 @@ class AttentionWorker:
             # micro-batch j's final hidden states are ready: sample it while the experts work on
             # later micro-batches
             for req, n in scheduled[j]:
-                req.num_computed_tokens += n
+                self.scheduler.computed(req, n)
             if to_sample[j]:
                 with self.timeline.span("sample", "compute"):
                     logits = self.model.logits(_select_rows(h, rows[j]))
@@ -299,11 +313,16 @@ class AttentionWorker:
         """Next tokens of the requests whose prompt is done from their rows of ``logits``
         ``[B, V]``, appended to them, as the front end's updates."""
         tokens = self._choose(logits, to_sample)
+        lps = None
+        if any(r.params.logprobs is not None for r in to_sample):
+            lps = token_logprobs(logits, tokens, [r.params for r in to_sample])
         now = time.time()
         updates = []
-        for req, tok in zip(to_sample, tokens):
+        for i, (req, tok) in enumerate(zip(to_sample, tokens)):
             req.append_token(tok, now)
             update = RequestUpdate(req.spec.request_id, [tok])
+            if lps is not None and lps[i] is not None:
+                update.logprobs = [lps[i]]
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
                 del self.generators[req.request_id]

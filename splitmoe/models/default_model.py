@@ -1,9 +1,11 @@
 """The built-in models: small Qwen3-MoE checkpoints written locally, nothing downloaded.
 
 ``python -m splitmoe.models.default_model --out DIR [--preset realistic]`` writes
-``config.json``, ``model.safetensors`` (deterministic random weights) and a byte-level BPE
-``tokenizer.json`` trained on a short built-in text. Their generations are gibberish, but every
-part of the runtime (tokenizer, routing, dispatch/combine, paged KV) does real work on them.
+``config.json``, ``model.safetensors`` (deterministic random weights), a byte-level BPE
+``tokenizer.json`` trained on a short built-in text and a ``tokenizer_config.json`` with a
+ChatML chat template (what the server's chat endpoint renders). Their generations are
+gibberish, but every part of the runtime (tokenizer, routing, dispatch/combine, paged KV) does
+real work on them.
 
 Presets: ``"default"`` (H 128, 16 experts, 4 layers: ~7 MB, for tests and quick runs) and
 ``"realistic"`` (H 512, 32 experts top-4 of I 256, 6 layers, 8 / 2 heads of 64, vocab 4096:
@@ -23,6 +25,13 @@ import torch
 from safetensors.torch import save_file
 
 EOS = "<|endoftext|>"
+# ChatML, as Qwen's checkpoints use it (without their tool and reasoning parts)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 DEFAULT_CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -146,12 +155,18 @@ def write_default_model(
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens > vocab {cfg['vocab_size']}")
     cfg["eos_token_id"] = tok.token_to_id(EOS)
     tok.save(str(out / "tokenizer.json"))
+    write_tokenizer_config(out)
     save_file(build_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": cfg["eos_token_id"]}, indent=2) + "\n"
     )
     return out
+
+
+def write_tokenizer_config(out: Path) -> None:
+    config = {"eos_token": EOS, "chat_template": CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 DEFAULT_PATH = Path(".splitmoe/default-model")
@@ -174,6 +189,8 @@ def _preset_path(path: str | Path, preset: str) -> str:
     path = Path(path)
     if not (path / "config.json").is_file():
         write_default_model(path, preset=preset)
+    elif not (path / "tokenizer_config.json").is_file():  # (written before it had one)
+        write_tokenizer_config(path)
     return str(path)
 
 

@@ -1,31 +1,72 @@
-"""KV block allocation for one attention rank's paged cache."""
+"""KV block allocation for one attention rank's paged cache, with prefix caching.
+
+Prefix caching follows vLLM v1's design: a *full* block is named by a hash chained over the
+token ids of the block and of every block before it (`block_hashes`), so equal hashes mean equal
+prefixes and equal KV contents. A new request looks up its prompt's chain (`match`) and reuses
+the longest run of cached blocks; only the rest is computed. Blocks are reference-counted: a
+cached block shared by several running requests is freed when the last one lets go, and then
+stays in the cache (evictable) until a new allocation needs a block and no block without cached
+contents is free; the least recently released one is evicted first.
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, parent: int | None = None, start: int = 0
+) -> list[int]:
+    """The chained hashes of the full blocks of ``token_ids[start:]`` (``start`` a multiple of
+    ``block_size``), the first chained to ``parent`` (the hash of the block before, None at the
+    start of the sequence). Python's hash of a tuple of ints is not salted per process, so the
+    front end (the router) and every rank compute the same values."""
+    out = []
+    for s in range(start, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[s : s + block_size])))
+        out.append(parent)
+    return out
+
 
 class BlockManager:
-    """A free list of ``num_blocks`` KV blocks of ``block_size`` tokens.
+    """``num_blocks`` KV blocks of ``block_size`` tokens: a free list, and with
+    ``enable_prefix_caching`` a cache of full blocks by chained hash.
 
-    A stack: the most recently freed blocks are handed out first (in the order their request
-    held them), then the never-used ones lowest id first, so allocation order is deterministic
-    (tests assert exact ids). Reusing warm blocks keeps a request's writes on pages the cache
-    already has; handed out oldest first, each run of a CPU benchmark went on to fresh pages of
-    the pool, zeroed by the kernel at first touch (~10% of a colocated decode step in `perf`;
-    batch 32 decoded 1.03x faster with the stack, CPU, paired runs).
+    Blocks without cached contents are handed out as a stack: the most recently freed first (in
+    the order their request held them), then the never-used ones lowest id first, so allocation
+    order is deterministic (tests assert exact ids). Reusing warm blocks keeps a request's
+    writes on pages the cache already has; handed out oldest first, each run of a CPU benchmark
+    went on to fresh pages of the pool, zeroed by the kernel at first touch (~10% of a colocated
+    decode step in `perf`; batch 32 decoded 1.03x faster with the stack, CPU, paired runs).
+    Cached blocks that no request holds are taken only when that stack is empty, least recently
+    released first (and then leave the cache).
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # (the top is the end)
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # chained hash -> block holding that prefix
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unheld: LRU first
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        """Blocks an allocation may take (cached ones that no request holds included)."""
+        return len(self.free_blocks) + len(self.evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        """Blocks that running requests hold."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -33,15 +74,65 @@ class BlockManager:
     def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) - len(block_table) <= self.num_free
 
-    def grow(self, block_table: list[int], num_tokens: int) -> bool:
-        """Extends ``block_table`` to hold ``num_tokens``; False (nothing taken) if full."""
-        need = self.blocks_for(num_tokens) - len(block_table)
-        if need > self.num_free:
+    def match(self, hashes: Sequence[int], max_blocks: int) -> list[int]:
+        """The cached blocks of the longest prefix of ``hashes`` (at most ``max_blocks``), not
+        yet taken (see `grow`)."""
+        if not self.enable_prefix_caching:
+            return []
+        hit = []
+        for h in hashes[:max_blocks]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def grow(self, block_table: list[int], num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Extends ``block_table`` with the ``cached`` blocks (a `match` result; only for an
+        empty table), then fresh ones up to ``num_tokens``; False (nothing taken) if the pool
+        cannot hold them."""
+        revived = sum(1 for b in cached if self.ref_counts[b] == 0)
+        need = self.blocks_for(num_tokens) - len(block_table) - len(cached)
+        if need + revived > self.num_free:
             return False
+        for b in cached:
+            if self.ref_counts[b] == 0:
+                del self.evictable[b]
+            self.ref_counts[b] += 1
+            block_table.append(b)
         for _ in range(need):
-            block_table.append(self.free_blocks.pop())
+            block_table.append(self._take())
         return True
 
+    def _take(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.pop()
+        else:  # evict the least recently released cached block
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_hash[block]]
+            self.block_hash[block] = None
+            self.num_evictions += 1
+        self.ref_counts[block] = 1
+        return block
+
+    def cache_blocks(self, block_table: list[int], hashes: Sequence[int], start: int) -> None:
+        """Indexes ``block_table[start : len(hashes)]``, now full and computed, under their
+        chained ``hashes``. A prefix another request cached first keeps that block (this one
+        leaves the cache when freed)."""
+        for i in range(start, len(hashes)):
+            block, h = block_table[i], hashes[i]
+            if self.block_hash[block] is None and h not in self.cached:
+                self.cached[h] = block
+                self.block_hash[block] = h
+
     def free(self, block_table: list[int]) -> None:
-        self.free_blocks.extend(reversed(block_table))
+        """Releases the blocks of a finished or preempted request. Last blocks first, so a
+        request's tail leaves the cache before its prefix, which others are likelier to share."""
+        for block in reversed(block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] is None:
+                    self.free_blocks.append(block)
+                else:
+                    self.evictable[block] = None
         block_table.clear()

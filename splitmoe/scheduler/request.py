@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from splitmoe.outputs import RequestMetrics
 from splitmoe.sampling_params import SamplingParams
+from splitmoe.scheduler.block_manager import block_hashes
 
 
 class Status(enum.Enum):
@@ -39,6 +40,12 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # prefix caching: chained hashes of the full blocks so far (`block_manager.block_hashes`),
+    # how many of the table's blocks are indexed in the cache, and the prompt tokens that the
+    # first admission found cached
+    block_hashes: list[int] = field(default_factory=list)
+    num_indexed_blocks: int = 0
+    num_cached_tokens: int = 0
     # fixed at creation; the step loop reads them once per request and token
     prompt_len: int = field(init=False)
     _stop_ids: frozenset[int] = field(init=False, repr=False)
@@ -73,6 +80,16 @@ class Request:
             return self.output_token_ids[start - p : end - p]
         return self.spec.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
+    def hashes_upto(self, num_tokens: int, block_size: int) -> list[int]:
+        """`block_hashes` extended over the full blocks of the first ``num_tokens`` tokens."""
+        full = num_tokens // block_size
+        have = len(self.block_hashes)
+        if full > have:
+            parent = self.block_hashes[-1] if have else None
+            tokens = self.token_ids(have * block_size, full * block_size)
+            self.block_hashes += block_hashes(tokens, block_size, parent)
+        return self.block_hashes
+
     def token_at(self, i: int) -> int:
         """Token ``i`` of prompt + output."""
         p = self.prompt_len
@@ -103,5 +120,6 @@ class Request:
             num_prompt_tokens=self.prompt_len,
             num_output_tokens=n,
             num_preemptions=self.num_preemptions,
+            num_cached_tokens=self.num_cached_tokens,
             tbt=tuple(b - a for a, b in zip(times, times[1:])),
         )

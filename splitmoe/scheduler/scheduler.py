@@ -5,6 +5,10 @@ decode token each, or their next prompt chunk), then waiting requests in arrival
 prompt is chunked and never stalls the running streams. There are no separate prefill and decode
 modes. When the KV pool cannot hold a step, the most recently admitted request is preempted (its
 blocks freed, its tokens recomputed later); no accepted request is dropped.
+
+With prefix caching a request that is admitted starts from the longest run of its blocks that
+the cache holds (at least its last prompt token is always computed: it gives the logits of the
+first output token), and each block that a step fills is indexed for later requests.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req.block_table)
         req.num_computed_tokens = 0
+        req.num_indexed_blocks = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -99,20 +104,57 @@ class Scheduler:
             and len(self.running) < self.cfg.max_num_seqs
         ):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.blocks.grow(req.block_table, req.num_computed_tokens + n):
+            cached = self._cached_prefix(req)
+            start = len(cached) * self.blocks.block_size
+            n = min(req.num_tokens - start, budget)
+            if not self.blocks.grow(req.block_table, start + n, cached):
                 break
             self.waiting.popleft()
+            req.num_indexed_blocks = len(cached)
+            req.num_computed_tokens = start
             req.status = Status.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+                req.num_cached_tokens = start
             self.running.append(req)
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
 
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks that a waiting request (holding no blocks) can start from."""
+        if not self.blocks.enable_prefix_caching:
+            return []
+        bs = self.blocks.block_size
+        hashes = req.hashes_upto(req.num_tokens, bs)
+        return self.blocks.match(hashes, (req.num_tokens - 1) // bs)
+
+    def computed(self, req: Request, n: int) -> None:
+        """``n`` more tokens of ``req`` are in the KV cache: indexes the blocks they filled."""
+        req.num_computed_tokens += n
+        if self.blocks.enable_prefix_caching:
+            bs = self.blocks.block_size
+            full = req.num_computed_tokens // bs
+            if full > req.num_indexed_blocks:
+                hashes = req.hashes_upto(full * bs, bs)
+                self.blocks.cache_blocks(req.block_table, hashes[:full], req.num_indexed_blocks)
+                req.num_indexed_blocks = full
+
     def finish(self, req: Request) -> None:
         req.status = Status.FINISHED
         self.running.remove(req)
         self.blocks.free(req.block_table)
+
+    def abort(self, request_id: int) -> Request | None:
+        """Drops a waiting or running request and frees its blocks at once (the client went
+        away, or a stop string ended it); None if it is not here (it finished already)."""
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self.blocks.free(req.block_table)
+                    req.status = Status.FINISHED
+                    req.finish_reason = "abort"
+                    return req
+        return None

@@ -1,0 +1,300 @@
+"""The server's side of the engine: one thread owns the `LLM` and pumps it; asyncio handlers
+hand it jobs and read their progress from asyncio queues.
+
+The `LLM` front end is single-threaded by design (its ranks' pipes, its live outputs, its
+router), so exactly one thread calls it: `AsyncEngine`'s. Handlers never block on it: a job is
+put on a command queue and the thread is woken (`LLM.wake` ends a `poll` at once); progress comes
+back in one `call_soon_threadsafe` per job and step. While no live job streams, the thread polls
+with ``every_step=False`` and the ranks wake it only when a request finishes, as
+`LLM.generate` does: waking the front end after every step cost ranks that share its cores
+~10% of their decode speed (see `splitmoe.llm._Outbox`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from splitmoe.llm import LLM, LaunchedJob, RankFailure, _Detokenizer
+from splitmoe.outputs import RequestOutput
+from splitmoe.sampling_params import SamplingParams
+from splitmoe.server.metrics import ServerMetrics
+
+logger = logging.getLogger("splitmoe")
+
+_IDLE_POLL_S = 0.5  # a poll's wait when nothing else wakes it (`LLM.wake` ends it early)
+_RESET_EVERY = 4096  # finished requests after which the LLM's metric history is dropped
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve: a rank failed, it is still starting, or it shuts down."""
+
+
+@dataclass
+class Delta:
+    """What a job's queue receives for one of its sequences: new tokens, their text and
+    log-probabilities; ``output`` once the sequence finished (then ``finish_reason`` too)."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
+
+
+class _TextStream:
+    """A streamed sequence's text deltas; with stop strings the last ``len(longest) - 1``
+    characters wait until it is sure they do not begin a stop string (the final text, cut
+    before the stop string, is a continuation of what was sent)."""
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.detok = _Detokenizer(tokenizer) if tokenizer is not None else None
+        self.hold = max(map(len, params.stop), default=1) - 1
+        self.sent_text = 0  # characters sent
+        self.sent_tokens = 0
+
+    def delta(self, out: RequestOutput) -> tuple[list[int], str, list | None]:
+        tokens = out.token_ids[self.sent_tokens :]
+        lps = None if out.logprobs is None else out.logprobs[self.sent_tokens :]
+        self.sent_tokens = len(out.token_ids)
+        text = ""
+        if self.detok is not None:
+            if out.finished:
+                full = out.text or ""
+            else:
+                self.detok.delta(out)
+                full = self.detok.text
+                full = full[: max(self.sent_text, len(full) - self.hold)]
+            text = full[self.sent_text :]
+            self.sent_text = max(self.sent_text, len(full))
+        return tokens, text, lps
+
+
+@dataclass(eq=False)
+class Job:
+    """One API request: its prompts (token ids) and per-sequence params (``n`` copies of each
+    prompt are separate sequences), where its progress goes, and whether it streams."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    stream: bool
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request_ids: list[int] = field(default_factory=list)
+    done: bool = False
+
+    def send(self, items) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, items)
+
+
+class AsyncEngine:
+    """Starts an `LLM` on its own thread and serves `Job`s through it.
+
+    ``state``: ``"starting"`` until every rank is ready, then ``"ready"``; ``"failed"`` once a
+    rank failed (``error`` says how; every live job got an `EngineError`), ``"stopped"`` after
+    `stop`."""
+
+    def __init__(
+        self,
+        model: str,
+        options: dict,
+        metrics: ServerMetrics | None = None,
+        launched: LaunchedJob | None = None,
+    ):
+        self.model = model
+        self.options = options
+        self.launched = launched
+        self.metrics = metrics
+        self.state = "starting"
+        self.error: str | None = None
+        self.llm: LLM | None = None
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._seqs: dict[int, tuple[Job, int, _TextStream | None]] = {}
+        self._streaming = 0  # live sequences of streaming jobs
+        self._finished_since_reset = 0
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="splitmoe-engine", daemon=True)
+
+    # ---- called from the event loop -----------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def submit(self, job: Job) -> None:
+        if self.state != "ready":
+            raise EngineError(self._unavailable())
+        self._command(("submit", job))
+
+    def abort(self, job: Job) -> None:
+        """The job's client went away: its sequences stop and free their KV blocks."""
+        if not job.done:
+            job.done = True
+            self._command(("abort", job))
+
+    def stats(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """Every rank's `LLM.stats` snapshot, answered by the engine thread."""
+        fut = loop.create_future()
+        if self.state != "ready":
+            fut.set_exception(EngineError(self._unavailable()))
+        else:
+            self._command(("stats", fut, loop))
+        return fut
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Fails what still runs, stops every rank and joins the thread."""
+        self._command(("stop",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _command(self, cmd) -> None:
+        self._cmds.put(cmd)
+        llm = self.llm
+        if llm is not None:
+            llm.wake()
+
+    def _unavailable(self) -> str:
+        if self.state == "starting":
+            return "the model is still loading; retry when GET /health answers 200"
+        if self.state == "failed":
+            return f"the engine failed and serves no more requests: {self.error}"
+        return "the server is shutting down"
+
+    # ---- the engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.llm = LLM(self.model, launched=self.launched, **self.options)
+        except Exception as e:  # (bad options were checked before the server started)
+            self._fail(f"start-up failed: {e}")
+            self._ready.set()
+            return
+        self.state = "ready"
+        self._ready.set()
+        llm = self.llm
+        try:
+            while self._handle_commands():
+                progress = llm.poll(_IDLE_POLL_S, every_step=self._streaming > 0)
+                if progress:
+                    self._deliver(progress)
+        except RankFailure as e:
+            self._fail(str(e))
+            return
+        except Exception as e:  # a bug here must not leave clients waiting forever
+            logger.exception("engine thread failed")
+            self._fail(f"internal error: {type(e).__name__}: {e}")
+            llm.close()
+            return
+        self._fail_all("the server shut down before this request finished")
+        self.state = "stopped"
+        llm.close()
+
+    def _handle_commands(self) -> bool:
+        """Runs the queued commands; False once asked to stop."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return True
+            if cmd[0] == "submit":
+                self._submit(cmd[1])
+            elif cmd[0] == "abort":  # (its sequences come back finished, "abort", unsent)
+                self.llm.abort(cmd[1].request_ids)
+            elif cmd[0] == "stats":
+                _, fut, loop = cmd
+                try:
+                    result = self.llm.stats(timeout=10.0)
+                except RankFailure:
+                    raise
+                except Exception as e:
+                    loop.call_soon_threadsafe(_set_exception, fut, e)
+                else:
+                    loop.call_soon_threadsafe(_set_result, fut, result)
+            elif cmd[0] == "stop":
+                return False
+
+    def _submit(self, job: Job) -> None:
+        if job.done:  # (its client left before it was submitted)
+            return
+        try:
+            rids = self.llm.submit(job.prompts, job.params)
+        except (ValueError, TypeError) as e:  # (the handlers validate first: a safety net)
+            job.done = True
+            job.send(e)
+            return
+        job.request_ids = rids
+        tok = self.llm.tokenizer
+        for i, (rid, params) in enumerate(zip(rids, job.params)):
+            self._seqs[rid] = (job, i, _TextStream(tok, params) if job.stream else None)
+        if job.stream:
+            self._streaming += len(rids)
+
+    def _forget(self, rid: int) -> None:
+        entry = self._seqs.pop(rid, None)
+        if entry is not None and entry[2] is not None:
+            self._streaming -= 1
+
+    def _deliver(self, progress: list[tuple[RequestOutput, list[int]]]) -> None:
+        by_job: dict[Job, list[Delta]] = {}
+        now = time.time()
+        for out, _ in progress:
+            entry = self._seqs.get(out.request_id)
+            if entry is None:
+                continue  # (aborted)
+            job, index, text = entry
+            if out.finished:
+                self._forget(out.request_id)
+                if self.metrics is not None:
+                    self.metrics.finished(out, now)
+                self._finished_since_reset += 1
+            if job.done or (text is None and not out.finished):
+                continue
+            if text is not None:
+                tokens, delta, lps = text.delta(out)
+            else:
+                tokens, delta, lps = out.token_ids, out.text or "", out.logprobs
+            by_job.setdefault(job, []).append(
+                Delta(index, tokens, delta, lps, out.finish_reason, out if out.finished else None)
+            )
+        for job, deltas in by_job.items():
+            job.send(deltas)
+        if self._finished_since_reset >= _RESET_EVERY:  # (bounds the LLM's metric history)
+            self.llm.reset_metrics()
+            self._finished_since_reset = 0
+
+    def _fail(self, message: str) -> None:
+        self.state, self.error = "failed", message
+        logger.error("engine failed: %s", message)
+        self._fail_all(f"the engine failed: {message}")
+
+    def _fail_all(self, message: str) -> None:
+        jobs = {job for job, _, _ in self._seqs.values()}
+        self._seqs.clear()
+        self._streaming = 0
+        while True:  # (jobs not submitted yet, and stats waiting for an answer)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "submit":
+                jobs.add(cmd[1])
+            elif cmd[0] == "stats":
+                cmd[2].call_soon_threadsafe(_set_exception, cmd[1], EngineError(message))
+        for job in jobs:
+            job.done = True
+            job.send(EngineError(message))
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

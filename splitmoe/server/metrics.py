@@ -1,0 +1,117 @@
+"""The server's Prometheus metrics (``GET /metrics``), named as vLLM names its own (with the
+``splitmoe:`` prefix) so that existing dashboards read them with a prefix change.
+
+Counters and histograms are updated by the engine thread as each request finishes; the gauges
+(running and waiting requests, KV-cache usage, prefix-cache contents, expert-rank load) are read
+from the ranks (`LLM.stats`) when the endpoint is scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from splitmoe.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        label = {"model_name": model_name}
+        self._label = label
+        names = ["model_name"]
+
+        def counter(name, doc, extra=()):
+            return Counter(f"splitmoe:{name}", doc, [*names, *extra], registry=r)
+
+        def gauge(name, doc, extra=()):
+            return Gauge(f"splitmoe:{name}", doc, [*names, *extra], registry=r)
+
+        def histogram(name, doc):
+            return Histogram(f"splitmoe:{name}", doc, names, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.request_success = counter(
+            "request_success", "Finished requests by finish reason", ("finished_reason",)
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter(
+            "generation_tokens", "Generated tokens of finished requests"
+        )
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache"
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
+        self.tbt = histogram("inter_token_latency_seconds", "Time between two output tokens")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token")
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduling")
+        self.running = gauge("num_requests_running", "Requests in the attention ranks' batches")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache blocks in use (1 = all)")
+        self.prefix_hit_rate = gauge(
+            "prefix_cache_hit_rate", "Cached / looked-up prompt tokens since start-up"
+        )
+        self.prefix_blocks = gauge(
+            "prefix_cache_blocks", "Full KV blocks indexed in the prefix cache", ("rank",)
+        )
+        self.expert_tokens = gauge(
+            "expert_rank_tokens", "Tokens an expert rank has served since start-up", ("rank",)
+        )
+        self.imbalance = gauge(
+            "expert_rank_imbalance",
+            "Most loaded expert rank's tokens over the mean (1 = balanced; 0 when colocated)",
+        )
+        self.preemptions = gauge("num_preemptions", "Preemptions since start-up")
+        self._queries = self._hits = 0
+
+    def finished(self, out: RequestOutput, now: float) -> None:
+        """Counts a finished request (the engine thread calls this)."""
+        m, lab = out.metrics, self._label
+        self.request_success.labels(**lab, finished_reason=out.finish_reason).inc()
+        if m is None or out.finish_reason == "abort":  # (its client left: no latency to tell)
+            return
+        self.prompt_tokens.labels(**lab).inc(m.num_prompt_tokens)
+        self.generation_tokens.labels(**lab).inc(len(out.token_ids))
+        self.prefix_queries.labels(**lab).inc(m.num_prompt_tokens)
+        self.prefix_hits.labels(**lab).inc(m.num_cached_tokens)
+        self._queries += m.num_prompt_tokens
+        self._hits += m.num_cached_tokens
+        self.prefix_hit_rate.labels(**lab).set(self._hits / self._queries if self._queries else 0)
+        if m.num_output_tokens:
+            self.ttft.labels(**lab).observe(m.ttft)
+            self.e2e.labels(**lab).observe(m.e2e_latency)
+        self.queue.labels(**lab).observe(m.queue_time)
+        tbt = self.tbt.labels(**lab)
+        for gap in m.tbt:
+            tbt.observe(gap)
+
+    def update_from_stats(self, stats: list[dict], unfinished: int) -> None:
+        """Sets the gauges from every rank's `LLM.stats` snapshot."""
+        lab = self._label
+        attn = [s for s in stats if s.get("role") == "attention"]
+        used = sum(s.get("kv_blocks_used", 0) for s in attn)
+        total = sum(s.get("kv_blocks_total", 0) for s in attn)
+        running = sum(s.get("running", 0) for s in attn)
+        self.running.labels(**lab).set(running)
+        self.waiting.labels(**lab).set(max(0, unfinished - running))
+        self.kv_usage.labels(**lab).set(used / total if total else 0.0)
+        self.preemptions.labels(**lab).set(sum(s.get("preemptions", 0) for s in attn))
+        for s in attn:
+            self.prefix_blocks.labels(**lab, rank=str(s["rank"])).set(
+                s.get("prefix_cached_blocks", 0)
+            )
+        served = [(s["rank"], s.get("tokens_served", 0)) for s in stats if s["role"] == "expert"]
+        for rank, n in served:
+            self.expert_tokens.labels(**lab, rank=str(rank)).set(n)
+        loads = [n for _, n in served]
+        mean = sum(loads) / len(loads) if loads else 0
+        self.imbalance.labels(**lab).set(max(loads) / mean if mean else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
