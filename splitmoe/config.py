@@ -93,6 +93,27 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str = "float32"
+    # GPT-OSS (`splitmoe.models.gpt_oss`): a learned per-head logit in every softmax's
+    # denominator, a window of ``sliding_window`` keys on ``sliding_layers`` (the rest attend to
+    # the whole context), a bias on o_proj, the router and the experts, the clamped SwiGLU, and
+    # a softmax over the top-k router logits ("topk_softmax") instead of over all experts.
+    attention_sinks: bool = False
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    o_bias: bool = False
+    router_bias: bool = False
+    router_scoring: str = "softmax"  # "softmax" (over experts, then top-k) | "topk_softmax"
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # None: silu(gate) * up
+    swiglu_alpha: float = 1.702
+    # RoPE scaling: ("yarn", factor, original_max_position_embeddings, beta_fast, beta_slow,
+    # truncate, attention_factor or None); () is plain RoPE
+    rope_scaling: tuple = ()
+    quant_method: str | None = None  # "mxfp4": experts stored as *_blocks / *_scales
+
+    def layer_window(self, layer: int) -> int | None:
+        """Keys layer ``layer`` attends to (None: the whole context)."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -19,6 +19,7 @@ from splitmoe.config import ModelConfig
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.backends import AttentionBackend
 from splitmoe.kernels.linear import linear
+from splitmoe.models.rope import rope_frequencies
 
 
 class ExpertExecutor(Protocol):
@@ -73,6 +74,10 @@ class LayerWeights:
     mlp_down: torch.Tensor | None  # [H, I]
     shared_expert_gate: torch.Tensor | None  # [1, H]
     qk_head_norm: torch.Tensor | None = None  # [nh + nkv, d]: per-head q then k norm weights
+    o_bias: torch.Tensor | None = None  # [H]
+    sinks: torch.Tensor | None = None  # [nh] float32: GPT-OSS's per-head softmax sink logits
+    router_bias: torch.Tensor | None = None  # [E]
+    window: int | None = None  # sliding-window layer: keys it attends to (None: all)
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], cfg: ModelConfig) -> LayerWeights:
@@ -104,6 +109,9 @@ class LayerWeights:
             )
             if cfg.qk_norm == "head"
             else None,
+            o_bias=t.get("o_bias"),
+            sinks=None if "sinks" not in t else t["sinks"].float(),
+            router_bias=t.get("router_bias"),
         )
 
 
@@ -113,14 +121,18 @@ def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tor
     return linear(F.silu(h[:, :inter]) * h[:, inter:], down)
 
 
-def rope_rows(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_rows(
+    inv_freq: torch.Tensor, positions: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin [T, d]`` float32 of ``positions`` (``inv_freq [d/2]``), ``sin``'s first half
-    negated (`AttentionModel.rope`)."""
+    negated (`AttentionModel.rope`); both times ``scale`` (YaRN's attention factor)."""
     freqs = positions[:, None].float() * inv_freq[None, :]  # [T, d/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
-    sin = emb.sin()
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     sin[:, : sin.shape[-1] // 2].neg_()
-    return emb.cos(), sin
+    return cos, sin
 
 
 class AttentionModel:
@@ -137,11 +149,19 @@ class AttentionModel:
         self.final_norm = global_weights["final_norm"]
         self.lm_head = global_weights["lm_head"]  # [V, H]
         self.layers = [LayerWeights.from_tensors(t, cfg) for t in layer_weights]
+        for i, layer in enumerate(self.layers):
+            layer.window = cfg.layer_window(i)
         self.attention_backend = attention
         d = cfg.head_dim
         self.inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
         )  # [d/2]
+        self.rope_scale = 1.0  # YaRN's attention factor on cos and sin
+        if cfg.rope_scaling:
+            inv_freq, self.rope_scale = rope_frequencies(
+                d, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+            )
+            self.inv_freq = inv_freq.to(device)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, 1, d] (rope)
         self.scale = d**-0.5
         self.q_size = cfg.num_heads * d
@@ -161,7 +181,7 @@ class AttentionModel:
             cos, sin = self.rope_table(int(positions.max()), dtype)
             if cos.dtype == dtype:
                 return cos.index_select(0, positions), sin.index_select(0, positions)
-        cos, sin = rope_rows(self.inv_freq, positions)
+        cos, sin = rope_rows(self.inv_freq, positions, self.rope_scale)
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def rope_table(self, top: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +189,7 @@ class AttentionModel:
         ``top``: row p holds position p's values (the first table's dtype stays)."""
         if self._rope_table is None or top >= self._rope_table[0].shape[0]:
             n = max(2 * (top + 1), 1024)
-            cos, sin = rope_rows(self.inv_freq, torch.arange(n))
+            cos, sin = rope_rows(self.inv_freq, torch.arange(n), self.rope_scale)
             self._rope_table = (cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :])
         return self._rope_table
 
@@ -180,8 +200,13 @@ class AttentionModel:
         return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
     def route(self, layer: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax over experts (float32) -> top-k -> optional renormalisation."""
-        logits = F.linear(x, layer.router)  # [T, E]
+        """Softmax over experts (float32) -> top-k -> optional renormalisation; or with
+        ``router_scoring="topk_softmax"`` (GPT-OSS) top-k of the logits, then a softmax over
+        those k (in the logits' dtype, as transformers does)."""
+        logits = F.linear(x, layer.router, layer.router_bias)  # [T, E]
+        if self.cfg.router_scoring == "topk_softmax":
+            top, ids = torch.topk(logits, self.cfg.top_k, dim=-1)  # [T, k]
+            return ids, top.softmax(dim=-1).to(x.dtype)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)  # [T, k]
         if self.cfg.norm_topk_prob:
@@ -216,8 +241,13 @@ class AttentionModel:
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
         k_cache, v_cache = kv
         self.attention_backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = self.attention_backend.attend(q, k_cache, v_cache, meta, self.scale)
-        return linear(o.reshape(T, self.q_size), layer.o_proj)
+        if layer.sinks is None and layer.window is None:
+            o = self.attention_backend.attend(q, k_cache, v_cache, meta, self.scale)
+        else:
+            o = self.attention_backend.attend(
+                q, k_cache, v_cache, meta, self.scale, sinks=layer.sinks, window=layer.window
+            )
+        return linear(o.reshape(T, self.q_size), layer.o_proj, layer.o_bias)
 
     def start_moe(
         self,

@@ -25,15 +25,35 @@ from splitmoe.kernels.linear import linear
 log = logging.getLogger(__name__)
 
 
+def swiglu(
+    h: torch.Tensor, inter: int, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702
+) -> torch.Tensor:
+    """``h [n, 2I]`` (gate columns, then up) -> ``[n, I]``: ``silu(gate) * up``, or with
+    ``swiglu_limit`` GPT-OSS's clamped form (transformers' ``GptOssExperts._apply_gate``): gate
+    clamped above and up on both sides at the limit, ``(up + 1) * gate * sigmoid(alpha gate)``."""
+    gate, up = h[:, :inter], h[:, inter:]
+    if swiglu_limit is None:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=swiglu_limit)
+    up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+
+
 def fused_moe_ref(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
 ) -> torch.Tensor:
     """x ``[N, H]``; w13 ``[E, 2I, H]`` (gate rows, then up rows); w2 ``[E, H, I]``;
-    expert_ids ``[N, k]`` int (-1 = skip); weights ``[N, k]``. Returns ``[N, H]`` in x's dtype."""
+    expert_ids ``[N, k]`` int (-1 = skip); weights ``[N, k]``. Returns ``[N, H]`` in x's dtype.
+    Optional (GPT-OSS): expert biases ``b13 [E, 2I]``, ``b2 [E, H]`` (added before the router
+    weight) and the clamped SwiGLU (`swiglu`)."""
     N, k = expert_ids.shape
     out = torch.zeros_like(x)
     if N == 0:
@@ -52,9 +72,9 @@ def fused_moe_ref(
         if n == 0:
             continue
         tok = tokens[start : start + n]
-        h = F.linear(x[tok], w13[e])  # [n, 2I]
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, w2[e]) * w[start : start + n, None]  # [n, H]
+        h = F.linear(x[tok], w13[e], None if b13 is None else b13[e])  # [n, 2I]
+        h = swiglu(h, inter, swiglu_limit, swiglu_alpha)
+        y = F.linear(h, w2[e], None if b2 is None else b2[e]) * w[start : start + n, None]
         out.index_add_(0, tok, y)
         start += n
     return out
@@ -127,11 +147,16 @@ def fused_moe_cpu(
     w2: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
+    **ffn,
 ) -> torch.Tensor:
     """The torch path on CPU: pairs sorted by expert on the host (numpy's radix argsort of
     16-bit keys; slots served elsewhere are cut off), rows gathered with ``index_select``, the
     expert FFN of each expert's rows by `cpu_moe_path`'s GEMMs, weighted, and added into their
-    tokens with ``index_add_``."""
+    tokens with ``index_add_``. Expert biases or the clamped SwiGLU (``ffn``, GPT-OSS) go to
+    `fused_moe_ref`'s per-expert loop: the grouped GEMMs here fold the router weight into the
+    activations and have no bias."""
+    if any(v is not None for k, v in ffn.items() if k != "swiglu_alpha"):
+        return fused_moe_ref(x, w13, w2, expert_ids, weights, **ffn)
     E, k = w13.shape[0], expert_ids.shape[1]
     flat = expert_ids.reshape(-1).cpu().numpy()
     key = np.where(flat >= 0, flat, E).astype(np.uint16 if E < 1 << 16 else np.int64)
@@ -290,11 +315,13 @@ def fused_moe_torch(
     w2: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
+    **ffn,
 ) -> torch.Tensor:
-    """The ``"torch"`` backend: `fused_moe_cpu` on CPU, else `fused_moe_ref`."""
+    """The ``"torch"`` backend: `fused_moe_cpu` on CPU, else `fused_moe_ref` (``ffn``: expert
+    biases / clamped SwiGLU, as `fused_moe_ref` takes them)."""
     if x.device.type == "cpu":
-        return fused_moe_cpu(x, w13, w2, expert_ids, weights)
-    return fused_moe_ref(x, w13, w2, expert_ids, weights)
+        return fused_moe_cpu(x, w13, w2, expert_ids, weights, **ffn)
+    return fused_moe_ref(x, w13, w2, expert_ids, weights, **ffn)
 
 
 def fused_moe_gpu(
@@ -303,16 +330,20 @@ def fused_moe_gpu(
     w2: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
+    **ffn,
 ) -> torch.Tensor:
     """The ``"triton"`` backend: the fused Triton grouped GEMMs (`moe_gemm`), or on CUDA
-    ``torch._grouped_mm`` where it measured faster for this shape class (`_faster_path`)."""
+    ``torch._grouped_mm`` where it measured faster for this shape class (`_faster_path`; not
+    with GPT-OSS's expert biases and clamped SwiGLU, ``ffn``, which only the Triton kernels
+    fuse)."""
     from splitmoe.kernels.moe_gemm import launch_fused_moe
 
     check_moe_inputs(x, w13, w2, expert_ids, weights)
-    if x.shape[0] and x.device.type == "cuda":
+    plain = all(v is None for k, v in ffn.items() if k != "swiglu_alpha")
+    if plain and x.shape[0] and x.device.type == "cuda":
         if _faster_path(x, w13, w2, expert_ids, weights) == "grouped_mm":
             return fused_moe_grouped_mm(x, w13, w2, expert_ids, weights)
-    return launch_fused_moe(x, w13, w2, expert_ids, weights)
+    return launch_fused_moe(x, w13, w2, expert_ids, weights, **ffn)
 
 
 # The MoE kernel of each backend (`splitmoe.kernels.backends` binds one per rank).
@@ -326,13 +357,16 @@ def fused_moe(
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
     backend: str = "torch",
+    **ffn,
 ) -> torch.Tensor:
     """Routed-expert output ``[N, H]`` in x's dtype.
 
     x ``[N, H]``; w13 ``[E, 2I, H]`` (gate rows, then up rows); w2 ``[E, H, I]``; expert_ids
     ``[N, k]`` local expert ids (-1: the slot is served by another rank); weights ``[N, k]``
     router weights (float32, or x's dtype). ``backend``: ``"torch"`` (`fused_moe_torch`) or
-    ``"triton"`` (`fused_moe_gpu`). Checks the shapes, then runs the backend's kernel.
+    ``"triton"`` (`fused_moe_gpu`). ``ffn``: GPT-OSS's ``b13 [E, 2I]``, ``b2 [E, H]``,
+    ``swiglu_limit``, ``swiglu_alpha`` (see `fused_moe_ref`). Checks the shapes, then runs the
+    backend's kernel.
     """
     check_moe_shapes(x, w13, w2, expert_ids, weights)
     if backend not in MOE_KERNELS:
@@ -341,4 +375,4 @@ def fused_moe(
         from splitmoe.kernels.triton_utils import require_triton
 
         require_triton("moe_backend", x.device)
-    return MOE_KERNELS[backend](x, w13, w2, expert_ids, weights)
+    return MOE_KERNELS[backend](x, w13, w2, expert_ids, weights, **ffn)

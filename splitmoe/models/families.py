@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from splitmoe.models import gpt_oss
+
 # Canonical per-layer tensors held by attention ranks.
 ATTENTION_KEYS = ("input_norm", "post_norm", "q_proj", "k_proj", "v_proj", "o_proj")
 BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
@@ -19,6 +21,7 @@ ROUTER_KEY = "router"
 DENSE_KEYS = ("mlp_gate", "mlp_up", "mlp_down")
 SHARED_KEYS = ("shared_gate", "shared_up", "shared_down", "shared_expert_gate")
 EXPERT_KEYS = ("gate", "up", "down")
+SINK_KEYS = ("sinks",)  # GPT-OSS: one learned softmax-denominator logit per query head
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,8 @@ class Family:
     model_type: str
     moe_prefix: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # experts stored as one [E, ...] tensor per layer and projection (GPT-OSS), not one per expert
+    fused_experts: bool = False
 
     # ---- config -------------------------------------------------------------------------------
     def parse_config(self, raw: dict[str, Any], cfg_file: Path) -> dict[str, Any]:
@@ -104,6 +109,9 @@ class Family:
             "shared_up": f"{moe}.shared_expert.up_proj.weight",
             "shared_down": f"{moe}.shared_expert.down_proj.weight",
             "shared_expert_gate": f"{moe}.shared_expert_gate.weight",
+            "o_bias": f"{p}.self_attn.o_proj.bias",
+            "sinks": f"{p}.self_attn.sinks",
+            "router_bias": f"{moe}.gate.bias",
         }[key]
 
     def expert_name(self, layer: int, expert: int, key: str) -> str:
@@ -184,11 +192,65 @@ class Olmoe(Family):
         )
 
 
+@dataclass(frozen=True)
+class GptOss(Family):
+    """GPT-OSS: attention sinks, alternating sliding-window / full layers, biases on attention,
+    router and experts, the clamped SwiGLU, softmax over the top-k router logits, YaRN RoPE.
+    Experts fused per layer (``mlp.experts.gate_up_proj [E, H, 2I]``, gate/up interleaved), or
+    MXFP4 (``*_blocks`` / ``*_scales``): see `splitmoe.models.gpt_oss`."""
+
+    def parse_config(self, raw: dict[str, Any], cfg_file: Path) -> dict[str, Any]:
+        from_rope = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")}
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", raw.get("rope_theta", 150000.0))
+        fields = super().parse_config(dict(from_rope, rope_theta=theta), cfg_file)
+        fields["rope_scaling"] = gpt_oss.rope_scaling(rope, cfg_file)
+        return fields
+
+    def family_fields(self, raw, need, layers):
+        window = int(raw.get("sliding_window") or 0)
+        types = raw.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ]
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if len(types) != layers or unknown:
+            raise ValueError(
+                f"gpt_oss: layer_types must list 'sliding_attention' / 'full_attention' for each "
+                f"of the {layers} layers; got {types}"
+            )
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        if sliding and window < 1:
+            raise ValueError("gpt_oss: sliding_attention layers need sliding_window >= 1")
+        bias = bool(raw.get("attention_bias", True))
+        return dict(
+            moe_intermediate_size=int(need("intermediate_size")),
+            norm_topk_prob=False,
+            moe_layers=tuple(range(layers)),
+            qkv_bias=bias,
+            o_bias=bias,
+            attention_sinks=True,
+            sliding_window=window if sliding else 0,
+            sliding_layers=sliding,
+            router_bias=True,
+            router_scoring="topk_softmax",
+            expert_bias=True,
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+            quant_method=gpt_oss.quant_method(raw),
+        )
+
+    def layer_name(self, layer: int, key: str) -> str:
+        if key in ("router", "router_bias"):
+            return f"model.layers.{layer}.mlp.router.{'weight' if key == 'router' else 'bias'}"
+        return super().layer_name(layer, key)
+
+
 FAMILIES: dict[str, Family] = {
     "qwen3_moe": Qwen3Moe("qwen3_moe"),
     "qwen2_moe": Qwen2Moe("qwen2_moe"),
     "mixtral": Mixtral("mixtral", moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2")),
     "olmoe": Olmoe("olmoe"),
+    "gpt_oss": GptOss("gpt_oss", fused_experts=True),
 }
 
 
