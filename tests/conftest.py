@@ -44,6 +44,8 @@ CHECKPOINT_SPECS = {
     "olmoe": ("olmoe", {}),
     # 3 layers, layer 0 a dense MLP (mlp_only_layers), layers 1-2 MoE.
     "qwen3_moe_dense": ("qwen3_moe", {"num_layers": 3, "mlp_only_layers": [0]}),
+    # sliding-window layer 0, full layer 1 (tiny_models.GPT_OSS_WINDOW = 8 keys)
+    "gpt_oss": ("gpt_oss", {}),
 }
 
 

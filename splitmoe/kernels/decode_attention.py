@@ -157,8 +157,8 @@ def _decode_kernel(
     for tile in range(start, end, BLOCK_N):
         acc, l_i, m_i = attend_tile(
             acc, l_i, m_i, q, q_pos, win_lo, tile, kv_lo, end, table_ptr, k_ptr, v_ptr,
-            kv_head_off, stride_kb, stride_ks, qk_scale, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD,
-            True, DOT_PRECISION, WINDOW,
+            kv_head_off, stride_kb, stride_ks, qk_scale, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+            HEAD_DIM_PAD, True, DOT_PRECISION, WINDOW,
         )  # fmt: skip
     out = acc / l_i[:, None]
 
