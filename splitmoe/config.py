@@ -328,18 +328,41 @@ class CacheConfig:
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
 
-    def resolve_num_blocks(
-        self, model: ModelConfig, dtype: torch.dtype, max_num_seqs: int, max_model_len: int
+    def window_pool_blocks(
+        self, model: ModelConfig, max_num_seqs: int, max_num_batched_tokens: int
     ) -> int:
+        """Blocks of the sliding-window layers' own pool (0 without such layers), its null block
+        included: a request holds at most ``(window - 1) // block_size + 2`` blocks of its
+        window plus those of the chunk it computes (`SlidingWindowBlocks`)."""
+        if not model.sliding_layers:
+            return 0
+        per_seq = (model.sliding_window - 1) // self.block_size + 2
+        chunks = -(-max_num_batched_tokens // self.block_size)
+        need = 1 + max_num_seqs * per_seq + chunks
+        return need if self.num_kv_blocks is None else min(need, self.num_kv_blocks + 1)
+
+    def resolve_num_blocks(
+        self,
+        model: ModelConfig,
+        dtype: torch.dtype,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int = 0,
+    ) -> int:
+        """Blocks of the pool of the full-attention layers (all layers but sliding-window ones,
+        whose own pool, `window_pool_blocks`, comes out of the same memory first)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         elem = torch.empty((), dtype=dtype).element_size()
-        per_block = (
-            2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * elem
-        )
-        from_budget = int(self.kv_cache_memory_gb * (1 << 30)) // per_block
+        per_layer = 2 * self.block_size * model.num_kv_heads * model.head_dim * elem
+        full_layers = model.num_layers - len(model.sliding_layers)
+        window = self.window_pool_blocks(model, max_num_seqs, max_num_batched_tokens)
+        window_bytes = window * len(model.sliding_layers) * per_layer
+        budget = max(0, int(self.kv_cache_memory_gb * (1 << 30)) - window_bytes)
         needed = max_num_seqs * math.ceil(max_model_len / self.block_size)
-        return max(1, min(from_budget, needed))
+        if full_layers == 0:
+            return needed
+        return max(1, min(budget // (full_layers * per_layer), needed))
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,16 @@ def test_greedy_matches_hf(attention_ranks, expert_ranks, options, tiny_ckpt, hf
     expected = [hf_ref(ckpt, p, MAX_TOKENS) for p in PROMPTS]
     with cpu_llm(ckpt, attention_ranks, expert_ranks, **options) as llm:
         _check(llm.generate(PROMPTS, GREEDY), expected)
+        stats = [s for s in llm.stats() if s["role"] == "attention"]
+    for s in stats:  # the sliding layer's blocks were freed as the window moved on
+        bs = options.get("block_size", 16)
+        budget = options.get("max_num_batched_tokens", 2048)
+        bound = len(PROMPTS) * ((cfg.sliding_window - 1) // bs + 2) + -(-budget // bs)
+        assert 0 < s["kv_window_blocks_peak"] <= bound and s["kv_window_blocks_used"] == 0
+    if options == SMALL:  # 4 requests of up to 53 tokens held at most 15 blocks (vs 37 full)
+        assert stats[0]["kv_window_blocks_peak"] < sum(
+            -(-(len(p) + MAX_TOKENS - 1) // 4) for p in PROMPTS
+        )
 
 
 def _write_mxfp4(src, out):

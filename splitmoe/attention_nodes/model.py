@@ -42,6 +42,8 @@ class MicroBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
+    # the sliding-window layers' own block tables and slots (`SlidingWindowBlocks`), if any
+    window_meta: AttentionMetadata | None = None
 
 
 @dataclass
@@ -305,7 +307,8 @@ class AttentionModel:
                     h = h + self.finish_moe(in_flight[j], experts)
                     in_flight[j] = None
                 x = rms_norm(h, layer.input_norm, eps)
-                h = h + self.attention(layer, x, rope[j], kv, mb.meta)
+                meta = mb.meta if layer.window is None or mb.window_meta is None else mb.window_meta
+                h = h + self.attention(layer, x, rope[j], kv, meta)
                 x = rms_norm(h, layer.post_norm, eps)
                 if layer.router is None:
                     h = h + gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)

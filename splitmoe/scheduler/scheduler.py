@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from splitmoe.config import SchedulerConfig
 from splitmoe.scheduler.block_manager import BlockManager
 from splitmoe.scheduler.request import Request, RequestSpec, Status
+from splitmoe.scheduler.window_blocks import SlidingWindowBlocks
 
 
 @dataclass
@@ -40,9 +41,12 @@ class Scheduler:
         blocks: BlockManager,
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
+        window_blocks: SlidingWindowBlocks | None = None,
     ):
         self.cfg = cfg
         self.blocks = blocks
+        # the sliding-window layers' KV group, when the model has one (`window_blocks`)
+        self.window_blocks = window_blocks
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -62,9 +66,25 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Extends the request's block tables to ``num_tokens``; False (nothing taken) if a
+        pool is full."""
+        if self.window_blocks is None:
+            return self.blocks.grow(req.block_table, num_tokens)
+        return (
+            self.blocks.can_grow(req.block_table, num_tokens)
+            and self.window_blocks.grow(req.window_table, num_tokens, req.num_computed_tokens)
+            and self.blocks.grow(req.block_table, num_tokens)
+        )
+
+    def _free(self, req: Request) -> None:
+        self.blocks.free(req.block_table)
+        if self.window_blocks is not None:
+            self.window_blocks.free(req.window_table)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.blocks.free(req.block_table)
+        self._free(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -79,7 +99,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.blocks.grow(req.block_table, req.num_computed_tokens + n):
+            while not self._grow(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -100,7 +120,7 @@ class Scheduler:
         ):
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.blocks.grow(req.block_table, req.num_computed_tokens + n):
+            if not self._grow(req, req.num_computed_tokens + n):
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -115,4 +135,4 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         req.status = Status.FINISHED
         self.running.remove(req)
-        self.blocks.free(req.block_table)
+        self._free(req)
