@@ -18,9 +18,10 @@ from splitmoe.kernels.paged_attention import paged_attention, paged_attention_re
 # prompts shorter and longer than it, chunks extending a cached prefix mid-block
 MIXED = [(0, 1), (9, 1), (0, 13), (5, 7), (70, 1), (16, 16), (0, 2), (37, 3)]
 WINDOW = 6
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # of the Triton cases
 
 
-def _batch(seqs, nh, nkv, d, block_size, seed=0):
+def _batch(seqs, nh, nkv, d, block_size, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     lens = [c + n for c, n in seqs]
     num_blocks = sum(-(-n // block_size) for n in lens) + 2
@@ -31,7 +32,8 @@ def _batch(seqs, nh, nkv, d, block_size, seed=0):
     qlens = [n for _, n in seqs]
     q = torch.randn(sum(qlens), nh, d, generator=g)
     sinks = 2.0 * torch.randn(nh, generator=g)
-    meta = AttentionMetadata.from_lists(qlens, lens, tables, [0] * sum(qlens))
+    meta = AttentionMetadata.from_lists(qlens, lens, tables, [0] * sum(qlens), device=device)
+    q, k_cache, v_cache, sinks = (t.to(device) for t in (q, k_cache, v_cache, sinks))
     return q, k_cache, v_cache, meta, tables, sinks
 
 
@@ -92,7 +94,7 @@ def test_window_never_uses_blocks_before_it():
     reference (which reads them, masked) gives the same output; the Triton kernels never read
     them at all (NaN there stays out)."""
     seqs = [(40, 1), (33, 5)]
-    q, k_cache, v_cache, meta, tables, sinks = _batch(seqs, 4, 2, 16, 4, seed=3)
+    q, k_cache, v_cache, meta, tables, sinks = _batch(seqs, 4, 2, 16, 4, seed=3, device=DEVICE)
     want = paged_attention(q, k_cache, v_cache, meta, 0.25, sinks=sinks, window=WINDOW)
 
     def poison(k_value: float, v_value: float) -> None:
@@ -106,7 +108,7 @@ def test_window_never_uses_blocks_before_it():
     poison(1e4, -1e4)
     got = paged_attention(q, k_cache, v_cache, meta, 0.25, sinks=sinks, window=WINDOW)
     torch.testing.assert_close(got, want)
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda":
         poison(float("nan"), float("nan"))
         got = paged_attention(
             q, k_cache, v_cache, meta, 0.25, backend="triton", sinks=sinks, window=WINDOW
@@ -128,7 +130,7 @@ def test_triton_matches_reference(sinks_on, window):
     from splitmoe.kernels.decode_attention import DecodeTiles, launch_decode
     from splitmoe.kernels.prefill_attention import PrefillTiles, launch_prefill
 
-    q, k_cache, v_cache, meta, tables, sinks = _batch(MIXED, 4, 2, 16, 4, seed=2)
+    q, k_cache, v_cache, meta, tables, sinks = _batch(MIXED, 4, 2, 16, 4, seed=2, device=DEVICE)
     sinks = sinks if sinks_on else None
     want = paged_attention_ref(q, k_cache, v_cache, meta, 0.25, sinks, window)
     out = torch.empty_like(q)
@@ -145,7 +147,7 @@ def test_triton_decode_splits_with_sinks_and_window(splits):
     from splitmoe.kernels.decode_attention import DecodeTiles, decode_attention
 
     seqs = [(0, 1), (16, 1), (94, 1), (40, 1)]
-    q, k_cache, v_cache, meta, tables, sinks = _batch(seqs, 8, 2, 16, 4, seed=4)
+    q, k_cache, v_cache, meta, tables, sinks = _batch(seqs, 8, 2, 16, 4, seed=4, device=DEVICE)
     for window in (None, 37):
         want = paged_attention_ref(q, k_cache, v_cache, meta, 0.25, sinks, window)
         tiles = DecodeTiles(block_n=16, num_splits=splits, num_warps=4, num_stages=1)
