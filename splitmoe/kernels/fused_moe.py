@@ -102,13 +102,24 @@ def fused_moe_grouped_mm(
     return out.view(N, k, H).sum(1)
 
 
-def _grouped_ffn(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor):
+def _grouped_ffn(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ends: torch.Tensor,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **act,
+):
     """The expert FFN of rows ``a [P, H]`` grouped by expert (expert ``e``'s rows end at
-    ``ends[e]``, int32): gate/up GEMM, SiLU-and-multiply, down GEMM -> ``[P, H]``."""
+    ``ends[e]``, int32): gate/up GEMM, SiLU-and-multiply (`swiglu`, ``act``), down GEMM ->
+    ``[P, H]``. ``bias``: each row's expert biases ``([P, 2I], [P, H])`` (GPT-OSS)."""
     I = w2.shape[2]
     h = torch._grouped_mm(a, w13.transpose(1, 2), offs=ends)  # [P, 2I]
-    h = F.silu(h[:, :I]) * h[:, I:]  # [P, I]
-    return torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)
+    if bias is not None:
+        h += bias[0]
+    h = swiglu(h, I, **act)  # [P, I]
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)
+    return y if bias is None else y.add_(bias[1])
 
 
 def cpu_moe_path(rows: float, expert_elems: int) -> str:
@@ -152,11 +163,11 @@ def fused_moe_cpu(
     """The torch path on CPU: pairs sorted by expert on the host (numpy's radix argsort of
     16-bit keys; slots served elsewhere are cut off), rows gathered with ``index_select``, the
     expert FFN of each expert's rows by `cpu_moe_path`'s GEMMs, weighted, and added into their
-    tokens with ``index_add_``. Expert biases or the clamped SwiGLU (``ffn``, GPT-OSS) go to
-    `fused_moe_ref`'s per-expert loop: the grouped GEMMs here fold the router weight into the
-    activations and have no bias."""
-    if any(v is not None for k, v in ffn.items() if k != "swiglu_alpha"):
-        return fused_moe_ref(x, w13, w2, expert_ids, weights, **ffn)
+    tokens with ``index_add_``. GPT-OSS's expert biases and clamped SwiGLU (``ffn``: ``b13``,
+    ``b2``, ``swiglu_limit``, ``swiglu_alpha``) ride along: each row's biases are gathered by
+    its expert, the down bias added before the router weight."""
+    b13, b2 = ffn.pop("b13", None), ffn.pop("b2", None)
+    act = {k: v for k, v in ffn.items() if v is not None}
     E, k = w13.shape[0], expert_ids.shape[1]
     flat = expert_ids.reshape(-1).cpu().numpy()
     key = np.where(flat >= 0, flat, E).astype(np.uint16 if E < 1 << 16 else np.int64)
@@ -187,17 +198,26 @@ def fused_moe_cpu(
         spare = tokens[:1].expand(ROW_ALIGN - 1)  # any real row: finite, and never kept
         xs = x.index_select(0, torch.cat([tokens, spare]))  # [P + ROW_ALIGN - 1, H]
         ws = torch.cat([ws, ws[:1].expand(ROW_ALIGN - 1)])
-        y = _per_expert_ffn(xs, ws, w13, w2, counts)[: len(tokens)]
+        y = _per_expert_ffn(xs, ws, w13, w2, counts, b13, b2, **act)[: len(tokens)]
     else:
         xs = x.index_select(0, tokens)  # [P, H] grouped by expert
         ends = torch.from_numpy(counts.cumsum().astype(np.int32))  # [E]
+        bias = None
+        if b13 is not None:
+            rows = torch.from_numpy(key[order].astype(np.int64))  # [P] each row's expert
+            bias = (b13.index_select(0, rows), b2.index_select(0, rows))
         ffn = _grouped_ffn_wleft if path == "wleft" else _grouped_ffn
-        y = ffn(xs, w13, w2, ends).mul_(ws[:, None])  # [P, H]
+        y = ffn(xs, w13, w2, ends, bias, **act).mul_(ws[:, None])  # [P, H]
     return out.index_add_(0, tokens, y)
 
 
 def _grouped_ffn_wleft(
-    xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor
+    xs: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ends: torch.Tensor,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **act,
 ) -> torch.Tensor:
     """The expert FFN of rows ``xs [P, H]`` grouped by expert (expert ``e``'s end at ``ends[e]``)
     as two ``torch._grouped_mm`` with the weights on the left: ``h^T = W13_e x^T``. On CPU each
@@ -206,11 +226,16 @@ def _grouped_ffn_wleft(
     17.6 vs 29.9 ms for the realistic preset's 6 layers at 32 tokens on one thread."""
     I = w2.shape[2]
     h = torch._grouped_mm(w13, xs.t(), offs=ends)  # [2I, P]
-    # a [P, I] row-major, passed transposed: a column-major [I, P] operand slices its groups
-    # into strided column blocks, which MKL reads ~4x slower
-    a = (F.silu(h[:I]) * h[I:]).t().contiguous()  # [P, I]
+    if bias is not None:  # (`_grouped_ffn`'s arguments)
+        h = h.t() + bias[0]  # [P, 2I]
+        a = swiglu(h, I, **act).contiguous()  # [P, I]
+    else:
+        # a [P, I] row-major, passed transposed: a column-major [I, P] operand slices its
+        # groups into strided column blocks, which MKL reads ~4x slower
+        a = (F.silu(h[:I]) * h[I:]).t().contiguous()  # [P, I]
     y = torch._grouped_mm(w2, a.t(), offs=ends)  # [H, P]
-    return y.t().contiguous()  # [P, H]
+    y = y.t().contiguous()  # [P, H]
+    return y if bias is None else y.add_(bias[1])
 
 
 # `_per_expert_ffn` runs each expert's GEMMs on a multiple of this many rows: oneDNN builds a
@@ -220,7 +245,14 @@ ROW_ALIGN = 16
 
 
 def _per_expert_ffn(
-    xs: torch.Tensor, ws: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: np.ndarray
+    xs: torch.Tensor,
+    ws: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    counts: np.ndarray,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    **act,
 ) -> torch.Tensor:
     """The expert FFN of rows ``xs [P + ROW_ALIGN - 1, H]`` grouped by expert (``counts [E]``
     rows each; spare rows at the end), each row weighted by ``ws [P + ROW_ALIGN - 1]``, one GEMM
@@ -234,10 +266,16 @@ def _per_expert_ffn(
     for e in np.flatnonzero(counts).tolist():
         n = int(counts[e])
         m = -(-n // ROW_ALIGN) * ROW_ALIGN
-        h = linear(xs[start : start + m], w13[e])  # [m, 2I]
-        # the router weight scales the [m, I] activations, not the [m, H] outputs
-        a = F.silu(h[:, :I]).mul_(h[:, I:]).mul_(ws[start : start + m, None])
-        xs[start : start + n] = linear(a, w2[e])[:n]  # [n, H]
+        w = ws[start : start + m, None]
+        if b13 is None and not act:
+            h = linear(xs[start : start + m], w13[e])  # [m, 2I]
+            # the router weight scales the [m, I] activations, not the [m, H] outputs
+            a = F.silu(h[:, :I]).mul_(h[:, I:]).mul_(w)
+            xs[start : start + n] = linear(a, w2[e])[:n]  # [n, H]
+        else:  # GPT-OSS: w (a W2 + b2) = (w a) W2 + w b2
+            h = linear(xs[start : start + m], w13[e], None if b13 is None else b13[e])
+            y = linear(swiglu(h, I, **act).mul_(w), w2[e])[:n]  # [n, H]
+            xs[start : start + n] = y if b2 is None else y.addcmul_(w[:n], b2[e])
         start += n
     return xs
 

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+import splitmoe.kernels.fused_moe as fm
 from splitmoe.kernels.fused_moe import fused_moe
 
 E, H, I, N, K = 6, 32, 16, 11, 2
@@ -39,13 +40,17 @@ def _canonical(m):
     return w13, w2, b13, m.down_proj_bias.detach().contiguous()
 
 
-BACKENDS = ["torch"]
+# the torch backend on CPU with each of `fused_moe_cpu`'s GEMM paths forced
+BACKENDS = ["torch-per_expert", "torch-wleft", "torch-xleft"]
 if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
     BACKENDS.append("triton")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_matches_transformers_experts(backend):
+def test_matches_transformers_experts(backend, monkeypatch):
+    if backend.startswith("torch-"):
+        backend, path = backend.split("-", 1)
+        monkeypatch.setattr(fm, "cpu_moe_path", lambda rows, elems: path)
     m = _hf_experts()
     g = torch.Generator().manual_seed(1)
     x = 2.0 * torch.randn(N, H, generator=g)
