@@ -430,30 +430,35 @@ def compile_plan(attention_models, moe_models, dtype: torch.dtype, arch: int) ->
         group = nh // nkv
         att = dict(
             q_ptr=t, k_ptr=t, v_ptr=t, o_ptr=t, part_o_ptr="fp32", part_lse_ptr="fp32",
-            tables_ptr="i32", query_start_ptr="i64", seq_lens_ptr="i64", qk_scale=1.0,
-            num_seqs=3, stride_qt=nh * d, stride_qh=d, stride_ot=nh * d, stride_oh=d,
+            tables_ptr="i32", query_start_ptr="i64", seq_lens_ptr="i64", sinks_ptr="fp32",
+            qk_scale=1.0, window=128, num_seqs=3, stride_qt=nh * d, stride_qh=d,
+            stride_ot=nh * d, stride_oh=d,
             stride_kb=BLOCK_SIZE * nkv * d, stride_ks=nkv * d, stride_kh=d, stride_table=129,
         )  # fmt: skip
         for n, _, _ in PREFILL_CASES:
             tiles = pre.prefill_tiles(d, group, n, dtype)
-            consts = pre.prefill_constexprs(BLOCK_SIZE, group, d, dtype, tiles)
-            plans[("prefill",) + tuple(consts.items())] = (pre._prefill_kernel, att, consts, tiles)
+            for gpt_oss in (False, True):  # attention sinks and a sliding window
+                consts = pre.prefill_constexprs(BLOCK_SIZE, group, d, dtype, tiles)
+                consts.update(SINKS=gpt_oss, WINDOW=gpt_oss)
+                plans[("prefill",) + tuple(consts.items())] = (
+                    pre._prefill_kernel, att, consts, tiles
+                )  # fmt: skip
         for B in DECODE_BATCHES:
             for ctx in DECODE_CONTEXTS:
                 tiles = dec.decode_tiles(B, nkv, ctx, d, dtype, H100_SMS)
                 splits = tiles.num_splits
-                consts = dec.decode_constexprs(BLOCK_SIZE, group, d, dtype, tiles)
-                plans[("decode",) + tuple(consts.items())] = (
-                    dec._decode_kernel,
-                    att,
-                    consts,
-                    tiles,
-                )
+                for gpt_oss in (False, True):
+                    consts = dec.decode_constexprs(BLOCK_SIZE, group, d, dtype, tiles)
+                    consts.update(SINKS=gpt_oss, WINDOW=gpt_oss)
+                    plans[("decode",) + tuple(consts.items())] = (
+                        dec._decode_kernel, att, consts, tiles
+                    )  # fmt: skip
                 if splits > 1:
                     red = {
                         k: consts[k] for k in ("HEAD_DIM", "HEAD_DIM_PAD", "BLOCK_N", "NUM_SPLITS")
                     }
                     red["SPLIT_CHUNK"] = min(splits, dec.REDUCE_CHUNK)
+                    red["SINKS"] = True
                     plans[("reduce",) + tuple(red.items())] = (
                         dec._decode_reduce_kernel, att, red, dec.DecodeTiles(64, splits, 4, 1)
                     )  # fmt: skip
@@ -461,17 +466,23 @@ def compile_plan(attention_models, moe_models, dtype: torch.dtype, arch: int) ->
         plans.update(mla_compile_plans(nh, dl, dr, dtype, t))
     for E, H, I, k in moe_models.values():
         args = dict(
-            x_ptr=t, w_ptr=t, h_ptr=t, y_ptr=t, router_w_ptr="fp32", sorted_ids_ptr="i32",
-            block_expert_ptr="i32", num_pairs=8 * 8 + 1, num_m_blocks=33, H=H, I=I, stride_xt=H,
-            stride_we=2 * I * H, stride_wn=H, stride_ht=I, stride_yt=H,
+            x_ptr=t, w_ptr=t, b_ptr=t, h_ptr=t, y_ptr=t, router_w_ptr="fp32",
+            sorted_ids_ptr="i32", block_expert_ptr="i32", num_pairs=8 * 8 + 1, num_m_blocks=33,
+            H=H, I=I, stride_xt=H, stride_we=2 * I * H, stride_wn=H, stride_ht=I, stride_yt=H,
+            stride_be=2 * I, swiglu_limit=7.0, swiglu_alpha=1.702,
         )  # fmt: skip
         for N in MOE_TOKENS:
             tiles = moe_gemm.moe_tiles(N * k, E, dtype)
-            consts = moe_gemm.moe_constexprs(dtype, tiles)
-            up = dict(consts, TOP_K=k)
-            plans[("gate_up",) + tuple(up.items())] = (moe_gemm._gate_up_kernel, args, up, tiles)
-            down = dict(args, stride_we=H * I, stride_wn=I)
-            plans[("down",) + tuple(consts.items())] = (moe_gemm._down_kernel, down, consts, tiles)
+            for gpt_oss in (False, True):  # expert biases and the clamped SwiGLU
+                consts = dict(moe_gemm.moe_constexprs(dtype, tiles), HAS_BIAS=gpt_oss)
+                up = dict(consts, TOP_K=k, CLAMPED=gpt_oss)
+                plans[("gate_up",) + tuple(up.items())] = (
+                    moe_gemm._gate_up_kernel, args, up, tiles
+                )  # fmt: skip
+                down = dict(args, stride_we=H * I, stride_wn=I, stride_be=H)
+                plans[("down",) + tuple(consts.items())] = (
+                    moe_gemm._down_kernel, down, consts, tiles
+                )  # fmt: skip
     results = []
     for key, (fn, args, consts, tiles) in plans.items():
         t0 = time.perf_counter()
@@ -523,9 +534,12 @@ def mla_compile_plans(nh: int, dl: int, dr: int, dtype: torch.dtype, t: str) -> 
             if splits > 1:
                 red = dict(
                     HEAD_DIM=dl, HEAD_DIM_PAD=widths["DL_PAD"], BLOCK_N=tiles.block_n,
-                    NUM_SPLITS=splits, SPLIT_CHUNK=min(splits, dec.REDUCE_CHUNK),
+                    NUM_SPLITS=splits, SPLIT_CHUNK=min(splits, dec.REDUCE_CHUNK), SINKS=False,
                 )  # fmt: skip
-                red_args = dict(args, stride_ot=nh * dl, stride_oh=dl, o_ptr=t, part_o_ptr="fp32")
+                red_args = dict(
+                    args, stride_ot=nh * dl, stride_oh=dl, o_ptr=t, part_o_ptr="fp32",
+                    sinks_ptr="fp32", window=0,
+                )  # fmt: skip
                 plans[("reduce",) + tuple(red.items())] = (
                     dec._decode_reduce_kernel, red_args, red, dec.DecodeTiles(64, splits, 4, 1)
                 )  # fmt: skip

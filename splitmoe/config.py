@@ -125,9 +125,26 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str = "float32"
     # "fp8": block-quantized weights (float8 + weight_scale_inv per weight_block_size block),
-    # dequantized to the run dtype at load (`splitmoe.models.loader`)
+    # dequantized to the run dtype at load (`splitmoe.models.loader`); "mxfp4" (GPT-OSS's
+    # experts as *_blocks / *_scales, dequantized at load by `splitmoe.models.gpt_oss`)
     quantization: str | None = None
     weight_block_size: tuple[int, int] = (128, 128)
+    # GPT-OSS (`splitmoe.models.gpt_oss`): a learned per-head logit in every softmax's
+    # denominator, a window of ``sliding_window`` keys on ``sliding_layers`` (the rest attend to
+    # the whole context), a bias on o_proj, the router's logits and the experts, and the clamped
+    # SwiGLU (its top-k softmax routing is ``scoring_func="topk_softmax"``).
+    attention_sinks: bool = False
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    o_bias: bool = False
+    router_logit_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # None: silu(gate) * up
+    swiglu_alpha: float = 1.702
+
+    def layer_window(self, layer: int) -> int | None:
+        """Keys layer ``layer`` attends to (None: the whole context)."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -374,16 +391,41 @@ class CacheConfig:
                 f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False"
             )
 
-    def resolve_num_blocks(
-        self, model: ModelConfig, dtype: torch.dtype, max_num_seqs: int, max_model_len: int
+    def window_pool_blocks(
+        self, model: ModelConfig, max_num_seqs: int, max_num_batched_tokens: int
     ) -> int:
+        """Blocks of the sliding-window layers' own pool (0 without such layers), its null block
+        included: a request holds at most ``(window - 1) // block_size + 2`` blocks of its
+        window plus those of the chunk it computes (`SlidingWindowBlocks`)."""
+        if not model.sliding_layers:
+            return 0
+        per_seq = (model.sliding_window - 1) // self.block_size + 2
+        chunks = -(-max_num_batched_tokens // self.block_size)
+        need = 1 + max_num_seqs * per_seq + chunks
+        return need if self.num_kv_blocks is None else min(need, self.num_kv_blocks + 1)
+
+    def resolve_num_blocks(
+        self,
+        model: ModelConfig,
+        dtype: torch.dtype,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int = 0,
+    ) -> int:
+        """Blocks of the pool of the full-attention layers (all layers but sliding-window ones,
+        whose own pool, `window_pool_blocks`, comes out of the same memory first)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         elem = torch.empty((), dtype=dtype).element_size()
-        per_block = self.block_size * model.kv_bytes_per_token(elem)
-        from_budget = int(self.kv_cache_memory_gb * (1 << 30)) // per_block
+        per_layer = self.block_size * model.kv_values_per_token * elem
+        full_layers = model.num_layers - len(model.sliding_layers)
+        window = self.window_pool_blocks(model, max_num_seqs, max_num_batched_tokens)
+        window_bytes = window * len(model.sliding_layers) * per_layer
+        budget = max(0, int(self.kv_cache_memory_gb * (1 << 30)) - window_bytes)
         needed = max_num_seqs * math.ceil(max_model_len / self.block_size)
-        return max(1, min(from_budget, needed))
+        if full_layers == 0:
+            return needed
+        return max(1, min(budget // (full_layers * per_layer), needed))
 
 
 @dataclass(frozen=True)

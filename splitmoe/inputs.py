@@ -61,7 +61,11 @@ def check_request(i: int, ids: list[int], params: SamplingParams, cfg: EngineCon
         )
     params.check_vocab(vocab)
     blocks = cfg.cache.resolve_num_blocks(
-        cfg.model, cfg.torch_dtype, cfg.scheduler.max_num_seqs, cfg.max_model_len
+        cfg.model,
+        cfg.torch_dtype,
+        cfg.scheduler.max_num_seqs,
+        cfg.max_model_len,
+        cfg.scheduler.max_num_batched_tokens,
     )
     need = min(len(ids) + params.max_tokens, limit) - 1
     if need > blocks * cfg.cache.block_size:

@@ -61,6 +61,8 @@ CHECKPOINT_SPECS = {
         },
     ),
     "deepseek_v2": ("deepseek_v2", {"num_layers": 3}),
+    # sliding-window layer 0, full layer 1 (tiny_models.GPT_OSS_WINDOW = 8 keys)
+    "gpt_oss": ("gpt_oss", {}),
 }
 
 

@@ -31,7 +31,19 @@ INIT_STD = 0.1
 # Per-parameter init std overrides (by substring of the parameter name). A large
 # embedding makes the next token depend on more than the current one (less
 # repetitive greedy output); a larger lm_head widens top-1/top-2 logit gaps.
-INIT_STD_OVERRIDES = {"embed_tokens": 1.0, "lm_head": 0.3}
+INIT_STD_OVERRIDES = {"embed_tokens": 1.0, "lm_head": 0.3, "sinks": 1.0}
+# GPT-OSS: a window shorter than the test prompts, a clamp the tiny activations reach, YaRN
+# whose ramp falls inside the head dim.
+GPT_OSS_WINDOW = 8
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 150000.0,
+}
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
@@ -139,6 +151,20 @@ def _config(family: str, num_layers: int, num_experts: int, top_k: int, override
         return MiniMaxM2Config(**kw)
     if family in MLA_FAMILIES:
         return _deepseek_config(family, common, num_experts, overrides)
+    if family == "gpt_oss":
+        from transformers import GptOssConfig
+
+        kw = dict(
+            common,
+            intermediate_size=EXPERT_INTERMEDIATE,
+            num_local_experts=num_experts,
+            head_dim=16,
+            sliding_window=GPT_OSS_WINDOW,
+            swiglu_limit=1.0,
+            rope_parameters=dict(GPT_OSS_ROPE),
+        )
+        kw.update(overrides)
+        return GptOssConfig(**kw)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -192,6 +218,7 @@ def _model_class(family: str):
         DeepseekV2ForCausalLM,
         DeepseekV3ForCausalLM,
         Glm4MoeForCausalLM,
+        GptOssForCausalLM,
         MiniMaxM2ForCausalLM,
         MixtralForCausalLM,
         OlmoeForCausalLM,
@@ -208,6 +235,7 @@ def _model_class(family: str):
         "minimax_m2": MiniMaxM2ForCausalLM,
         "deepseek_v3": DeepseekV3ForCausalLM,
         "deepseek_v2": DeepseekV2ForCausalLM,
+        "gpt_oss": GptOssForCausalLM,
     }[family]
 
 

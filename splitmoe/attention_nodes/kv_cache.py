@@ -43,3 +43,32 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return self.pool.numel() * self.pool.element_size()
+
+
+class GroupedKVCache:
+    """Two `PagedKVCache` pools, one for the full-attention layers and one for the
+    sliding-window layers, whose block ids are their own (`SlidingWindowBlocks`); `layer` maps
+    a model layer to its pool's views."""
+
+    def __init__(self, full: PagedKVCache, window: PagedKVCache, sliding_layers: tuple[int, ...]):
+        self.full, self.window = full, window
+        self.num_blocks, self.block_size = full.num_blocks, full.block_size
+        full_views, window_views = iter(full._layers), iter(window._layers)
+        num_layers = len(full._layers) + len(window._layers)
+        self._layers = [
+            next(window_views) if i in sliding_layers else next(full_views)
+            for i in range(num_layers)
+        ]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._layers[i]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes a token inside every window takes, over all layers (older tokens keep
+        only the full layers' ``full.bytes_per_token``)."""
+        return self.full.bytes_per_token + self.window.bytes_per_token
+
+    @property
+    def nbytes(self) -> int:
+        return self.full.nbytes + self.window.nbytes

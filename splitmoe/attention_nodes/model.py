@@ -44,6 +44,8 @@ class MicroBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
+    # the sliding-window layers' own block tables and slots (`SlidingWindowBlocks`), if any
+    window_meta: AttentionMetadata | None = None
 
 
 @dataclass
@@ -78,6 +80,10 @@ class LayerWeights:
     shared_expert_gate: torch.Tensor | None  # [1, H]
     qk_head_norm: torch.Tensor | None = None  # [nh + nkv, d]: per-head q then k norm weights
     mla: MlaWeights | None = None  # multi-head latent attention's projections
+    o_bias: torch.Tensor | None = None  # [H]
+    sinks: torch.Tensor | None = None  # [nh] float32: GPT-OSS's per-head softmax sink logits
+    router_logit_bias: torch.Tensor | None = None  # [E]: added to the router's logits (GPT-OSS)
+    window: int | None = None  # sliding-window layer: keys it attends to (None: all)
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], cfg: ModelConfig) -> LayerWeights:
@@ -112,6 +118,9 @@ class LayerWeights:
             if cfg.qk_norm == "head"
             else None,
             mla=mla,
+            o_bias=t.get("o_bias"),
+            sinks=None if "sinks" not in t else t["sinks"].float(),
+            router_logit_bias=t.get("router_logit_bias"),
         )
 
 
@@ -150,6 +159,8 @@ class AttentionModel:
         self.final_norm = global_weights["final_norm"]
         self.lm_head = global_weights["lm_head"]  # [V, H]
         self.layers = [LayerWeights.from_tensors(t, cfg) for t in layer_weights]
+        for i, layer in enumerate(self.layers):
+            layer.window = cfg.layer_window(i)
         self.attention_backend = attention
         d = cfg.head_dim
         rd = cfg.rotary_dim or d  # partial rotary (GLM-4.5, MiniMax-M2): the first rd dims
@@ -201,7 +212,7 @@ class AttentionModel:
 
     def route(self, layer: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids and weights ``[T, k]`` (`splitmoe.models.routing`)."""
-        return routing.route(self.cfg, layer.router, layer.router_bias, x)
+        return routing.route(self.cfg, layer.router, layer.router_bias, x, layer.router_logit_bias)
 
     def attention(
         self,
@@ -233,8 +244,13 @@ class AttentionModel:
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
         k_cache, v_cache = kv
         self.attention_backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = self.attention_backend.attend(q, k_cache, v_cache, meta, self.scale)
-        return linear(o.reshape(T, self.q_size), layer.o_proj)
+        if layer.sinks is None and layer.window is None:
+            o = self.attention_backend.attend(q, k_cache, v_cache, meta, self.scale)
+        else:
+            o = self.attention_backend.attend(
+                q, k_cache, v_cache, meta, self.scale, sinks=layer.sinks, window=layer.window
+            )
+        return linear(o.reshape(T, self.q_size), layer.o_proj, layer.o_bias)
 
     def mla_attention(
         self,
@@ -330,7 +346,8 @@ class AttentionModel:
                     h = h + self.finish_moe(in_flight[j], experts)
                     in_flight[j] = None
                 x = rms_norm(h, layer.input_norm, eps)
-                h = h + self.attention(layer, x, rope[j], kv, mb.meta)
+                meta = mb.meta if layer.window is None or mb.window_meta is None else mb.window_meta
+                h = h + self.attention(layer, x, rope[j], kv, meta)
                 x = rms_norm(h, layer.post_norm, eps)
                 if layer.router is None:
                     h = h + gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitmoe.attention_nodes.kv_cache import PagedKVCache
+from splitmoe.attention_nodes.kv_cache import GroupedKVCache, PagedKVCache
 from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
 from splitmoe.attention_nodes.sampler import make_generator, sample, token_logprobs
 from splitmoe.comm.transport import Transport
@@ -25,6 +25,7 @@ from splitmoe.scheduler.balancer import Balancer
 from splitmoe.scheduler.block_manager import BlockManager
 from splitmoe.scheduler.request import RequestSpec
 from splitmoe.scheduler.scheduler import ScheduledBatch, Scheduler
+from splitmoe.scheduler.window_blocks import SlidingWindowBlocks
 from splitmoe.timeline import Timeline
 
 
@@ -126,11 +127,13 @@ class AttentionWorker:
             else RemoteExperts(transport, self.timeline, balancer)
         )
         block_size = cfg.cache.block_size
+        sched = cfg.scheduler
         num_blocks = cfg.cache.resolve_num_blocks(
-            m, dtype, cfg.scheduler.max_num_seqs, cfg.max_model_len
+            m, dtype, sched.max_num_seqs, cfg.max_model_len, sched.max_num_batched_tokens
         )
+        n_sliding = len(m.sliding_layers)
         self.kv_cache = PagedKVCache(
-            m.num_layers,
+            m.num_layers - n_sliding,
             num_blocks,
             block_size,
             m.num_kv_heads,
@@ -139,8 +142,24 @@ class AttentionWorker:
             device,
             latent=m.is_mla,
         )
-        self.blocks = BlockManager(num_blocks, block_size, cfg.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg.scheduler, self.blocks, m.eos_token_ids, cfg.max_model_len)
+        self.window_blocks = None  # the sliding-window layers' own KV group (window_blocks.py)
+        if n_sliding:
+            w_blocks = cfg.cache.window_pool_blocks(
+                m, sched.max_num_seqs, sched.max_num_batched_tokens
+            )
+            window_cache = PagedKVCache(
+                n_sliding, w_blocks, block_size, m.num_kv_heads, m.head_dim, dtype, device
+            )
+            self.kv_cache = GroupedKVCache(self.kv_cache, window_cache, m.sliding_layers)
+            self.window_blocks = SlidingWindowBlocks(w_blocks, block_size, m.sliding_window)
+        # A cached prefix holds the full-attention layers' blocks only: the sliding-window
+        # layers' blocks of its last window are freed as it runs, so models with such layers
+        # (GPT-OSS) run without prefix caching.
+        prefix_caching = cfg.cache.enable_prefix_caching and not n_sliding
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        self.scheduler = Scheduler(
+            cfg.scheduler, self.blocks, m.eos_token_ids, cfg.max_model_len, self.window_blocks
+        )
         self.generators: dict[int, torch.Generator | None] = {}
         self._batch = ScheduledBatch()
         self._step_record: StepRecord | None = None
@@ -156,6 +175,9 @@ class AttentionWorker:
             "kv_blocks_used": self.blocks.num_used,
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_cache_bytes_per_token": self.kv_cache.bytes_per_token,
+            "kv_cache_bytes": self.kv_cache.nbytes,
+            "prefix_caching": self.blocks.enable_prefix_caching,
+            **self._window_stats(),
             "running": len(s.running),
             "waiting": len(s.waiting),
             "preemptions": s.num_preemptions,
@@ -163,6 +185,17 @@ class AttentionWorker:
             "prefix_evictions": self.blocks.num_evictions,
             "attention_backend": self.model.attention_backend.name,
             "moe_backend": local.backend.name if local else None,  # None: on expert ranks
+        }
+
+    def _window_stats(self) -> dict:
+        """The sliding-window layers' KV group: blocks held now, at most, and in all."""
+        w = self.window_blocks
+        if w is None:
+            return {}
+        return {
+            "kv_window_blocks_used": w.num_used,
+            "kv_window_blocks_peak": w.peak_used,
+            "kv_window_blocks_total": w.num_blocks - 1,
         }
 
     def add_request(self, spec: RequestSpec) -> None:
@@ -237,8 +270,30 @@ class AttentionWorker:
             input_ids=self._tensor(ids, np.int64),
             positions=self._tensor(positions, np.int64),
             meta=meta,
+            window_meta=None if self.window_blocks is None else self._window_meta(reqs, meta),
         )
         return mb, sample_rows, to_sample
+
+    def _window_meta(self, reqs: list, meta: AttentionMetadata) -> AttentionMetadata:
+        """``meta`` with the sliding-window layers' block tables and slots (`window_blocks`):
+        the same positions, other block ids (null where a block fell out of the window)."""
+        bs = self.blocks.block_size
+        width = max((len(r.window_table) for r in reqs), default=0)
+        tables: list[int] = []
+        slots: list[int] = []
+        for req, n in zip(reqs, meta.query_lens):
+            table = req.window_table
+            start = req.num_computed_tokens
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            tables += table + [0] * (width - len(table))
+        return AttentionMetadata(
+            query_start_loc=meta.query_start_loc,
+            seq_lens=meta.seq_lens,
+            block_tables=self._tensor(tables, np.int32).view(len(reqs), width),
+            slot_mapping=self._tensor(slots, np.int64),
+            query_lens=meta.query_lens,
+            seq_lens_list=meta.seq_lens_list,
+        )
 
     def _tensor(self, values: list[int], dtype: type) -> torch.Tensor:
         """A list of ints as a 1-D tensor on this rank's device (via numpy: ~3x faster than

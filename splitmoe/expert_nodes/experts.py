@@ -36,8 +36,15 @@ class LocalExperts:
             expert_ids = {layer: list(expert_ids) for layer in cfg.moe_layers}
         self.layer_experts = {layer: list(ids) for layer, ids in expert_ids.items()}
         self.backend = backend
-        # per MoE layer: w13 [n, 2I, H], w2 [n, H, I]
+        # per MoE layer: w13 [n, 2I, H], w2 [n, H, I] (and with expert biases b13 [n, 2I],
+        # b2 [n, H])
         self.weights = load_expert_weights(cfg, self.layer_experts, dtype, str(device))
+        # the clamped SwiGLU (GPT-OSS), passed with the biases to the backend
+        self.act = (
+            {}
+            if cfg.swiglu_limit is None
+            else dict(swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
+        )
         self.weights_reloaded = 0  # (layer, slot) weights replaced by rebalances
 
     @property
@@ -62,11 +69,9 @@ class LocalExperts:
         )
         n = 0
         for layer, slots in changed.items():
-            w13, w2 = self.weights[layer]
-            idx = torch.tensor(slots, device=w13.device)
-            new13, new2 = fresh[layer]
-            w13[idx] = new13
-            w2[idx] = new2
+            idx = torch.tensor(slots, device=self.weights[layer][0].device)
+            for held, new in zip(self.weights[layer], fresh[layer]):  # w13, w2 (, b13, b2)
+                held[idx] = new
             self.layer_experts[layer] = list(expert_ids[layer])
             n += len(slots)
         self.weights_reloaded += n
@@ -76,8 +81,11 @@ class LocalExperts:
         self, layer: int, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """``x [N, H]``, ``local_ids / weights [N, k]`` (-1: not here) -> sums ``[N, H]``."""
-        w13, w2 = self.weights[layer]
-        return self.backend.experts(x, w13, w2, local_ids, weights)
+        w13, w2, *bias = self.weights[layer]
+        if not bias and not self.act:
+            return self.backend.experts(x, w13, w2, local_ids, weights)
+        b13, b2 = bias or (None, None)
+        return self.backend.experts(x, w13, w2, local_ids, weights, b13=b13, b2=b2, **self.act)
 
     def compute_batch(self, layer: int, batch: ExpertBatch) -> torch.Tensor:
         """`compute` on a received batch."""
@@ -90,7 +98,7 @@ class LocalExperts:
         the machine only ever adds time). This is the calibration behind the balancer's
         `ExpertCost`."""
         layer = next(iter(self.layer_experts))
-        w13, _ = self.weights[layer]
+        w13 = self.weights[layer][0]
         n_exp = min(pairs, w13.shape[0])
         H = self.cfg.hidden_size
         gen = torch.Generator().manual_seed(0)

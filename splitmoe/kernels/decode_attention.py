@@ -72,10 +72,21 @@ def decode_tiles(
 
 
 @triton.jit
-def _segment(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys ``[start, end)`` of segment ``split``: whole tiles, the last segment shorter."""
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+def _first_key(seq_len, window, BLOCK_N: tl.constexpr):
+    """The first key the segments cover: 0, or with a window (``window > 0``) the start of the
+    tile holding the window's first key (earlier tiles are never read)."""
+    lo = seq_len * 0
+    if window > 0:
+        lo = (tl.maximum(seq_len - window, 0) // BLOCK_N) * BLOCK_N
+    return lo
+
+
+@triton.jit
+def _segment(seq_len, lo, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys ``[start, end)`` of segment ``split`` of the keys ``[lo, seq_len)``: whole tiles,
+    the last segment shorter."""
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
     return start, tl.minimum(start + chunk, seq_len), chunk
 
 
@@ -90,7 +101,9 @@ def _decode_kernel(
     tables_ptr,
     query_start_ptr,
     seq_lens_ptr,
+    sinks_ptr,  # [num_heads] float32 (read only with SINKS)
     qk_scale,
+    window,  # keys a query sees (0: all)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -107,6 +120,8 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SINKS: tl.constexpr = False,
+    WINDOW: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -116,7 +131,8 @@ def _decode_kernel(
     if q_len != 1:  # multi-token rows belong to the prefill kernel
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
-    start, end, _ = _segment(seq_len, split, NUM_SPLITS, BLOCK_N)
+    lo = _first_key(seq_len, window, BLOCK_N)
+    start, end, _ = _segment(seq_len, lo, split, NUM_SPLITS, BLOCK_N)
     if start >= end:
         return
 
@@ -128,6 +144,10 @@ def _decode_kernel(
     q_off = q_start * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok, other=0.0)  # [H, D]
     q_pos = tl.full([BLOCK_H], 0, tl.int64) + (end - 1)  # every row sees keys < end
+    win_lo = q_pos * 0 + (seq_len - window)  # (WINDOW) and none before the window
+    kv_lo = seq_len * 0
+    if WINDOW:
+        kv_lo = seq_len - window
 
     table_ptr = tables_ptr + seq.to(tl.int64) * stride_table
     kv_head_off = kv_head.to(tl.int64) * stride_kh
@@ -136,13 +156,16 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     for tile in range(start, end, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, tile, end, table_ptr, k_ptr, v_ptr, kv_head_off,
-            stride_kb, stride_ks, qk_scale, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD,
-            True, DOT_PRECISION,
+            acc, l_i, m_i, q, q_pos, win_lo, tile, kv_lo, end, table_ptr, k_ptr, v_ptr,
+            kv_head_off, stride_kb, stride_ks, qk_scale, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+            HEAD_DIM_PAD, True, DOT_PRECISION, WINDOW,
         )  # fmt: skip
     out = acc / l_i[:, None]
 
     if NUM_SPLITS == 1:
+        if SINKS:  # exp(sink) joins the denominator (base 2, relative to the row max)
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            out = acc / (l_i + tl.math.exp2(sink * 1.4426950408889634 - m_i))[:, None]
         o_off = q_start * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
     else:
@@ -159,6 +182,8 @@ def _decode_reduce_kernel(
     part_lse_ptr,
     query_start_ptr,
     seq_lens_ptr,
+    sinks_ptr,
+    window,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
@@ -166,6 +191,7 @@ def _decode_reduce_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
+    SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -174,13 +200,16 @@ def _decode_reduce_kernel(
     if q_len != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
-    _, _, chunk = _segment(seq_len, 0, NUM_SPLITS, BLOCK_N)
-    used = tl.cdiv(seq_len, chunk)  # segments that hold keys
+    lo = _first_key(seq_len, window, BLOCK_N)
+    _, _, chunk = _segment(seq_len, lo, 0, NUM_SPLITS, BLOCK_N)
+    used = tl.cdiv(seq_len - lo, chunk)  # segments that hold keys
     base = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
     offs_s = tl.arange(0, NUM_SPLITS)
     lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < used, other=float("-inf"))  # [S]
     top = tl.max(lse, 0)
     total = tl.sum(tl.math.exp2(lse - top), 0)  # empty segments weigh 0
+    if SINKS:
+        total += tl.math.exp2(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - top)
     # The [S, D] partial outputs a chunk of segments at a time: all 64 at once spill registers.
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
@@ -211,18 +240,21 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     tiles: DecodeTiles | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Writes the attention output of every sequence with ``query_lens[i] == 1`` into ``out``.
 
     q ``[T, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads, head_dim]``;
     out like q (allocated when None; rows of multi-token sequences are left untouched).
     ``tiles`` overrides the tile and split choice (tests use it to force splits on CPU).
+    ``sinks [num_heads]`` / ``window``: see `paged_attention`.
     """
     require_triton("attention_backend", q.device)
     check_paged_inputs(q, k_cache, v_cache, meta, out)
     if out is None:
         out = torch.empty_like(q)
-    launch_decode(q, k_cache, v_cache, meta, scale, out, tiles)
+    launch_decode(q, k_cache, v_cache, meta, scale, out, tiles, sinks, window)
     return out
 
 
@@ -234,6 +266,8 @@ def launch_decode(
     scale: float,
     out: torch.Tensor,
     tiles: DecodeTiles | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """`decode_attention` for callers that have run `check_paged_inputs` already."""
     num_decode = meta.query_lens.count(1)
@@ -244,7 +278,8 @@ def launch_decode(
     group = nh // nkv
     if tiles is None:
         sms = num_sms(q.device.index or 0) if q.device.type == "cuda" else 0
-        tiles = decode_tiles(num_decode, nkv, max(meta.seq_lens_list), d, q.dtype, sms)
+        ctx = max(meta.seq_lens_list)
+        tiles = decode_tiles(num_decode, nkv, min(ctx, window or ctx), d, q.dtype, sms)
     splits = tiles.num_splits
     if splits & (splits - 1):
         raise ValueError(f"decode_attention: num_splits={splits} must be a power of two")
@@ -256,20 +291,22 @@ def launch_decode(
         part_lse = torch.empty(B, nh, splits, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # not written
+    sinks_arg = meta.seq_lens if sinks is None else sinks.float().contiguous()  # (not read)
     _decode_kernel[(B, nkv, splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
-        meta.block_tables, meta.query_start_loc, meta.seq_lens,
-        scale * LOG2E,
+        meta.block_tables, meta.query_start_loc, meta.seq_lens, sinks_arg,
+        scale * LOG2E, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **consts,
+        SINKS=sinks is not None, WINDOW=window is not None,
     )  # fmt: skip
     if splits > 1:
         _decode_reduce_kernel[(B, nh)](
-            out, part_o, part_lse, meta.query_start_loc, meta.seq_lens,
+            out, part_o, part_lse, meta.query_start_loc, meta.seq_lens, sinks_arg, window or 0,
             out.stride(0), out.stride(1),
             HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_N=tiles.block_n, NUM_SPLITS=splits,
-            SPLIT_CHUNK=min(splits, REDUCE_CHUNK), num_warps=4,
+            SPLIT_CHUNK=min(splits, REDUCE_CHUNK), SINKS=sinks is not None, num_warps=4,
         )  # fmt: skip
 
 

@@ -25,15 +25,35 @@ from splitmoe.kernels.linear import linear
 log = logging.getLogger(__name__)
 
 
+def swiglu(
+    h: torch.Tensor, inter: int, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702
+) -> torch.Tensor:
+    """``h [n, 2I]`` (gate columns, then up) -> ``[n, I]``: ``silu(gate) * up``, or with
+    ``swiglu_limit`` GPT-OSS's clamped form (transformers' ``GptOssExperts._apply_gate``): gate
+    clamped above and up on both sides at the limit, ``(up + 1) * gate * sigmoid(alpha gate)``."""
+    gate, up = h[:, :inter], h[:, inter:]
+    if swiglu_limit is None:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=swiglu_limit)
+    up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+
+
 def fused_moe_ref(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
 ) -> torch.Tensor:
     """x ``[N, H]``; w13 ``[E, 2I, H]`` (gate rows, then up rows); w2 ``[E, H, I]``;
-    expert_ids ``[N, k]`` int (-1 = skip); weights ``[N, k]``. Returns ``[N, H]`` in x's dtype."""
+    expert_ids ``[N, k]`` int (-1 = skip); weights ``[N, k]``. Returns ``[N, H]`` in x's dtype.
+    Optional (GPT-OSS): expert biases ``b13 [E, 2I]``, ``b2 [E, H]`` (added before the router
+    weight) and the clamped SwiGLU (`swiglu`)."""
     N, k = expert_ids.shape
     out = torch.zeros_like(x)
     if N == 0:
@@ -52,9 +72,9 @@ def fused_moe_ref(
         if n == 0:
             continue
         tok = tokens[start : start + n]
-        h = F.linear(x[tok], w13[e])  # [n, 2I]
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, w2[e]) * w[start : start + n, None]  # [n, H]
+        h = F.linear(x[tok], w13[e], None if b13 is None else b13[e])  # [n, 2I]
+        h = swiglu(h, inter, swiglu_limit, swiglu_alpha)
+        y = F.linear(h, w2[e], None if b2 is None else b2[e]) * w[start : start + n, None]
         out.index_add_(0, tok, y)
         start += n
     return out
@@ -82,13 +102,24 @@ def fused_moe_grouped_mm(
     return out.view(N, k, H).sum(1)
 
 
-def _grouped_ffn(a: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor):
+def _grouped_ffn(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ends: torch.Tensor,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **act,
+):
     """The expert FFN of rows ``a [P, H]`` grouped by expert (expert ``e``'s rows end at
-    ``ends[e]``, int32): gate/up GEMM, SiLU-and-multiply, down GEMM -> ``[P, H]``."""
+    ``ends[e]``, int32): gate/up GEMM, SiLU-and-multiply (`swiglu`, ``act``), down GEMM ->
+    ``[P, H]``. ``bias``: each row's expert biases ``([P, 2I], [P, H])`` (GPT-OSS)."""
     I = w2.shape[2]
     h = torch._grouped_mm(a, w13.transpose(1, 2), offs=ends)  # [P, 2I]
-    h = F.silu(h[:, :I]) * h[:, I:]  # [P, I]
-    return torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)
+    if bias is not None:
+        h += bias[0]
+    h = swiglu(h, I, **act)  # [P, I]
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)
+    return y if bias is None else y.add_(bias[1])
 
 
 def cpu_moe_path(rows: float, expert_elems: int) -> str:
@@ -127,11 +158,16 @@ def fused_moe_cpu(
     w2: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
+    **ffn,
 ) -> torch.Tensor:
     """The torch path on CPU: pairs sorted by expert on the host (numpy's radix argsort of
     16-bit keys; slots served elsewhere are cut off), rows gathered with ``index_select``, the
     expert FFN of each expert's rows by `cpu_moe_path`'s GEMMs, weighted, and added into their
-    tokens with ``index_add_``."""
+    tokens with ``index_add_``. GPT-OSS's expert biases and clamped SwiGLU (``ffn``: ``b13``,
+    ``b2``, ``swiglu_limit``, ``swiglu_alpha``) ride along: each row's biases are gathered by
+    its expert, the down bias added before the router weight."""
+    b13, b2 = ffn.pop("b13", None), ffn.pop("b2", None)
+    act = {k: v for k, v in ffn.items() if v is not None}
     E, k = w13.shape[0], expert_ids.shape[1]
     flat = expert_ids.reshape(-1).cpu().numpy()
     key = np.where(flat >= 0, flat, E).astype(np.uint16 if E < 1 << 16 else np.int64)
@@ -162,17 +198,26 @@ def fused_moe_cpu(
         spare = tokens[:1].expand(ROW_ALIGN - 1)  # any real row: finite, and never kept
         xs = x.index_select(0, torch.cat([tokens, spare]))  # [P + ROW_ALIGN - 1, H]
         ws = torch.cat([ws, ws[:1].expand(ROW_ALIGN - 1)])
-        y = _per_expert_ffn(xs, ws, w13, w2, counts)[: len(tokens)]
+        y = _per_expert_ffn(xs, ws, w13, w2, counts, b13, b2, **act)[: len(tokens)]
     else:
         xs = x.index_select(0, tokens)  # [P, H] grouped by expert
         ends = torch.from_numpy(counts.cumsum().astype(np.int32))  # [E]
+        bias = None
+        if b13 is not None:
+            rows = torch.from_numpy(key[order].astype(np.int64))  # [P] each row's expert
+            bias = (b13.index_select(0, rows), b2.index_select(0, rows))
         ffn = _grouped_ffn_wleft if path == "wleft" else _grouped_ffn
-        y = ffn(xs, w13, w2, ends).mul_(ws[:, None])  # [P, H]
+        y = ffn(xs, w13, w2, ends, bias, **act).mul_(ws[:, None])  # [P, H]
     return out.index_add_(0, tokens, y)
 
 
 def _grouped_ffn_wleft(
-    xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor
+    xs: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ends: torch.Tensor,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **act,
 ) -> torch.Tensor:
     """The expert FFN of rows ``xs [P, H]`` grouped by expert (expert ``e``'s end at ``ends[e]``)
     as two ``torch._grouped_mm`` with the weights on the left: ``h^T = W13_e x^T``. On CPU each
@@ -181,11 +226,16 @@ def _grouped_ffn_wleft(
     17.6 vs 29.9 ms for the realistic preset's 6 layers at 32 tokens on one thread."""
     I = w2.shape[2]
     h = torch._grouped_mm(w13, xs.t(), offs=ends)  # [2I, P]
-    # a [P, I] row-major, passed transposed: a column-major [I, P] operand slices its groups
-    # into strided column blocks, which MKL reads ~4x slower
-    a = (F.silu(h[:I]) * h[I:]).t().contiguous()  # [P, I]
+    if bias is not None:  # (`_grouped_ffn`'s arguments)
+        h = h.t() + bias[0]  # [P, 2I]
+        a = swiglu(h, I, **act).contiguous()  # [P, I]
+    else:
+        # a [P, I] row-major, passed transposed: a column-major [I, P] operand slices its
+        # groups into strided column blocks, which MKL reads ~4x slower
+        a = (F.silu(h[:I]) * h[I:]).t().contiguous()  # [P, I]
     y = torch._grouped_mm(w2, a.t(), offs=ends)  # [H, P]
-    return y.t().contiguous()  # [P, H]
+    y = y.t().contiguous()  # [P, H]
+    return y if bias is None else y.add_(bias[1])
 
 
 # `_per_expert_ffn` runs each expert's GEMMs on a multiple of this many rows: oneDNN builds a
@@ -195,7 +245,14 @@ ROW_ALIGN = 16
 
 
 def _per_expert_ffn(
-    xs: torch.Tensor, ws: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: np.ndarray
+    xs: torch.Tensor,
+    ws: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    counts: np.ndarray,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    **act,
 ) -> torch.Tensor:
     """The expert FFN of rows ``xs [P + ROW_ALIGN - 1, H]`` grouped by expert (``counts [E]``
     rows each; spare rows at the end), each row weighted by ``ws [P + ROW_ALIGN - 1]``, one GEMM
@@ -209,10 +266,16 @@ def _per_expert_ffn(
     for e in np.flatnonzero(counts).tolist():
         n = int(counts[e])
         m = -(-n // ROW_ALIGN) * ROW_ALIGN
-        h = linear(xs[start : start + m], w13[e])  # [m, 2I]
-        # the router weight scales the [m, I] activations, not the [m, H] outputs
-        a = F.silu(h[:, :I]).mul_(h[:, I:]).mul_(ws[start : start + m, None])
-        xs[start : start + n] = linear(a, w2[e])[:n]  # [n, H]
+        w = ws[start : start + m, None]
+        if b13 is None and not act:
+            h = linear(xs[start : start + m], w13[e])  # [m, 2I]
+            # the router weight scales the [m, I] activations, not the [m, H] outputs
+            a = F.silu(h[:, :I]).mul_(h[:, I:]).mul_(w)
+            xs[start : start + n] = linear(a, w2[e])[:n]  # [n, H]
+        else:  # GPT-OSS: w (a W2 + b2) = (w a) W2 + w b2
+            h = linear(xs[start : start + m], w13[e], None if b13 is None else b13[e])
+            y = linear(swiglu(h, I, **act).mul_(w), w2[e])[:n]  # [n, H]
+            xs[start : start + n] = y if b2 is None else y.addcmul_(w[:n], b2[e])
         start += n
     return xs
 
@@ -290,11 +353,13 @@ def fused_moe_torch(
     w2: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
+    **ffn,
 ) -> torch.Tensor:
-    """The ``"torch"`` backend: `fused_moe_cpu` on CPU, else `fused_moe_ref`."""
+    """The ``"torch"`` backend: `fused_moe_cpu` on CPU, else `fused_moe_ref` (``ffn``: expert
+    biases / clamped SwiGLU, as `fused_moe_ref` takes them)."""
     if x.device.type == "cpu":
-        return fused_moe_cpu(x, w13, w2, expert_ids, weights)
-    return fused_moe_ref(x, w13, w2, expert_ids, weights)
+        return fused_moe_cpu(x, w13, w2, expert_ids, weights, **ffn)
+    return fused_moe_ref(x, w13, w2, expert_ids, weights, **ffn)
 
 
 def fused_moe_gpu(
@@ -303,16 +368,20 @@ def fused_moe_gpu(
     w2: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
+    **ffn,
 ) -> torch.Tensor:
     """The ``"triton"`` backend: the fused Triton grouped GEMMs (`moe_gemm`), or on CUDA
-    ``torch._grouped_mm`` where it measured faster for this shape class (`_faster_path`)."""
+    ``torch._grouped_mm`` where it measured faster for this shape class (`_faster_path`; not
+    with GPT-OSS's expert biases and clamped SwiGLU, ``ffn``, which only the Triton kernels
+    fuse)."""
     from splitmoe.kernels.moe_gemm import launch_fused_moe
 
     check_moe_inputs(x, w13, w2, expert_ids, weights)
-    if x.shape[0] and x.device.type == "cuda":
+    plain = all(v is None for k, v in ffn.items() if k != "swiglu_alpha")
+    if plain and x.shape[0] and x.device.type == "cuda":
         if _faster_path(x, w13, w2, expert_ids, weights) == "grouped_mm":
             return fused_moe_grouped_mm(x, w13, w2, expert_ids, weights)
-    return launch_fused_moe(x, w13, w2, expert_ids, weights)
+    return launch_fused_moe(x, w13, w2, expert_ids, weights, **ffn)
 
 
 # The MoE kernel of each backend (`splitmoe.kernels.backends` binds one per rank).
@@ -326,13 +395,16 @@ def fused_moe(
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
     backend: str = "torch",
+    **ffn,
 ) -> torch.Tensor:
     """Routed-expert output ``[N, H]`` in x's dtype.
 
     x ``[N, H]``; w13 ``[E, 2I, H]`` (gate rows, then up rows); w2 ``[E, H, I]``; expert_ids
     ``[N, k]`` local expert ids (-1: the slot is served by another rank); weights ``[N, k]``
     router weights (float32, or x's dtype). ``backend``: ``"torch"`` (`fused_moe_torch`) or
-    ``"triton"`` (`fused_moe_gpu`). Checks the shapes, then runs the backend's kernel.
+    ``"triton"`` (`fused_moe_gpu`). ``ffn``: GPT-OSS's ``b13 [E, 2I]``, ``b2 [E, H]``,
+    ``swiglu_limit``, ``swiglu_alpha`` (see `fused_moe_ref`). Checks the shapes, then runs the
+    backend's kernel.
     """
     check_moe_shapes(x, w13, w2, expert_ids, weights)
     if backend not in MOE_KERNELS:
@@ -341,4 +413,4 @@ def fused_moe(
         from splitmoe.kernels.triton_utils import require_triton
 
         require_triton("moe_backend", x.device)
-    return MOE_KERNELS[backend](x, w13, w2, expert_ids, weights)
+    return MOE_KERNELS[backend](x, w13, w2, expert_ids, weights, **ffn)

@@ -178,7 +178,7 @@ def _mla_decode_kernel(
     if q_len != 1:  # multi-token rows belong to the prefill kernel
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
-    start, end, _ = _segment(seq_len, split, NUM_SPLITS, BLOCK_N)
+    start, end, _ = _segment(seq_len, seq_len * 0, split, NUM_SPLITS, BLOCK_N)
     if start >= end:
         return
     head = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # [H]
@@ -270,6 +270,7 @@ def mla_decode_attention(
     if splits > 1:
         _decode_reduce_kernel[(B, nh)](
             out, part_o, part_lse, meta.query_start_loc, meta.seq_lens,
+            meta.seq_lens, 0,  # no sinks (not read), no window
             out.stride(0), out.stride(1),
             HEAD_DIM=v_dim, HEAD_DIM_PAD=dl_pad, BLOCK_N=tiles.block_n, NUM_SPLITS=splits,
             SPLIT_CHUNK=min(splits, REDUCE_CHUNK), num_warps=4,

@@ -75,6 +75,7 @@ def _tile_ids(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 def _gate_up_kernel(
     x_ptr,  # [N, H]
     w_ptr,  # [E, 2I, H]: gate rows, then up rows
+    b_ptr,  # [E, 2I] gate then up biases (read only with HAS_BIAS)
     h_ptr,  # [R, I]: sorted rows
     sorted_ids_ptr,  # [R] int32 pair index (num_pairs = padding)
     block_expert_ptr,  # [R // BLOCK_M] int32 (-1: nothing to do)
@@ -86,7 +87,12 @@ def _gate_up_kernel(
     stride_we,
     stride_wn,
     stride_ht,
+    stride_be,
+    swiglu_limit,
+    swiglu_alpha,
     TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,  # GPT-OSS's clamped SwiGLU instead of SiLU(gate) * up
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -122,7 +128,16 @@ def _gate_up_kernel(
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    h = gate * tl.sigmoid(gate) * up  # SiLU(gate) * up, in float32
+    if HAS_BIAS:
+        b = b_ptr + expert * stride_be + offs_n
+        gate += tl.load(b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b + I, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if CLAMPED:  # transformers' GptOssExperts._apply_gate
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        h = (up + 1) * (gate * tl.sigmoid(gate * swiglu_alpha))
+    else:
+        h = gate * tl.sigmoid(gate) * up  # SiLU(gate) * up, in float32
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_ht + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -131,6 +146,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr,  # [R, I]: sorted rows
     w_ptr,  # [E, H, I]
+    b_ptr,  # [E, H] biases (read only with HAS_BIAS)
     y_ptr,  # [N * TOP_K, H]: per pair, unsorted
     router_w_ptr,  # [N * TOP_K]
     sorted_ids_ptr,
@@ -143,6 +159,8 @@ def _down_kernel(
     stride_we,
     stride_wn,
     stride_yt,
+    stride_be,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -169,6 +187,9 @@ def _down_kernel(
         acc = tl.dot(a, w, acc=acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        b = tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0)
+        acc += b.to(tl.float32)[None, :]
     acc *= tl.load(router_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -181,11 +202,12 @@ def fused_moe_triton(
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
     tiles: MoeTiles | None = None,
+    **ffn,
 ) -> torch.Tensor:
     """Same contract as `fused_moe_ref`; ``tiles`` overrides the tile choice (tests)."""
     require_triton("moe_backend", x.device)
     check_moe_inputs(x, w13, w2, expert_ids, weights)
-    return launch_fused_moe(x, w13, w2, expert_ids, weights, tiles)
+    return launch_fused_moe(x, w13, w2, expert_ids, weights, tiles, **ffn)
 
 
 def launch_fused_moe(
@@ -195,8 +217,17 @@ def launch_fused_moe(
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
     tiles: MoeTiles | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
 ) -> torch.Tensor:
-    """`fused_moe_triton` for callers that have run `check_moe_inputs` already."""
+    """`fused_moe_triton` for callers that have run `check_moe_inputs` already. ``b13 [E, 2I]``,
+    ``b2 [E, H]`` (both or neither) and ``swiglu_limit``: GPT-OSS's experts (`fused_moe_ref`)."""
+    if (b13 is None) != (b2 is None):
+        raise ValueError("fused_moe: pass both expert biases b13 and b2, or neither")
+    if b13 is not None and (b13.stride(-1) != 1 or b2.stride(-1) != 1):
+        raise ValueError("fused_moe: expert biases must be contiguous in their last dim")
     N, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
@@ -214,13 +245,17 @@ def launch_fused_moe(
     meta.update(moe_constexprs(x.dtype, tiles))
     grid = (num_m_blocks * triton.cdiv(I, tiles.block_n),)
     _gate_up_kernel[grid](
-        x, w13, h, order.sorted_ids, order.block_expert, N * k, num_m_blocks, H, I,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), TOP_K=k, **meta,
+        x, w13, w13 if b13 is None else b13, h, order.sorted_ids, order.block_expert,
+        N * k, num_m_blocks, H, I, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        0 if b13 is None else b13.stride(0),
+        0.0 if swiglu_limit is None else float(swiglu_limit), float(swiglu_alpha),
+        TOP_K=k, HAS_BIAS=b13 is not None, CLAMPED=swiglu_limit is not None, **meta,
     )  # fmt: skip
     grid = (num_m_blocks * triton.cdiv(H, tiles.block_n),)
     _down_kernel[grid](
-        h, w2, y, weights.reshape(-1), order.sorted_ids, order.block_expert, N * k, num_m_blocks,
-        H, I, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **meta,
+        h, w2, w2 if b2 is None else b2, y, weights.reshape(-1), order.sorted_ids,
+        order.block_expert, N * k, num_m_blocks, H, I, h.stride(0), w2.stride(0), w2.stride(1),
+        y.stride(0), 0 if b2 is None else b2.stride(0), HAS_BIAS=b2 is not None, **meta,
     )  # fmt: skip
     return y.view(N, k, H).sum(1) if k > 1 else y
 

@@ -11,6 +11,14 @@ gathered by whole blocks, one SDPA call for the decode rows and one for the prom
 ``"triton"`` sends one-token rows to the split-KV decode kernel (`decode_attention`) and longer
 rows to the FlashAttention prefill/extend kernel (`prefill_attention`), both of which read K/V
 through the block table.
+
+Two GPT-OSS options, in every backend: ``window`` (a sliding window: a query at position p sees
+only keys p - window < k <= p, transformers' ``sliding_window_overlay``; blocks wholly before it
+are never read, so they may have been freed and their table entries point anywhere) and
+``sinks [num_heads]`` (a learned logit per head in the softmax's denominator: the weights are
+``exp(s_j) / (exp(sink) + sum_i exp(s_i))``, the sink's own share dropped). The reference runs
+the sink as one more key whose score is the sink and whose value is zero (a zero key, the sink in
+the additive mask), so SDPA still does the work.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ class DecodePlan:
     """How the reference reads the cache for the one-token rows of a step (the same in every
     layer): ``rows [Bd]`` their query rows (None when they are all of ``q``, in order),
     ``blocks [Bd * nblk]`` the cache blocks of each row in order, ``L`` keys per row (whole
-    blocks), ``mask [Bd, 1, 1, L]`` 0 for a key of the sequence, -inf past its end."""
+    blocks), ``mask [Bd, 1, 1, L]`` 0 for a key of the sequence, -inf past its end (and, with a
+    window, before it: each row's blocks then start at its window's first block)."""
 
     rows: torch.Tensor | None
     blocks: torch.Tensor
@@ -63,13 +72,18 @@ def _derived(meta: AttentionMetadata, key: tuple, build):
     return meta.derived[key]
 
 
-def decode_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> DecodePlan | None:
-    """The `DecodePlan` of ``meta`` (None without one-token rows), built once per step."""
-    key = ("decode", block_size, dtype)
-    return _derived(meta, key, lambda m: _decode_plan(m, block_size, dtype))
+def decode_plan(
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, window: int | None = None
+) -> DecodePlan | None:
+    """The `DecodePlan` of ``meta`` (None without one-token rows), built once per step (and
+    window)."""
+    key = ("decode", block_size, dtype, window)
+    return _derived(meta, key, lambda m: _decode_plan(m, block_size, dtype, window))
 
 
-def _decode_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> DecodePlan | None:
+def _decode_plan(
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, window: int | None = None
+) -> DecodePlan | None:
     decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
     plan = None
     if decode:
@@ -79,9 +93,20 @@ def _decode_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -
         rows = None if everything else meta.query_start_loc[idx]
         nblk = -(-max(meta.seq_lens_list[i] for i in decode) // block_size)
         tables = meta.block_tables[:, :nblk] if everything else meta.block_tables[idx, :nblk]
-        L = nblk * block_size
         lens = meta.seq_lens if everything else meta.seq_lens[idx]
-        seen = torch.arange(L, device=dev)[None, :] < lens[:, None]  # [Bd, L]
+        kpos = torch.arange(nblk * block_size, device=dev)[None, :]  # [1, L]
+        if window is not None and window < (nblk - 1) * block_size:
+            # only the blocks from each row's window's first on: (window - 1) // bs + 2 of them
+            nw = min(nblk, (window - 1) // block_size + 2)
+            first = ((lens - window).clamp(min=0) // block_size)[:, None]  # [Bd, 1]
+            cols = (first + torch.arange(nw, device=dev)[None, :]).clamp(max=nblk - 1)
+            tables = tables.gather(1, cols)  # [Bd, nw]
+            kpos = first * block_size + torch.arange(nw * block_size, device=dev)[None, :]
+            nblk = nw
+        L = nblk * block_size
+        seen = kpos < lens[:, None]  # [Bd, L]
+        if window is not None:
+            seen &= kpos >= lens[:, None] - window
         mask = _additive_mask(seen, dtype)[:, None, None, :]
         blocks = tables.reshape(-1).long()  # [Bd * nblk]
         plan = DecodePlan(rows=rows, blocks=blocks, length=L, mask=mask)
@@ -126,16 +151,24 @@ PREFILL_MAX_PADDING = 2.0
 
 
 def prefill_plan(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, heads: int = 1
+    meta: AttentionMetadata,
+    block_size: int,
+    dtype: torch.dtype,
+    heads: int = 1,
+    window: int | None = None,
 ) -> PrefillPlan | None:
     """The `PrefillPlan` of ``meta`` for ``heads`` query heads (None: no multi-token rows, or
-    too much padding), built once per step."""
-    key = ("prefill", block_size, dtype)  # one model per step: the heads never vary
-    return _derived(meta, key, lambda m: _prefill_plan(m, block_size, dtype, heads))
+    too much padding), built once per step (and window)."""
+    key = ("prefill", block_size, dtype, window)  # one model per step: the heads never vary
+    return _derived(meta, key, lambda m: _prefill_plan(m, block_size, dtype, heads, window))
 
 
 def _prefill_plan(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, heads: int
+    meta: AttentionMetadata,
+    block_size: int,
+    dtype: torch.dtype,
+    heads: int,
+    window: int | None = None,
 ) -> PrefillPlan | None:
     seqs = [i for i, n in enumerate(meta.query_lens) if n > 1]
     plan = None
@@ -160,7 +193,10 @@ def _prefill_plan(
             qpos = c - n + t  # [Bp, Q] position of each query in its sequence
             kpos = torch.arange(L, device=dev)[None, None, :]
             # padding query rows may see key 0, so that their (discarded) softmax stays finite
-            allowed = (kpos <= qpos[:, :, None]) | ((kpos == 0) & ~valid[:, :, None])
+            allowed = kpos <= qpos[:, :, None]
+            if window is not None:
+                allowed &= kpos > qpos[:, :, None] - window
+            allowed |= (kpos == 0) & ~valid[:, :, None]
             mask = _additive_mask(allowed, dtype)[:, None]  # [Bp, 1, Q, L]
             kept = valid.view(-1).nonzero().view(-1)
             rows = rows.view(-1)
@@ -183,6 +219,7 @@ def _batched_prefill(
     plan: PrefillPlan,
     scale: float,
     out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of every prompt chunk of a step in one SDPA call (see `PrefillPlan`), GQA by
     SDPA's head groups (``enable_gqa``): as fast as folding a group's heads into the query rows
@@ -192,11 +229,25 @@ def _batched_prefill(
     Bp, Q, L = plan.mask.shape[0], plan.queries, plan.length
     k, v = _gather_keys(k_cache, v_cache, plan.blocks, L)  # [Bp, nkv, L, d]
     qp = q.index_select(0, plan.rows).view(Bp, Q, nh, d).transpose(1, 2)  # [Bp, nh, Q, d]
+    mask = plan.mask
+    if sinks is not None:
+        k, v, mask = _with_sink(k, v, mask.expand(Bp, nh, Q, L), sinks.view(1, nh, 1, 1))
     o = F.scaled_dot_product_attention(
-        qp, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True
+        qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )  # [Bp, nh, Q, d]
     o = o.transpose(1, 2).reshape(Bp * Q, nh, d)
     out.index_copy_(0, plan.out_rows, o.index_select(0, plan.kept))
+
+
+def _with_sink(
+    k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V ``[B, kv, L, d]`` with one zero key and value appended, and the additive
+    ``mask [B, h, Q, L]`` with the sink (broadcast to ``[B, h, Q, 1]``) as that key's score."""
+    k = F.pad(k, (0, 0, 0, 1))
+    v = F.pad(v, (0, 0, 0, 1))
+    col = sink.to(mask.dtype).expand(*mask.shape[:-1], 1)
+    return k, v, torch.cat([mask, col], -1)
 
 
 def paged_attention_ref(
@@ -205,28 +256,31 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries ``q [T, num_heads, head_dim]`` over the paged cache.
 
     GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. Softmax in float32.
     Decode rows (one query token) are batched; longer chunks are computed per sequence.
+    ``sinks [num_heads]`` and ``window``: see the module doc.
     """
     T, nh, d = q.shape
     nb, bs, nkv, _ = k_cache.shape
     g = nh // nkv
     if T == 0:
         return torch.empty_like(q)
-    plan = decode_plan(meta, bs, q.dtype)
+    plan = decode_plan(meta, bs, q.dtype, window)
     if plan is not None:
         qd = (q if plan.rows is None else q[plan.rows]).view(-1, nkv, g, d)  # a GQA group
         # shares its KV head
-        o = _decode_rows(qd, k_cache, v_cache, plan, scale)  # [Bd, nkv, g, d]
+        o = _decode_rows(qd, k_cache, v_cache, plan, scale, sinks)  # [Bd, nkv, g, d]
         if plan.rows is None:
             return o.reshape(T, nh, d)
     out = torch.empty_like(q)
     if plan is not None:
         out[plan.rows] = o.reshape(-1, nh, d)
-    prefill_ref(q, k_cache, v_cache, meta, scale, out)
+    prefill_ref(q, k_cache, v_cache, meta, scale, out, sinks, window)
     return out
 
 
@@ -239,7 +293,12 @@ DECODE_GATHER_BYTES = 4 << 20
 
 
 def _decode_rows(
-    qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+    qd: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one-token rows ``qd [Bd, nkv, g, d]`` (a GQA group's heads as its query
     rows) over their blocks (`DecodePlan`): SDPA's CPU path (softmax in float32 for float32
@@ -249,16 +308,30 @@ def _decode_rows(
     L = plan.length
     nblk = L // k_cache.shape[1]
     step = max(1, DECODE_GATHER_BYTES // (L * nkv * d * k_cache.element_size()))
+    g = qd.shape[2]
+
+    def attend(s: int, e: int) -> torch.Tensor:
+        k, v = _gather_keys(k_cache, v_cache, plan.blocks[s * nblk : e * nblk], L)
+        mask = plan.mask[s:e]
+        if sinks is None:
+            return F.scaled_dot_product_attention(qd[s:e], k, v, attn_mask=mask, scale=scale)
+        sink = sinks.view(1, nkv, g, 1)  # a GQA group's heads are the query rows here
+        if qd.is_cpu:
+            # SDPA's CPU kernel with its log-sum-exp: o * Z / (Z + e^sink) = o / (1 + e^(sink -
+            # lse)), no copy of K/V (appending the zero key doubled the decode time: batch 32,
+            # context 2048, 8/2 heads of 64, 2 threads: 24 -> 50 ms, this way 25)
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qd[s:e], k, v, 0.0, False, attn_mask=mask, scale=scale
+            )  # [b, nkv, g, d], [b, nkv, g]
+            return o / (1 + torch.exp(sink - lse[..., None].float())).to(o.dtype)
+        k, v, mask = _with_sink(k, v, mask.expand(-1, nkv, g, L), sink)
+        return F.scaled_dot_product_attention(qd[s:e], k, v, attn_mask=mask, scale=scale)
+
     if step >= Bd:
-        k, v = _gather_keys(k_cache, v_cache, plan.blocks, L)
-        return F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.mask, scale=scale)
+        return attend(0, Bd)
     o = torch.empty_like(qd)
     for s in range(0, Bd, step):
-        e = min(Bd, s + step)
-        k, v = _gather_keys(k_cache, v_cache, plan.blocks[s * nblk : e * nblk], L)
-        o[s:e] = F.scaled_dot_product_attention(
-            qd[s:e], k, v, attn_mask=plan.mask[s:e], scale=scale
-        )
+        o[s : min(Bd, s + step)] = attend(s, min(Bd, s + step))
     return o
 
 
@@ -269,15 +342,17 @@ def prefill_ref(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """The reference for the rows of multi-token sequences (prompt chunks): writes them into
     ``out``, batched when `prefill_plan` allows, else one sequence at a time."""
     T, nh, d = q.shape
     bs, nkv = k_cache.shape[1], k_cache.shape[2]
     g = nh // nkv
-    chunks = prefill_plan(meta, bs, q.dtype, nh)
+    chunks = prefill_plan(meta, bs, q.dtype, nh, window)
     if chunks is not None:
-        _batched_prefill(q, k_cache, v_cache, chunks, scale, out)
+        _batched_prefill(q, k_cache, v_cache, chunks, scale, out, sinks)
         return
     starts = meta.query_start_loc.tolist()
     for i, n in enumerate(meta.query_lens):
@@ -292,8 +367,15 @@ def prefill_ref(
         scores = torch.einsum("qkgd,lkd->kgql", qs, k).float() * scale  # [nkv, g, n, ctx]
         qpos = torch.arange(ctx - n, ctx, device=q.device)
         kpos = torch.arange(ctx, device=q.device)
-        scores.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
-        p = scores.softmax(-1).to(q.dtype)
+        hidden = kpos[None, :] > qpos[:, None]
+        if window is not None:
+            hidden |= kpos[None, :] <= qpos[:, None] - window
+        scores.masked_fill_(hidden, float("-inf"))
+        if sinks is not None:  # the sink as one more column, dropped after the softmax
+            sink = sinks.float().view(nkv, g, 1, 1).expand(nkv, g, n, 1)
+            p = torch.cat([scores, sink], -1).softmax(-1)[..., :-1].to(q.dtype)
+        else:
+            p = scores.softmax(-1).to(q.dtype)
         out[starts[i] : starts[i] + n] = torch.einsum("kgql,lkd->qkgd", p, v).reshape(n, nh, d)
 
 
@@ -303,6 +385,8 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention_ref`'s math on the Triton kernels: the prefill/extend kernel for rows of
     sequences with more than one token, the split-KV decode kernel for one-token rows."""
@@ -312,8 +396,9 @@ def paged_attention_triton(
     q = q.contiguous()
     check_paged_inputs(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)
-    launch_prefill(q, k_cache, v_cache, meta, scale, out)  # rows of sequences with > 1 token
-    launch_decode(q, k_cache, v_cache, meta, scale, out)  # rows of one-token sequences
+    ext = dict(sinks=sinks, window=window)
+    launch_prefill(q, k_cache, v_cache, meta, scale, out, **ext)  # rows of sequences > 1 token
+    launch_decode(q, k_cache, v_cache, meta, scale, out, **ext)  # rows of one-token sequences
     return out
 
 
@@ -328,6 +413,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     backend: str = "torch",
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed queries ``q [T, num_heads, head_dim]`` over the paged cache
     ``k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]``; returns ``[T, num_heads,
@@ -349,4 +436,8 @@ def paged_attention(
         from splitmoe.kernels.triton_utils import require_triton
 
         require_triton("attention_backend", q.device)
-    return ATTENTION_KERNELS[backend](q, k_cache, v_cache, meta, scale)
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"paged_attention: sinks must be [{q.shape[1]}], got {tuple(sinks.shape)}")
+    if window is not None and window < 1:
+        raise ValueError(f"paged_attention: window must be >= 1 keys, got {window}")
+    return ATTENTION_KERNELS[backend](q, k_cache, v_cache, meta, scale, sinks, window)

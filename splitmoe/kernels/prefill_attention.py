@@ -79,7 +79,9 @@ def _prefill_kernel(
     tables_ptr,
     query_start_ptr,
     seq_lens_ptr,
+    sinks_ptr,  # [num_heads] float32 (read only with SINKS)
     qk_scale,
+    window,  # keys a query sees (0: all)
     num_seqs,
     stride_qt,
     stride_qh,
@@ -97,6 +99,8 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SINKS: tl.constexpr = False,
+    WINDOW: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
@@ -131,20 +135,36 @@ def _prefill_kernel(
 
     first = prefix + q_tile * BLOCK_Q  # position of the program's first query token
     last = tl.minimum(first + BLOCK_Q, seq_len)  # one past its last
-    full_end = (first // BLOCK_N) * BLOCK_N  # keys before here are visible to every row
-    for start in range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start, seq_len, table_ptr, k_ptr, v_ptr, kv_head_off,
-            stride_kb, stride_ks, qk_scale, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD,
-            False, DOT_PRECISION,
-        )  # fmt: skip
-    for start in range(full_end, last, BLOCK_N):
-        acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start, seq_len, table_ptr, k_ptr, v_ptr, kv_head_off,
-            stride_kb, stride_ks, qk_scale, BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD,
-            True, DOT_PRECISION,
-        )  # fmt: skip
+    win_lo = q_pos - window + 1  # (WINDOW) each row's first visible key
+    kv_lo = first * 0
+    if WINDOW:
+        kv_lo = first - window + 1  # no row sees a key before it
+    if WINDOW:  # the tiles from the first row's window on, all masked
+        lo = (tl.maximum(first - window + 1, 0) // BLOCK_N) * BLOCK_N
+        for start in range(lo, last, BLOCK_N):
+            acc, l_i, m_i = attend_tile(
+                acc, l_i, m_i, q, q_pos, win_lo, start, kv_lo, seq_len, table_ptr, k_ptr, v_ptr,
+                kv_head_off, stride_kb, stride_ks, qk_scale, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                HEAD_DIM_PAD, True, DOT_PRECISION, True,
+            )  # fmt: skip
+    else:
+        full_end = (first // BLOCK_N) * BLOCK_N  # keys before here are visible to every row
+        for start in range(0, full_end, BLOCK_N):
+            acc, l_i, m_i = attend_tile(
+                acc, l_i, m_i, q, q_pos, win_lo, start, kv_lo, seq_len, table_ptr, k_ptr, v_ptr,
+                kv_head_off, stride_kb, stride_ks, qk_scale, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                HEAD_DIM_PAD, False, DOT_PRECISION,
+            )  # fmt: skip
+        for start in range(full_end, last, BLOCK_N):
+            acc, l_i, m_i = attend_tile(
+                acc, l_i, m_i, q, q_pos, win_lo, start, kv_lo, seq_len, table_ptr, k_ptr, v_ptr,
+                kv_head_off, stride_kb, stride_ks, qk_scale, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                HEAD_DIM_PAD, True, DOT_PRECISION,
+            )  # fmt: skip
 
+    if SINKS:  # exp(sink) joins the denominator (base 2, relative to the row max)
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        l_i += tl.math.exp2(sink * 1.4426950408889634 - m_i)
     out = acc / l_i[:, None]
     o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
@@ -158,18 +178,21 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     tiles: PrefillTiles | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Writes the attention output of every sequence with ``query_lens[i] > 1`` into ``out``.
 
     q ``[T, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads, head_dim]``;
     out like q (allocated when None; rows of one-token sequences are left untouched).
     ``tiles`` overrides the tile choice (tests use it to cross many tiles on tiny shapes).
+    ``sinks [num_heads]`` / ``window``: see `paged_attention`.
     """
     require_triton("attention_backend", q.device)
     check_paged_inputs(q, k_cache, v_cache, meta, out)
     if out is None:
         out = torch.empty_like(q)
-    launch_prefill(q, k_cache, v_cache, meta, scale, out, tiles)
+    launch_prefill(q, k_cache, v_cache, meta, scale, out, tiles, sinks, window)
     return out
 
 
@@ -181,6 +204,8 @@ def launch_prefill(
     scale: float,
     out: torch.Tensor,
     tiles: PrefillTiles | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """`prefill_attention` for callers that have run `check_paged_inputs` already."""
     T, nh, d = q.shape
@@ -195,10 +220,12 @@ def launch_prefill(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
         meta.block_tables, meta.query_start_loc, meta.seq_lens,
-        scale * LOG2E, meta.num_seqs,
+        meta.seq_lens if sinks is None else sinks.float().contiguous(),  # (not read)
+        scale * LOG2E, window or 0, meta.num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **consts,
+        SINKS=sinks is not None, WINDOW=window is not None,
     )  # fmt: skip
 
 

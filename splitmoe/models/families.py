@@ -33,7 +33,7 @@ MLA_BIAS_KEYS = ("kv_a_bias", "o_bias")  # with q_a_bias under q LoRA (attention
 
 # Weight formats `splitmoe.models.loader` reads besides plain tensors (``quant_method`` of
 # config.json's ``quantization_config``).
-QUANT_METHODS = ("fp8",)
+QUANT_METHODS = ("fp8", "mxfp4")
 
 
 def parse_quantization(raw: dict[str, Any], cfg_file: Path | str) -> dict[str, Any]:
@@ -47,8 +47,16 @@ def parse_quantization(raw: dict[str, Any], cfg_file: Path | str) -> dict[str, A
         raise ValueError(
             f"{cfg_file}: quantization method {method!r} is not supported; splitmoe loads "
             f"{', '.join(QUANT_METHODS)} (fp8: float8_e4m3fn weights with a weight_scale_inv "
-            "per block, DeepSeek-V3's released format); use an unquantized checkpoint otherwise"
+            "per block, DeepSeek-V3's released format; mxfp4: GPT-OSS's released experts); use "
+            "an unquantized checkpoint otherwise"
         )
+    if method == "mxfp4":
+        if raw.get("model_type") != "gpt_oss":
+            raise ValueError(
+                f"{cfg_file}: mxfp4 quantization is read for gpt_oss checkpoints only (their "
+                "released expert format); use an unquantized checkpoint"
+            )
+        return dict(quantization=method)
     block = qc.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(int(b) > 0 for b in block)):
         raise ValueError(
@@ -58,6 +66,9 @@ def parse_quantization(raw: dict[str, Any], cfg_file: Path | str) -> dict[str, A
     return dict(quantization=method, weight_block_size=(int(block[0]), int(block[1])))
 
 
+SINK_KEYS = ("sinks",)  # GPT-OSS: one learned softmax-denominator logit per query head
+
+
 @dataclass(frozen=True)
 class Family:
     """Base adapter: Llama-style names (``model.layers.{i}.self_attn.q_proj.weight`` ...)."""
@@ -65,6 +76,8 @@ class Family:
     model_type: str
     moe_prefix: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # experts stored as one [E, ...] tensor per layer and projection (GPT-OSS), not one per expert
+    fused_experts: bool = False
 
     # ---- config -------------------------------------------------------------------------------
     def parse_config(self, raw: dict[str, Any], cfg_file: Path) -> dict[str, Any]:
@@ -137,6 +150,9 @@ class Family:
             "shared_up": f"{moe}.shared_expert.up_proj.weight",
             "shared_down": f"{moe}.shared_expert.down_proj.weight",
             "shared_expert_gate": f"{moe}.shared_expert_gate.weight",
+            "o_bias": f"{p}.self_attn.o_proj.bias",
+            "sinks": f"{p}.self_attn.sinks",
+            "router_logit_bias": f"{moe}.gate.bias",
         }[key]
 
     def expert_name(self, layer: int, expert: int, key: str) -> str:
@@ -396,6 +412,50 @@ class Deepseek(Family):
         return mla[key] if key in mla else super().layer_name(layer, key)
 
 
+@dataclass(frozen=True)
+class GptOss(Family):
+    """GPT-OSS: attention sinks, alternating sliding-window / full layers, biases on attention,
+    router and experts, the clamped SwiGLU, softmax over the top-k router logits, YaRN RoPE.
+    Experts fused per layer (``mlp.experts.gate_up_proj [E, H, 2I]``, gate/up interleaved), or
+    MXFP4 (``*_blocks`` / ``*_scales``): see `splitmoe.models.gpt_oss`."""
+
+    def family_fields(self, raw, need, layers):
+        window = int(raw.get("sliding_window") or 0)
+        types = raw.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ]
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if len(types) != layers or unknown:
+            raise ValueError(
+                f"gpt_oss: layer_types must list 'sliding_attention' / 'full_attention' for each "
+                f"of the {layers} layers; got {types}"
+            )
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        if sliding and window < 1:
+            raise ValueError("gpt_oss: sliding_attention layers need sliding_window >= 1")
+        bias = bool(raw.get("attention_bias", True))
+        return dict(
+            moe_intermediate_size=int(need("intermediate_size")),
+            norm_topk_prob=False,
+            moe_layers=tuple(range(layers)),
+            qkv_bias=bias,
+            o_bias=bias,
+            attention_sinks=True,
+            sliding_window=window if sliding else 0,
+            sliding_layers=sliding,
+            router_logit_bias=True,
+            scoring_func="topk_softmax",
+            expert_bias=True,
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        )
+
+    def layer_name(self, layer: int, key: str) -> str:
+        if key in ("router", "router_logit_bias"):
+            return f"model.layers.{layer}.mlp.router.{'weight' if key == 'router' else 'bias'}"
+        return super().layer_name(layer, key)
+
+
 FAMILIES: dict[str, Family] = {
     "deepseek_v3": Deepseek("deepseek_v3"),
     "deepseek_v2": Deepseek("deepseek_v2"),
@@ -407,6 +467,7 @@ FAMILIES: dict[str, Family] = {
     "minimax_m2": MiniMaxM2(
         "minimax_m2", moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2")
     ),
+    "gpt_oss": GptOss("gpt_oss", fused_experts=True),
 }
 
 

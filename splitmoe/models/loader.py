@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from splitmoe.config import ModelConfig
+from splitmoe.models import gpt_oss
 from splitmoe.models.families import (
     ATTENTION_KEYS,
     BIAS_KEYS,
@@ -27,6 +28,7 @@ from splitmoe.models.families import (
     ROUTER_KEY,
     SHARED_GATE_KEY,
     SHARED_KEYS,
+    SINK_KEYS,
     family_for,
 )
 
@@ -74,6 +76,9 @@ def expected_shape(cfg: ModelConfig, key: str) -> tuple[int, ...]:
         "gate": (Im, H),
         "up": (Im, H),
         "down": (H, Im),
+        "o_bias": (H,),
+        "sinks": (cfg.num_heads,),
+        "router_logit_bias": (cfg.num_experts,),
     }[key]
 
 
@@ -118,10 +123,16 @@ def attention_layer_keys(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
         keys += BIAS_KEYS
     if cfg.qk_norm != "none":
         keys += QK_NORM_KEYS
+    if cfg.o_bias:
+        keys.append("o_bias")
+    if cfg.attention_sinks:
+        keys += SINK_KEYS
     if cfg.is_moe_layer[layer]:
         keys.append(ROUTER_KEY)
         if cfg.router_bias:
             keys.append(ROUTER_BIAS_KEY)
+        if cfg.router_logit_bias:
+            keys.append("router_logit_bias")
         if cfg.shared_expert_intermediate_size:
             keys += SHARED_KEYS
         if cfg.shared_expert_gate:
@@ -255,6 +266,31 @@ class CheckpointReader:
         scale = self._open(self.weight_map[scale_name]).get_tensor(scale_name)
         return dequantize_fp8_blocks(t, scale, self.fp8_block)
 
+    def rows(self, name: str, rows: list[int], shape: tuple[int, ...]) -> torch.Tensor:
+        """Rows ``rows`` (first dim) of tensor ``name``, which must have ``shape``, as stored
+        (dtype kept): only those rows are read (a fused expert tensor's listed experts)."""
+        if name not in self.weight_map:
+            raise CheckpointError(
+                f"checkpoint {self.root} lacks tensor {name!r} that its config.json implies; "
+                "is config.json from the same model as the weights?"
+            )
+        shard = self.weight_map[name]
+        try:
+            sl = self._open(shard).get_slice(name)
+            have = tuple(sl.get_shape())
+            if have != tuple(shape):
+                raise CheckpointError(
+                    f"tensor {name!r} in {shard.name} has shape {have}, but config.json implies "
+                    f"{tuple(shape)}"
+                )
+            return torch.stack([sl[r] for r in rows]) if rows else torch.empty(0, *shape[1:])
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"cannot read tensor {name!r} from {shard}: {e} (truncated or corrupt?)"
+            ) from None
+
 
 def reader_for(cfg: ModelConfig) -> CheckpointReader:
     return CheckpointReader(cfg.path, cfg.weight_block_size if cfg.quantization == "fp8" else None)
@@ -289,15 +325,18 @@ def load_expert_weights(
     experts: list[int] | dict[int, list[int]],
     dtype: torch.dtype,
     device: str,
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+) -> dict[int, tuple[torch.Tensor, ...]]:
     """Only the listed experts, stacked per MoE layer as ``w13 [n, 2*I, H]`` (gate rows then up
-    rows) and ``w2 [n, H, I]``. ``experts``: one list for every MoE layer, or per layer (only the
+    rows) and ``w2 [n, H, I]``, and with ``cfg.expert_bias`` their biases ``b13 [n, 2*I]`` and
+    ``b2 [n, H]`` too. ``experts``: one list for every MoE layer, or per layer (only the
     layers given are loaded; an expert may appear more than once)."""
     fam = family_for(cfg.model_type)
     reader = reader_for(cfg)
     per_layer = (
         experts if isinstance(experts, dict) else {layer: experts for layer in cfg.moe_layers}
     )
+    if fam.fused_experts:
+        return gpt_oss.load_experts(reader, cfg, per_layer, dtype, device)
     wanted = {}
     for layer, listed in per_layer.items():
         for e in set(listed):

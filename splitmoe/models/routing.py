@@ -5,7 +5,9 @@ balancer and the expert ranks ever see, so a family's routing is a handful of `M
 fields read here:
 
 * ``scoring_func``: ``"softmax"`` (Qwen, Mixtral, OLMoE, DeepSeek-V2) or ``"sigmoid"``
-  (DeepSeek-V3, Kimi-K2, GLM-4.5, MiniMax-M2) over the router logits.
+  (DeepSeek-V3, Kimi-K2, GLM-4.5, MiniMax-M2) over the router logits, or ``"topk_softmax"``
+  (GPT-OSS: the top-k logits, then a softmax over those k, in the logits' dtype).
+* the router's own bias (``router_logit_bias``, GPT-OSS): added to the logits.
 * ``router_bias``: whether the checkpoint has a per-expert ``e_score_correction_bias``
   (canonical key ``"router_bias"``): added to the scores to *choose* experts only; the weights
   are the unbiased scores of the chosen ones.
@@ -26,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -49,10 +51,16 @@ def route(
     router: torch.Tensor,
     router_bias: torch.Tensor | None,
     x: torch.Tensor,
+    logit_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert ids ``[T, k]`` (int64) and weights ``[T, k]`` (``x``'s dtype) of ``x [T, H]``
-    under ``router [E, H]`` (``cfg``: a `splitmoe.config.ModelConfig`)."""
+    under ``router [E, H]`` (+ ``logit_bias [E]``) (``cfg``: a `splitmoe.config.ModelConfig`)."""
     k = cfg.top_k
+    if cfg.scoring_func == "topk_softmax":
+        top, ids = torch.topk(F.linear(x, router, logit_bias), k, dim=-1)  # [T, k]
+        return ids, top.softmax(dim=-1).to(x.dtype)
+    if logit_bias is not None:
+        raise ValueError(f"a router bias is only supported with topk_softmax scoring ({cfg.path})")
     if cfg.scoring_func == "softmax" and cfg.topk_method == "greedy" and router_bias is None:
         probs = F.linear(x, router).softmax(dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = torch.topk(probs, k, dim=-1)

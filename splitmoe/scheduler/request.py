@@ -35,6 +35,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    window_table: list[int] = field(default_factory=list)  # sliding-window layers' blocks
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

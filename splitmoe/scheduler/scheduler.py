@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from splitmoe.config import SchedulerConfig
 from splitmoe.scheduler.block_manager import BlockManager
 from splitmoe.scheduler.request import Request, RequestSpec, Status
+from splitmoe.scheduler.window_blocks import SlidingWindowBlocks
 
 
 @dataclass
@@ -44,9 +46,12 @@ class Scheduler:
         blocks: BlockManager,
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
+        window_blocks: SlidingWindowBlocks | None = None,
     ):
         self.cfg = cfg
         self.blocks = blocks
+        # the sliding-window layers' KV group, when the model has one (`window_blocks`)
+        self.window_blocks = window_blocks
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -66,9 +71,26 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def _grow(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Extends the request's block tables to ``num_tokens`` (starting from the ``cached``
+        prefix blocks); False (nothing taken) if a pool is full."""
+        if self.window_blocks is None:
+            return self.blocks.grow(req.block_table, num_tokens, cached)
+        assert not cached, "prefix caching is off with sliding-window layers"
+        return (
+            self.blocks.can_grow(req.block_table, num_tokens)
+            and self.window_blocks.grow(req.window_table, num_tokens, req.num_computed_tokens)
+            and self.blocks.grow(req.block_table, num_tokens)
+        )
+
+    def _free(self, req: Request) -> None:
+        self.blocks.free(req.block_table)
+        if self.window_blocks is not None:
+            self.window_blocks.free(req.window_table)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.blocks.free(req.block_table)
+        self._free(req)
         req.num_computed_tokens = 0
         req.num_indexed_blocks = 0
         req.status = Status.WAITING
@@ -84,7 +106,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.blocks.grow(req.block_table, req.num_computed_tokens + n):
+            while not self._grow(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -107,7 +129,7 @@ class Scheduler:
             cached = self._cached_prefix(req)
             start = len(cached) * self.blocks.block_size
             n = min(req.num_tokens - start, budget)
-            if not self.blocks.grow(req.block_table, start + n, cached):
+            if not self._grow(req, start + n, cached):
                 break
             self.waiting.popleft()
             req.num_indexed_blocks = len(cached)
@@ -144,7 +166,7 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         req.status = Status.FINISHED
         self.running.remove(req)
-        self.blocks.free(req.block_table)
+        self._free(req)
 
     def abort(self, request_id: int) -> Request | None:
         """Drops a waiting or running request and frees its blocks at once (the client went
@@ -153,7 +175,7 @@ class Scheduler:
             for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
-                    self.blocks.free(req.block_table)
+                    self._free(req)
                     req.status = Status.FINISHED
                     req.finish_reason = "abort"
                     return req

@@ -81,7 +81,7 @@ def test_step_matches_dense(seqs, nh, nkv, d, block_size, batched, chunked, monk
     scale = d**-0.5
     out = paged_attention(q, k_cache, v_cache, meta, scale)
     chunks = [n for _, n in seqs if n > 1]
-    assert (meta.derived.get(("prefill", block_size, q.dtype)) is not None) == (
+    assert (meta.derived.get(("prefill", block_size, q.dtype, None)) is not None) == (
         batched and bool(chunks)
     )
     ref = torch.cat([_dense(qi, k, v, scale) for qi, k, v in zip(qs, full_k, full_v)])
