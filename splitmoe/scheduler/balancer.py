@@ -287,18 +287,20 @@ class Balancer:
         self._same_device = self.comm_device == self.device
         self.set_placement(placement)
 
-    def set_placement(self, placement: Placement) -> None:
-        """Switches to a new placement (between steps, on every rank at the same step)."""
+    def set_placement(self, placement: Placement, layers: tuple[int, ...] | None = None) -> None:
+        """Switches to a new placement (between steps, on every rank at the same step);
+        ``layers``: only these layers' rows changed (a rebalance switches layer by layer)."""
         self.placement = placement
-        self.tables = {
-            layer: ReplicaTable.build(placement, layer, self.device) for layer in placement.layers
-        }
+        if layers is None:
+            layers = placement.layers
+            self.tables: dict[int, ReplicaTable] = {}
+            self._static: dict[int, torch.Tensor | None] = {}
+            self._native: dict[int, tuple] = {}
         # ``static``: this rank's slot of each expert, fixed per placement ([E] int64); None
         # where that slot is the expert id itself (one replica each, slots in expert order)
         experts = torch.arange(placement.num_experts, device=self.device)
-        self._static: dict[int, torch.Tensor | None] = {}
-        self._native: dict[int, tuple] = {}
-        for layer, table in self.tables.items():
+        for layer in layers:
+            table = self.tables[layer] = ReplicaTable.build(placement, layer, self.device)
             mine = assign("static", table, experts[:, None], self.attention_rank, self.cost, None)
             self._static[layer] = None if torch.equal(mine[:, 0], experts) else mine[:, 0]
             if self._lib is not None:
