@@ -25,7 +25,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 
 from tqdm import tqdm
@@ -416,6 +416,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_checkpoint(model)
         self._next_id = 0
         self._live: dict[int, RequestOutput] = {}
+        # progress that arrived while `stats` / `rebalance` waited, for the next `poll`
+        self._unpolled: list[tuple[RequestOutput, list[int]]] = []
         self._stats: dict[int, dict] = {}
         self.reset_metrics()
         self._start()
@@ -563,9 +565,24 @@ class LLM:
         """Waits for the next step's progress (up to ``timeout`` s, or the job's collective
         timeout); returns ``(output so far, new token ids)`` per request that advanced. A failed
         rank raises `RankFailure` here."""
-        progress: list[tuple[RequestOutput, list[int]]] = []
+        if self._unpolled:
+            progress, self._unpolled = self._unpolled, []
+            return progress
+        progress = []
         self._pump(timeout, progress, [])
         return progress
+
+    def _wait_for(self, answered: Callable[[], bool], timeout: float | None, what: str) -> None:
+        """Pumps the ranks' messages until ``answered()``, keeping the steps' progress for the
+        next `poll` (a request that finishes meanwhile is not lost to its caller)."""
+        deadline = time.monotonic() + (
+            self.config.parallel.timeout_s if timeout is None else timeout
+        )
+        while not answered():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(f"ranks did not {what} in time")
+            self._pump(left, self._unpolled, [])
 
     def _pump(self, timeout: float | None, progress: list | None, finished: list) -> None:
         """Reads the ranks' messages until one step's tokens (or a stats answer) arrived, up to
@@ -702,14 +719,8 @@ class LLM:
         self._stats = {}
         for q in self._in_qs:
             q.put((command,))
-        deadline = time.monotonic() + (
-            self.config.parallel.timeout_s if timeout is None else timeout
-        )
-        while len(self._stats) < len(self._procs):
-            if not self.poll(timeout=max(0.0, deadline - time.monotonic())) and (
-                time.monotonic() >= deadline
-            ):
-                self._fail("ranks did not answer a stats request in time")
+        n = len(self._procs)
+        self._wait_for(lambda: len(self._stats) >= n, timeout, "answer a stats request")
         return [self._stats[r] for r in range(len(self._procs))]
 
     def rebalance(self, timeout: float | None = None) -> dict:
@@ -723,14 +734,7 @@ class LLM:
         self._in_qs[0].put(("rebalance",))  # one rank asks; the control plane tells all
         for q in self._in_qs[1 : self.config.parallel.attention_ranks]:
             q.put(("wake",))
-        deadline = time.monotonic() + (
-            self.config.parallel.timeout_s if timeout is None else timeout
-        )
-        while 0 not in self._stats:
-            if not self.poll(timeout=max(0.0, deadline - time.monotonic())) and (
-                time.monotonic() >= deadline
-            ):
-                self._fail("ranks did not finish a rebalance in time")
+        self._wait_for(lambda: 0 in self._stats, timeout, "finish a rebalance")
         return self._stats.pop(0).get("stats") or {}
 
     def expert_load(self, timeout: float | None = None) -> dict:

@@ -264,17 +264,13 @@ def _loop(
             return
         if balance is not None:  # colocated: nothing to rebalance; asks answered at once
             if balance.in_transition and decision.ready:
-                with worker.timeline.span("rebalance switch", "compute"):
-                    if balance.switch_next(worker) and answer_pending:
+                with worker.timeline.span("rebalance", "compute"):
+                    if balance.advance(worker) and answer_pending:
                         _answer_rebalance(channel, balance)
                         answer_pending = False
             if decision.rebalance and not balance.in_transition:  # else: after this one
-                with worker.timeline.span("rebalance plan", "comm"):
-                    balance.begin(worker)
+                balance.begin()
                 answer_pending, rebalance_asked = rebalance_asked, False
-                if answer_pending and not balance.in_transition:  # nothing to move
-                    _answer_rebalance(channel, balance)
-                    answer_pending = False
         elif rebalance_asked:
             _answer_rebalance(channel, None)
             rebalance_asked = False
@@ -291,8 +287,7 @@ def _loop(
         else:
             worker.step(m)
         if balance is not None and balance.due() and not balance.in_transition:
-            with worker.timeline.span("rebalance plan", "comm"):
-                balance.begin(worker)
+            balance.begin()
 
 
 def _answer_rebalance(channel: Channel, balance: ExpertBalance | None) -> None:

@@ -28,16 +28,18 @@ class ExpertBalance:
     Rebalance protocol, without a stall: every decision comes from `StepSync`'s all-gather, so
     every rank takes it at the same step boundary.
 
-    1. `begin` (when a rank asked, or every ``rebalance_interval`` steps): all ranks all-reduce
-       the attention ranks' per-(layer, expert) pair counts of the window over the CPU group and
-       compute the same next placement. Expert ranks start reading the weights of their slots
-       whose expert changes, in a background thread (`LocalExperts.stage`); every rank keeps
-       serving the current placement meanwhile.
-    2. Each rank reports in the step all-gather whether its part is staged; from the first step
-       boundary where all are, `switch_next` moves one changed layer per boundary to the new
-       placement on every rank at once: attention ranks rebuild that layer's replica table,
-       expert ranks copy its staged weights into their slots (a memory copy of the changed
-       slots only). A step uses, per layer, one placement on every rank; no request is touched.
+    1. `begin` (when a rank asked, or every ``rebalance_interval`` steps): all ranks start an
+       all-reduce of the attention ranks' per-(layer, expert) pair counts of the window over the
+       CPU group, in the background.
+    2. Each rank reports in the step all-gather whether its part of the current phase is done
+       (`ready`); at a boundary where every rank is, `advance` takes the next phase on every
+       rank at once. First the plan: all compute the same next placement; expert ranks start
+       reading the weights of their slots whose expert changes, in a background thread
+       (`LocalExperts.stage`); every rank keeps serving the current placement meanwhile.
+    3. Then, once all are staged, one changed layer per boundary moves to the new placement:
+       attention ranks rebuild that layer's replica table, expert ranks copy its staged weights
+       into their slots (a memory copy of the changed slots only). A step uses, per layer, one
+       placement on every rank; no request is touched.
     """
 
     def __init__(
@@ -77,6 +79,8 @@ class ExpertBalance:
         self.measured_cost_s: dict | None = None
         # a rebalance in progress: the placement it moves to, this expert rank's staged
         # weights, the layers still to switch
+        self._reduce = None  # the load all-reduce in flight (a torch.distributed Work)
+        self._load: torch.Tensor | None = None
         self.target: Placement | None = None
         self._staged: StagedExperts | None = None
         self._to_switch: list[int] = []
@@ -115,47 +119,53 @@ class ExpertBalance:
     @property
     def in_transition(self) -> bool:
         """A rebalance has begun and not every changed layer has switched yet."""
-        return self.target is not None
+        return self._reduce is not None or self.target is not None
 
     @property
     def ready(self) -> bool:
-        """This rank's part of the next placement is staged (what it reports each step)."""
+        """This rank's part of the rebalance's next phase is done (what it reports each step):
+        its load all-reduce has completed, or its weights are staged."""
+        if self._reduce is not None:
+            return self._reduce.is_completed()
         return self._staged is None or self._staged.ready
 
-    def begin(self, worker) -> Placement:
-        """Collective over every rank: plans the next placement and starts staging it (see
-        the class doc); returns it."""
-        t = time.perf_counter()
+    def begin(self) -> None:
+        """Every rank, at the same boundary: starts the all-reduce of the window's load (the
+        attention ranks' pair counts) in the background; `advance` plans from it."""
         L, E = len(self.placement.layers), self.placement.num_experts
-        load = (
-            self.balancer.load.window.clone()
-            if self.balancer is not None
-            else torch.zeros(L, E, dtype=torch.int64)
-        )
-        dist.all_reduce(load, group=self.groups.cpu)
-        target = self.placement.plan(load)
         if self.balancer is not None:
+            self._load = self.balancer.load.window.clone()
             self.balancer.load.window.zero_()
         else:
+            self._load = torch.zeros(L, E, dtype=torch.int64)
+        self._reduce = dist.all_reduce(self._load, group=self.groups.cpu, async_op=True)
+        self.events.append({"time": time.time(), "event": "begin"})
+
+    def advance(self, worker) -> bool:
+        """Every rank, at the same boundary where every rank was `ready`: the rebalance's next
+        step (plan and start staging; then one changed layer per boundary). True once the new
+        placement is in use everywhere."""
+        if self._reduce is not None:
+            self._plan(worker)
+            return self.target is None
+        return self._switch_next(worker)
+
+    def _plan(self, worker) -> None:
+        t = time.perf_counter()
+        self._reduce.wait()
+        self._reduce = None
+        target = self.placement.plan(self._load)
+        if self.balancer is None:
             self._staged = worker.stage(target)
         changed = (target.slot_expert != self.placement.slot_expert).any(1).tolist()
         self.target = target
         self._to_switch = [layer for layer, c in zip(target.layers, changed) if c]
-        self.events.append(
-            {
-                "time": time.time(),
-                "event": "plan",
-                "version": target.version,
-                "plan_s": time.perf_counter() - t,
-            }
-        )
+        plan = {"time": time.time(), "event": "plan", "version": target.version}
+        self.events.append({**plan, "plan_s": time.perf_counter() - t})
         if not self._to_switch:
             self._finish()
-        return target
 
-    def switch_next(self, worker) -> bool:
-        """Between two steps, on every rank at the same boundary (all staged): the next changed
-        layer serves the new placement. True once the whole placement is in use."""
+    def _switch_next(self, worker) -> bool:
         t = time.perf_counter()
         layer = self._to_switch.pop(0)
         i = self.placement.layers.index(layer)
@@ -172,14 +182,8 @@ class ExpertBalance:
         else:
             worker.switch_layer(self._staged, layer, placement)
         self.placement = placement
-        self.events.append(
-            {
-                "time": time.time(),
-                "event": f"switch L{layer}",
-                "version": version,
-                "switch_s": time.perf_counter() - t,
-            }
-        )
+        switch = {"time": time.time(), "event": f"switch L{layer}", "version": version}
+        self.events.append({**switch, "switch_s": time.perf_counter() - t})
         if last:
             self._finish()
         return last
