@@ -307,7 +307,8 @@ class Balancer:
                 native = balance_cpu.Table.build(
                     table, mine[:, 0], placement.row(layer), placement.slot_rank
                 )
-                self._native[layer] = (ctypes.pointer(native), native)
+                # the table, what it points into, the layer's load counts (a fixed address)
+                self._native[layer] = (ctypes.pointer(native), native, self.load.row_ptr(layer))
 
     def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts [E]`` of this rank -> ``[A, E]`` of every attention rank (rank order)."""
@@ -335,11 +336,10 @@ class Balancer:
     def _choose_native(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """`choose` with the native CPU kernel: one call per layer (``global``: count, the
         all-gather, then quotas and deal), identical to `assign`."""
-        lib, (table, _) = self._lib, self._native[layer]
-        ids = topk_ids.contiguous() if topk_ids.dtype == torch.int64 else topk_ids.long()
-        out = torch.empty_like(ids)  # [T, k] int64 (~1.5 us, against ~3.5 for torch.empty)
+        lib, (table, _, load) = self._lib, self._native[layer]
+        ids = topk_ids.contiguous() if topk_ids.dtype is torch.int64 else topk_ids.long()
+        out = torch.empty_like(ids)  # [T, k] int64 (~0.7 us, against ~3 for torch.empty)
         P, at, to = ids.numel(), ids.data_ptr(), out.data_ptr()
-        load = self.load.row_ptr(layer)
         if self.policy == "static":
             balance_cpu.check(lib.smb_static(table, at, P, to, load))
             return out
