@@ -13,6 +13,10 @@ routing (the planner of `splitmoe.scheduler.placement`), then reports per policy
   ``torch.inference_mode``): counting its pairs per expert, the load statistics, the replica
   choice. Only the ``global`` policy's count all-gather collective itself is left out: a local
   copy of the same ``[A, E]`` counts stands in for it (the tensor work around it is timed).
+  ``cpu us``: the kernel the runtime uses on a CPU rank (the native C kernel,
+  `splitmoe.kernels.balance_cpu`); ``ref us``: the PyTorch reference it is tested against
+  (``kernel="torch"``), timed alternately in the same process; ``cuda us``: on a GPU (the
+  reference's tensor code, eager).
 
     python scripts/bench_balancer.py --quick              # the issue's shape only (seconds)
     python scripts/bench_balancer.py                      # the default grid, CPU (+ GPU if any)
@@ -97,7 +101,7 @@ def scenario(args, E, R_ranks, T, routing, device, cost, seed=0):
             "tokens": pairs.max().item() / pairs.float().mean().item(),
         }
         if name != "static*":
-            rows[name].update(decision_time(policy, pl, ids[0], counts, cost, device, args.reps))
+            rows[name].update(decision_times(policy, pl, ids[0], counts, cost, args.reps))
     return rows
 
 
@@ -110,35 +114,53 @@ class LocalGather(Balancer):
         self.gathered = gathered.reshape(-1).to(self.comm_device)
 
     def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        send = counts.to(self.comm_device)
-        out = torch.empty(
-            self.num_attention * send.numel(), dtype=send.dtype, device=self.comm_device
-        )
-        out.copy_(self.gathered)  # stands in for dist.all_gather_into_tensor(out, send)
-        return out.view(self.num_attention, -1).to(self.device)
+        self._gathered.copy_(self.gathered)  # stands in for all_gather_single(out, counts)
+        rows = self._gathered_rows
+        return rows if self._same_device else rows.to(self.device)
 
 
-def decision_time(policy, placement, x, counts, cost, device, reps):
-    """Median and p99 (us) of `Balancer.choose` on attention rank 0 (see the module doc)."""
+def _timer(policy, placement, x, counts, cost, device, kernel):
+    """One `Balancer.choose` call on attention rank 0 (see the module doc), timed."""
     A = counts.shape[0]
-    balancer = LocalGather(policy, placement, 0, A, cost, torch.device(device), gathered=counts)
+    balancer = LocalGather(
+        policy, placement, 0, A, cost, torch.device(device), gathered=counts, kernel=kernel
+    )
     x = x.to(device)
-    samples = []
+
+    def once() -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        balancer.choose(0, x)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e6
+
+    return once
+
+
+def _summary(samples: list[float], name: str) -> dict:
+    samples = sorted(samples)
+    median, p99 = samples[len(samples) // 2], samples[-len(samples) // 100 - 1]
+    return {f"{name}_us": median, f"{name}_p99": p99}
+
+
+def decision_times(policy, placement, x, counts, cost, reps, device="cpu"):
+    """Median and p99 (us) of `Balancer.choose` with the kernel the runtime uses on ``device``
+    and, on the CPU, with the PyTorch reference, the two alternated call by call."""
+    kernels = {device: "auto"} if device != "cpu" else {"cpu": "auto", "ref": "torch"}
+    timers = {k: _timer(policy, placement, x, counts, cost, device, v) for k, v in kernels.items()}
+    samples = {k: [] for k in kernels}
     with torch.inference_mode():
         for i in range(reps + 20):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            balancer.choose(0, x)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            if i >= 20:  # warm-up
-                samples.append((time.perf_counter() - t0) * 1e6)
-    samples.sort()
-    return {
-        f"{device}_us": samples[len(samples) // 2],
-        f"{device}_p99": samples[-len(samples) // 100 - 1],
-    }
+            for k, once in timers.items():
+                t = once()
+                if i >= 20:  # warm-up
+                    samples[k].append(t)
+    out = {}
+    for k, s in samples.items():
+        out.update(_summary(s, k))
+    return out
 
 
 def main() -> None:
@@ -172,6 +194,7 @@ def main() -> None:
     args.redundant_for = lambda E: E // 8 if args.redundant is None else args.redundant
     torch.set_num_threads(1)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    columns = ["cpu", "ref"] + devices[1:]
     cost = (
         ExpertCost(activate=args.activate)
         if args.activate
@@ -183,7 +206,7 @@ def main() -> None:
         f"{args.attention_ranks} attention ranks, top-{args.top_k}"
     )
     head = f"{'E':>4} {'ranks':>5} {'T':>5} {'routing':>8} {'policy':>8} {'cost':>6} {'tok':>6}"
-    head += "".join(f" {d + ' us':>9} {'p99':>7}" for d in devices)
+    head += "".join(f" {d + ' us':>9} {'p99':>7}" for d in columns)
     print(head)
     for E, R, T, routing in itertools.product(args.experts, args.ranks, args.tokens, args.routing):
         if R > E:
@@ -196,12 +219,12 @@ def main() -> None:
                 counts = torch.bincount(x.flatten(), minlength=E)[None].repeat(
                     args.attention_ranks, 1
                 )
-                rows[p].update(decision_time(p, pl, x, counts, cost, "cuda", args.reps))
+                rows[p].update(decision_times(p, pl, x, counts, cost, args.reps, "cuda"))
         for name, r in rows.items():
             line = (
                 f"{E:>4} {R:>5} {T:>5} {routing:>8} {name:>8} {r['cost']:>6.3f} {r['tokens']:>6.3f}"
             )
-            for d in devices:
+            for d in columns:
                 if f"{d}_us" in r:
                     line += f" {r[f'{d}_us']:>9.1f} {r[f'{d}_p99']:>7.1f}"
             print(line, flush=True)

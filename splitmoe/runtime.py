@@ -239,7 +239,8 @@ def _loop(
     shared_gpu: bool = False,
 ) -> None:
     busy = False
-    rebalance_asked = False  # this rank's channel asked; answered once done
+    rebalance_asked = False  # this rank's channel asked; answered once the switch is done
+    answer_pending = False  # a rebalance this rank asked for has begun, not finished
     while True:
         idle = topo.is_attention and not (busy or worker.has_work)
         inbox = channel.poll(IDLE_POLL_S if idle else 0.0)
@@ -260,12 +261,22 @@ def _loop(
             row = (tokens, channel.closed and not worker.has_work)
         else:
             row = (0, True)
+        ready = balance is None or balance.ready
         with worker.timeline.span("sync", "wait"):
-            decision = sync.exchange(*row, rebalance_asked)
+            decision = sync.exchange(*row, rebalance_asked, ready)
         if decision.finished:
             return
-        if decision.rebalance:
-            _rebalance(worker, channel, balance, rebalance_asked)
+        if balance is not None:  # colocated: nothing to rebalance; asks answered at once
+            if balance.in_transition and decision.ready:
+                with worker.timeline.span("rebalance", "compute"):
+                    if balance.advance(worker) and answer_pending:
+                        _answer_rebalance(channel, balance)
+                        answer_pending = False
+            if decision.rebalance and not balance.in_transition:  # else: after this one
+                balance.begin()
+                answer_pending, rebalance_asked = rebalance_asked, False
+        elif rebalance_asked:
+            _answer_rebalance(channel, None)
             rebalance_asked = False
         busy = decision.run
         if not busy:
@@ -279,17 +290,10 @@ def _loop(
                     channel.emit(updates, record)
         else:
             worker.step(m)
-        if balance is not None and balance.due():
-            _rebalance(worker, channel, balance, False)
+        if balance is not None and balance.due() and not balance.in_transition:
+            balance.begin()
 
 
-def _rebalance(worker, channel: Channel, balance: ExpertBalance | None, answer: bool) -> None:
-    """Every rank's rebalance (a collective; nothing to do colocated); ``answer``: this rank's
-    channel asked for it."""
-    if balance is not None:
-        with worker.timeline.span("rebalance", "comm"):
-            balance.rebalance(worker)
-    if answer:
-        channel.send_stats(
-            {"rebalanced": True, "stats": None if balance is None else balance.stats()}
-        )
+def _answer_rebalance(channel: Channel, balance: ExpertBalance | None) -> None:
+    """Tells this rank's front end that the rebalance it asked for is in use everywhere."""
+    channel.send_stats({"rebalanced": True, "stats": None if balance is None else balance.stats()})

@@ -4,9 +4,13 @@ every policy, and a live rebalance changes no output token."""
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_models import prompt_ids
 
 from splitmoe import LLM, SamplingParams
+from splitmoe.config import ModelConfig
+from splitmoe.expert_nodes.experts import LocalExperts
+from splitmoe.kernels.backends import moe_backend
 
 PROMPTS = [prompt_ids(n, seed=300 + i) for i, n in enumerate((3, 9, 17, 5, 12, 1))]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -80,15 +84,18 @@ def test_rebalance_mid_run_changes_no_token(tiny_ckpt, hf_ref):
         assert o.token_ids == hf_ref(ckpt, p, 8)
 
 
-def test_static_rebalance_mid_run(tiny_ckpt, hf_ref):
-    """Under the static policy a new placement mid-run (new replicas, new expert -> slot maps)
-    reaches the attention rank's dispatch: every token still HF's."""
+@pytest.mark.parametrize("policy", ["static", "local"])
+def test_rebalance_mid_run(tiny_ckpt, hf_ref, policy):
+    """A new placement mid-run (new replicas, new expert -> slot maps), staged in the
+    background and switched layer by layer, reaches the attention rank's dispatch: every token
+    still HF's."""
     ckpt = tiny_ckpt("qwen3_moe")
     with LLM(
         str(ckpt),
         attention_ranks=1,
         expert_ranks=2,
         redundant_experts=4,
+        balancer=policy,
         device="cpu",
     ) as llm:
         llm.generate(PROMPTS[:2], GREEDY)  # some load to place replicas by
@@ -97,6 +104,37 @@ def test_static_rebalance_mid_run(tiny_ckpt, hf_ref):
         got = _finished(llm, rids)
         stats = llm.stats()
     assert placed["placement_version"] >= 1
-    assert stats[0]["balancer"]["policy"] == "static"
+    assert stats[0]["balancer"]["policy"] == policy
+    # planned, then switched one changed layer per step boundary, on every rank
+    events = [e["event"] for e in stats[0]["balancer"]["rebalance_events"]]
+    assert events[:2] == ["begin", "plan"] and events[-1] == "done"
+    assert all(e.startswith("switch L") or e == "read" for e in events[2:-1])
     for p, r in zip(PROMPTS, rids):
         assert got[r].token_ids == hf_ref(ckpt, p, 8)
+
+
+def test_staged_weights_switch_one_layer_at_a_time(tiny_ckpt):
+    """`LocalExperts.stage` reads the changed slots' weights without touching the ones being
+    served; `apply` installs one layer's."""
+    cfg = ModelConfig.from_hf(str(tiny_ckpt("qwen3_moe")))
+    layers = cfg.moe_layers
+    old = {layer: [0, 1, 2] for layer in layers}
+    new = {layer: [0, 5, 2] for layer in layers}
+    experts = LocalExperts(
+        cfg, old, torch.float32, torch.device("cpu"), moe_backend("torch", torch.device("cpu"))
+    )
+    before = {layer: [w.clone() for w in experts.weights[layer]] for layer in layers}
+    staged = experts.stage(new)
+    staged.wait()
+    assert staged.changed == {layer: [1] for layer in layers}
+    for layer in layers:  # nothing served has changed yet
+        assert all(torch.equal(a, b) for a, b in zip(experts.weights[layer], before[layer]))
+    assert experts.apply(staged, layers[0]) == 1
+    want = LocalExperts(
+        cfg, new, torch.float32, torch.device("cpu"), moe_backend("torch", torch.device("cpu"))
+    )
+    assert all(
+        torch.equal(a, b) for a, b in zip(experts.weights[layers[0]], want.weights[layers[0]])
+    )
+    assert experts.layer_experts == {layers[0]: [0, 5, 2], **{la: old[la] for la in layers[1:]}}
+    assert all(torch.equal(a, b) for a, b in zip(experts.weights[layers[1]], before[layers[1]]))

@@ -17,12 +17,14 @@ from splitmoe.comm.distributed import Collective
 @dataclass(frozen=True)
 class StepDecision:
     """``tokens[r]``: tokens attention rank ``r`` computes this step (0 for expert ranks);
-    ``rebalance``: some rank asked for an expert rebalance, which every rank then runs before
-    this iteration's step."""
+    ``rebalance``: some rank asked for an expert rebalance, which every rank then starts before
+    this iteration's step; ``ready``: every rank has the weights of the next placement staged
+    (a rebalance in progress switches at such a step boundary)."""
 
     tokens: tuple[int, ...]
     finished: bool
     rebalance: bool = False
+    ready: bool = True
 
     @property
     def run(self) -> bool:
@@ -30,18 +32,23 @@ class StepDecision:
 
 
 class StepSync:
-    """All-gathers ``(tokens this step, done, rebalance wanted)`` from every rank over a CPU
-    collective of the whole world (shared memory on one host, else the gloo group)."""
+    """All-gathers ``(tokens this step, done, rebalance wanted, next placement staged)`` from
+    every rank over a CPU collective of the whole world (shared memory on one host, else the
+    gloo group)."""
 
     def __init__(self, group: Collective, world_size: int):
         self.group = group
         self.world_size = world_size
-        self._out = torch.zeros(world_size, 3, dtype=torch.int64)
+        self._out = torch.zeros(world_size, 4, dtype=torch.int64)
 
-    def exchange(self, tokens: int, done: bool, rebalance: bool = False) -> StepDecision:
+    def exchange(
+        self, tokens: int, done: bool, rebalance: bool = False, ready: bool = True
+    ) -> StepDecision:
         if self.world_size == 1:  # nothing to agree on
-            return StepDecision(tokens=(tokens,), finished=not tokens and done, rebalance=rebalance)
-        mine = torch.tensor([tokens, int(done), int(rebalance)], dtype=torch.int64)
+            return StepDecision(
+                tokens=(tokens,), finished=not tokens and done, rebalance=rebalance, ready=ready
+            )
+        mine = torch.tensor([tokens, int(done), int(rebalance), int(ready)], dtype=torch.int64)
         self.group.all_gather_single(self._out.view(-1), mine)
         rows = self._out.tolist()
         counts = tuple(r[0] for r in rows)
@@ -49,6 +56,7 @@ class StepSync:
             tokens=counts,
             finished=not any(counts) and all(r[1] for r in rows),
             rebalance=any(r[2] for r in rows),
+            ready=all(r[3] for r in rows),
         )
 
     def warm_up(self, data_group: dist.ProcessGroup, comm_device: torch.device) -> None:

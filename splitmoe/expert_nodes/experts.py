@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -10,6 +13,59 @@ from splitmoe.comm.transport import ExpertBatch
 from splitmoe.config import ModelConfig
 from splitmoe.kernels.backends import MoeBackend
 from splitmoe.models.loader import load_expert_weights
+
+
+def _lower_priority() -> None:
+    """This thread yields the CPU to the serving threads (Linux: a thread is a task with its
+    own nice value): a rebalance's read then slows the steps it overlaps less."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux
+        pass
+
+
+class StagedExperts:
+    """The weights of the next placement's changed slots, read in a background thread:
+    ``changed[layer]``: local slots whose expert changes; ``expert_ids[layer]``: the experts of
+    every local slot after the switch. `ready` polls; `weights` raises what the reader raised."""
+
+    def __init__(self, changed: dict[int, list[int]], expert_ids: dict[int, list[int]]):
+        self.changed = changed
+        self.expert_ids = expert_ids
+        self._weights: dict | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.read_s = 0.0  # how long the read took
+
+    def start(self, read: Callable[[], dict]) -> None:
+        def run():
+            t = time.perf_counter()
+            try:
+                _lower_priority()
+                self._weights = read()
+            except BaseException as e:  # handed to the rank's thread by `weights`
+                self._error = e
+            self.read_s = time.perf_counter() - t
+
+        self._thread = threading.Thread(target=run, name="stage-experts", daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        """Reading finished (or failed: `weights` raises it at the switch)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def weights(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        self.wait()
+        if self._error is not None:
+            raise RuntimeError(
+                f"reading the rebalanced experts' weights failed: {self._error}"
+            ) from self._error
+        return self._weights or {}
 
 
 class LocalExperts:
@@ -52,30 +108,47 @@ class LocalExperts:
         """Distinct experts held in any layer."""
         return sorted({e for ids in self.layer_experts.values() for e in ids})
 
-    def update(self, expert_ids: dict[int, list[int]]) -> int:
-        """Rebalance: makes each layer's local slots hold ``expert_ids[layer]`` (same slot count),
-        reading only the (layer, slot) weights that change, from the checkpoint; returns how many
-        changed."""
+    def stage(self, expert_ids: dict[int, list[int]]) -> StagedExperts:
+        """Rebalance, first half: starts reading, in a background thread, the weights of the
+        (layer, local slot) pairs whose expert differs in ``expert_ids`` (same slot counts),
+        from the checkpoint, while this rank keeps serving its current experts. `apply` then
+        installs one layer at a time."""
         changed = {
             layer: [s for s, (a, b) in enumerate(zip(self.layer_experts[layer], ids)) if a != b]
             for layer, ids in expert_ids.items()
         }
         changed = {layer: slots for layer, slots in changed.items() if slots}
-        fresh = load_expert_weights(
-            self.cfg,
-            {layer: [expert_ids[layer][s] for s in slots] for layer, slots in changed.items()},
-            self.dtype,
-            str(self.device),
-        )
-        n = 0
-        for layer, slots in changed.items():
+        staged = StagedExperts(changed, {layer: list(ids) for layer, ids in expert_ids.items()})
+        wanted = {layer: [expert_ids[layer][s] for s in slots] for layer, slots in changed.items()}
+        staged.start(lambda: self._read(wanted))
+        return staged
+
+    def _read(self, wanted: dict[int, list[int]]) -> dict[int, tuple[torch.Tensor, ...]]:
+        """`load_expert_weights` for `stage`'s thread. On a GPU it reads into host memory and
+        copies on a stream of its own, finished before it returns: the serving stream never
+        waits for it."""
+        if self.device.type != "cuda":
+            return load_expert_weights(self.cfg, wanted, self.dtype, str(self.device))
+        host = load_expert_weights(self.cfg, wanted, self.dtype, "cpu")
+        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            out = {k: tuple(t.to(self.device) for t in ts) for k, ts in host.items()}
+        stream.synchronize()
+        return out
+
+    def apply(self, staged: StagedExperts, layer: int) -> int:
+        """Rebalance, second half, between two steps: copies ``layer``'s staged weights into
+        their local slots (only the changed slots: a memory copy, no checkpoint read); returns
+        how many slots changed."""
+        slots = staged.changed.get(layer, [])
+        if slots:
             idx = torch.tensor(slots, device=self.weights[layer][0].device)
-            for held, new in zip(self.weights[layer], fresh[layer]):  # w13, w2 (, b13, b2)
-                held[idx] = new
-            self.layer_experts[layer] = list(expert_ids[layer])
-            n += len(slots)
-        self.weights_reloaded += n
-        return n
+            # w13, w2 (and with expert biases b13, b2)
+            for held, new in zip(self.weights[layer], staged.weights()[layer]):
+                held.index_copy_(0, idx, new)
+        self.layer_experts[layer] = list(staged.expert_ids[layer])
+        self.weights_reloaded += len(slots)
+        return len(slots)
 
     def compute(
         self, layer: int, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor

@@ -8,7 +8,7 @@ import torch
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
-from splitmoe.expert_nodes.experts import LocalExperts
+from splitmoe.expert_nodes.experts import LocalExperts, StagedExperts
 from splitmoe.kernels.backends import moe_backend
 from splitmoe.scheduler.placement import Placement
 from splitmoe.timeline import Timeline
@@ -47,9 +47,15 @@ class ExpertWorker:
             "moe_backend": self.experts.backend.name,
         }
 
-    def set_placement(self, placement: Placement) -> None:
-        """Rebalance (between steps): loads the weights of the slots whose expert changes."""
-        self.experts.update(placement.experts_on(self.topo.expert_index))
+    def stage(self, placement: Placement) -> StagedExperts:
+        """Rebalance, first half: starts reading the weights of this rank's slots whose expert
+        changes in ``placement``, in the background (`LocalExperts.stage`)."""
+        return self.experts.stage(placement.experts_on(self.topo.expert_index))
+
+    def switch_layer(self, staged: StagedExperts, layer: int, placement: Placement) -> None:
+        """Rebalance, second half, between two steps: ``layer`` serves its slots' new experts;
+        ``placement``: the placement in use from now on."""
+        self.experts.apply(staged, layer)
         self.placement = placement
 
     def step(self, micro_batches: int = 1) -> None:

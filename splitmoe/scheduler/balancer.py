@@ -27,10 +27,16 @@ so the per-step code is a short fixed sequence of calls (~30 for ``global``): ev
 depends only on the placement is in `ReplicaTable`; only the experts with more than one replica
 (``E2 <= R``) are water-filled and cut; `deal` hands out the pairs with one sort (numpy's radix
 sort on CPU). No host synchronisation, so the same code runs on a GPU.
+
+This tensor code is the reference: CPU ranks decide with the native kernel
+(`splitmoe.kernels.balance_cpu`, one C call per layer, two for ``global``), which makes the same
+choices bit for bit (~10 us for ``global`` at that shape; `Balancer` ``kernel``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +44,7 @@ import numpy as np
 import torch
 
 from splitmoe.config import BALANCER_POLICIES
+from splitmoe.kernels import balance_cpu
 from splitmoe.kernels.expert_sort import count_keys
 from splitmoe.scheduler.placement import Placement
 
@@ -45,6 +52,10 @@ if TYPE_CHECKING:
     from splitmoe.comm.distributed import Collective
 
 POLICIES = BALANCER_POLICIES
+# Which code makes the decision: "auto" is the native CPU kernel on CPU ranks (`balance_cpu`),
+# the PyTorch reference elsewhere; "torch" is the reference everywhere (tests, benchmarks).
+KERNELS = ("auto", "native", "torch")
+logger = logging.getLogger("splitmoe")
 _BIG = 1 << 50  # cost of a padding replica: never worth using
 
 
@@ -197,6 +208,11 @@ class LoadStats:
         self._window = torch.zeros(len(layers), num_experts, dtype=torch.int64)
         self._total = torch.zeros_like(self._window)
 
+    def row_ptr(self, layer: int) -> int:
+        """Address of ``layer``'s pending counts (``[E]`` int64, CPU): the native kernel adds
+        into it."""
+        return self._rows[layer].data_ptr()
+
     def add(self, layer: int, counts: torch.Tensor) -> None:
         self._rows[layer].add_(counts)
 
@@ -251,55 +267,64 @@ class Balancer:
         device: torch.device,
         group: Collective | None = None,
         comm_device: torch.device | None = None,
+        kernel: str = "auto",
     ):
         if policy not in POLICIES:
             raise ValueError(f"balancer={policy!r} must be one of {POLICIES}")
+        if kernel not in KERNELS:
+            raise ValueError(f"balancer kernel={kernel!r} must be one of {KERNELS}")
         self.policy = policy
         self.attention_rank = attention_rank
         self.num_attention = num_attention
         self.cost = cost
-        self.device = device
+        self.device = torch.device(device)
         self.group = group
         self.comm_device = comm_device or torch.device("cpu")
-        self.load = LoadStats(placement.layers, placement.num_experts, device)
+        self.kernel = resolve_kernel(kernel, self.device)
+        self._lib = balance_cpu.library() if self.kernel == "native" else None
+        self.load = LoadStats(placement.layers, placement.num_experts, self.device)
+        E = placement.num_experts
+        # the count all-gather's buffers, reused every call (consumed before the next one)
+        self._counts = torch.zeros(E, dtype=torch.int64, device=self.device)
+        self._gathered = torch.zeros(num_attention * E, dtype=torch.int64, device=self.comm_device)
+        self._gathered_rows = self._gathered.view(num_attention, E)  # [A, E]
+        self._same_device = self.comm_device == self.device
         self.set_placement(placement)
 
-    def set_placement(self, placement: Placement) -> None:
-        """Switches to a new placement (between steps, on every rank at the same step)."""
+    def set_placement(self, placement: Placement, layers: tuple[int, ...] | None = None) -> None:
+        """Switches to a new placement (between steps, on every rank at the same step);
+        ``layers``: only these layers' rows changed (a rebalance switches layer by layer)."""
         self.placement = placement
-        self.tables = {
-            layer: ReplicaTable.build(placement, layer, self.device) for layer in placement.layers
-        }
+        if layers is None:
+            layers = placement.layers
+            self.tables: dict[int, ReplicaTable] = {}
+            self._static: dict[int, torch.Tensor | None] = {}
+            self._native: dict[int, tuple] = {}
         # ``static``: this rank's slot of each expert, fixed per placement ([E] int64); None
         # where that slot is the expert id itself (one replica each, slots in expert order)
         experts = torch.arange(placement.num_experts, device=self.device)
-        self._static: dict[int, torch.Tensor | None] = {}
-        for layer, table in self.tables.items():
+        for layer in layers:
+            table = self.tables[layer] = ReplicaTable.build(placement, layer, self.device)
             mine = assign("static", table, experts[:, None], self.attention_rank, self.cost, None)
             self._static[layer] = None if torch.equal(mine[:, 0], experts) else mine[:, 0]
+            if self._lib is not None:
+                native = balance_cpu.Table.build(
+                    table, mine[:, 0], placement.row(layer), placement.slot_rank
+                )
+                # the table, what it points into, the layer's load counts (a fixed address)
+                self._native[layer] = (ctypes.pointer(native), native, self.load.row_ptr(layer))
 
     def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts [E]`` of this rank -> ``[A, E]`` of every attention rank (rank order)."""
         if self.group is None:
             return counts[None, :]
-        send = counts.to(self.comm_device)
-        out = torch.empty(
-            self.num_attention * send.numel(), dtype=send.dtype, device=self.comm_device
-        )
-        self.group.all_gather_single(out, send)
-        return out.view(self.num_attention, -1).to(self.device)
-
-    def static_map(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        """What `choose` does under the ``static`` policy on the CPU, for a transport that maps
-        and counts itself (`FlatTransport.dispatch_static`): this rank's slot of each expert
-        (``[E]`` int64; None: the expert id itself) and the layer's load counts (``[E]`` int64,
-        to add each (token, expert) to). None under the other policies, or off the CPU."""
-        if self.policy != "static" or self.load._rows_np is None:
-            return None
-        return self._static[layer], self.load._rows[layer]
+        self.group.all_gather_single(self._gathered, counts.to(self.comm_device))
+        return self._gathered_rows if self._same_device else self._gathered_rows.to(self.device)
 
     def choose(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """``topk_ids [T, k]`` -> ``slots [T, k]`` int64 (collective for ``global``)."""
+        if self._lib is not None:
+            return self._choose_native(layer, topk_ids)
         if self.policy == "static":  # a fixed lookup (the same as `assign`'s); counts only kept
             self.load.count(layer, topk_ids)
             mine = self._static[layer]
@@ -311,6 +336,55 @@ class Balancer:
         return assign(
             self.policy, table, topk_ids, self.attention_rank, self.cost, counts, all_counts
         )
+
+    def _choose_native(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """`choose` with the native CPU kernel: one call per layer (``global``: count, the
+        all-gather, then quotas and deal), identical to `assign`."""
+        lib, (table, _, load) = self._lib, self._native[layer]
+        ids = topk_ids.contiguous() if topk_ids.dtype is torch.int64 else topk_ids.long()
+        out = torch.empty_like(ids)  # [T, k] int64 (~0.7 us, against ~3 for torch.empty)
+        P, at, to = ids.numel(), ids.data_ptr(), out.data_ptr()
+        if self.policy == "static":
+            balance_cpu.check(lib.smb_static(table, at, P, to, load))
+            return out
+        counts = self._counts
+        E = counts.numel()
+        balance_cpu.check(lib.smb_count(at, P, E, counts.data_ptr(), load))
+        a = self.attention_rank
+        if self.policy == "local":
+            balance_cpu.check(lib.smb_local(table, at, P, a, counts.data_ptr(), to))
+            return out
+        gathered = self.gather_counts(counts)
+        balance_cpu.check(
+            lib.smb_global(
+                table, at, P, a, gathered.shape[0], gathered.data_ptr(), counts.data_ptr(),
+                self.cost.activate, to,
+            )
+        )  # fmt: skip
+        return out
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """``"auto"``: ``"native"`` on a CPU device when the C kernel builds, else ``"torch"`` (on
+    a CPU without a C compiler with one warning naming the cause: the decision is the same,
+    only slower); ``"native"`` off the CPU, or without a compiler, is an error."""
+    if kernel == "torch" or (kernel == "auto" and device.type != "cpu"):
+        return "torch"
+    if device.type != "cpu":
+        raise ValueError(f"balancer kernel='native' runs on CPU ranks, not on {device}")
+    try:
+        balance_cpu.library()
+    except balance_cpu.NativeUnavailable as e:
+        if kernel == "native":
+            raise
+        if not _warned[0]:
+            logger.warning("%s; the balancer falls back to its (slower) PyTorch reference", e)
+            _warned[0] = True
+        return "torch"
+    return "native"
+
+
+_warned = [False]  # the missing-compiler warning, once per process
 
 
 def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -1,0 +1,169 @@
+"""The balancer's native CPU kernel (`balance_cpu.c`): one call per layer and policy.
+
+The C source is compiled once with the system C compiler (``$CC``, else ``cc`` / ``gcc``;
+~0.2 s) into ``$XDG_CACHE_HOME/splitmoe`` (``~/.cache/splitmoe``), named by the hash of the
+source and the compiler, and loaded with ctypes: no build step at install time, no torch
+headers, and ranks that start together build it once (a rank that finds the library loads it;
+concurrent builds write to private names and rename atomically). The kernel reads the
+tensors' memory in place (``data_ptr``), so a call costs the ctypes round trip (~1 us) plus
+its loops; the PyTorch code in `splitmoe.scheduler.balancer` stays the reference it is tested
+against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("balance_cpu.c")
+_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
+_ERRORS = {
+    -1: "an expert id outside [0, num_experts)",
+    -2: "counts that disagree with topk_ids",
+    -3: "out of memory",
+}
+
+
+class NativeUnavailable(RuntimeError):
+    """No C compiler, or the build failed (the message says which and what to do)."""
+
+
+class Table(ctypes.Structure):
+    """One layer's `table_t` (see the C source); keeps the tensors it points into alive."""
+
+    _fields_ = [
+        ("E", ctypes.c_int64),
+        ("M", ctypes.c_int64),
+        ("R", ctypes.c_int64),
+        ("E2", ctypes.c_int64),
+        ("nrep", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("static_slot", ctypes.c_void_p),
+        ("multi", ctypes.c_void_p),
+        ("replica_rank", ctypes.c_void_p),
+        ("S", ctypes.c_int64),
+        ("slot_expert", ctypes.c_void_p),
+        ("slot_rank", ctypes.c_void_p),
+        ("direct", ctypes.c_void_p),
+    ]
+
+    @classmethod
+    def build(cls, table, static_slot: torch.Tensor, slot_expert: torch.Tensor,
+              slot_rank: torch.Tensor) -> Table:  # fmt: skip
+        """From a `ReplicaTable` (CPU), this rank's static slot per expert ``[E]`` and the
+        layer's ``slot_expert [S]`` / ``slot_rank [S]``."""
+        keep = [
+            t.to(torch.int64).contiguous()
+            for t in (
+                table.num_replicas,
+                table.replica_slots,
+                static_slot,
+                table.multi.reshape(-1),
+                table.replica_rank,
+                slot_expert,
+                slot_rank,
+            )
+        ]
+        nrep, slots, static, multi, rank, expert, srank = keep
+        direct = slots[:, 0].clone()  # [E] single-replica experts' slot, else -1 - row
+        direct[multi] = -1 - torch.arange(multi.numel())
+        keep.append(direct)
+        out = cls(
+            E=slots.shape[0],
+            M=slots.shape[1],
+            R=table.num_ranks,
+            E2=multi.numel(),
+            nrep=nrep.data_ptr(),
+            slots=slots.data_ptr(),
+            static_slot=static.data_ptr(),
+            multi=multi.data_ptr(),
+            replica_rank=rank.data_ptr(),
+            S=expert.numel(),
+            slot_expert=expert.data_ptr(),
+            slot_rank=srank.data_ptr(),
+            direct=direct.data_ptr(),
+        )
+        out._keep = keep
+        return out
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "splitmoe"
+
+
+def _compiler() -> str:
+    for name in filter(None, (os.environ.get("CC"), "cc", "gcc", "clang")):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise NativeUnavailable(
+        "the balancer's native CPU kernel needs a C compiler (cc, gcc or clang on PATH, or "
+        "$CC): install one (e.g. apt-get install gcc)"
+    )
+
+
+def build(cache_dir: Path | None = None) -> Path:
+    """The compiled library's path, building it if this source and compiler have none yet."""
+    cc = _compiler()
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + cc.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    cache = cache_dir or _cache_dir()
+    lib = cache / f"balance_cpu-{key}.so"
+    if lib.exists():
+        return lib
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", dir=cache)
+    except OSError as e:
+        raise NativeUnavailable(
+            f"the balancer's native CPU kernel is built into {cache}, which is not writable "
+            f"({e}): point $XDG_CACHE_HOME at a writable directory"
+        ) from e
+    os.close(fd)
+    try:
+        run = subprocess.run([cc, *_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise NativeUnavailable(
+                f"building the balancer's native CPU kernel with {cc} failed:\n{run.stderr}"
+            )
+        os.replace(tmp, lib)  # atomic: a concurrent rank sees no half-written library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernel (built on first use); raises `NativeUnavailable`."""
+    global _LIB
+    if _LIB is None:
+        lib = ctypes.CDLL(str(build()))
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        tab = ctypes.POINTER(Table)
+        for name, args in {
+            "smb_static": [tab, p, i64, p, p],
+            "smb_count": [p, i64, i64, p, p],
+            "smb_local": [tab, p, i64, i64, p, p],
+            "smb_global": [tab, p, i64, i64, i64, p, p, i64, p],
+        }.items():
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = ctypes.c_int
+        _LIB = lib
+    return _LIB
+
+
+def check(rc: int) -> None:
+    if rc:
+        raise ValueError(f"balancer: {_ERRORS.get(rc, f'error {rc}')} (native kernel)")
