@@ -15,8 +15,11 @@ routing (the planner of `splitmoe.scheduler.placement`), then reports per policy
   copy of the same ``[A, E]`` counts stands in for it (the tensor work around it is timed).
   ``cpu us``: the kernel the runtime uses on a CPU rank (the native C kernel,
   `splitmoe.kernels.balance_cpu`); ``ref us``: the PyTorch reference it is tested against
-  (``kernel="torch"``), timed alternately in the same process; ``cuda us``: on a GPU (the
-  reference's tensor code, eager).
+  (``kernel="torch"``), timed alternately in the same process. On a GPU, to completion
+  (synchronised): ``cuda us`` the Triton kernels the runtime uses there
+  (`splitmoe.kernels.balance_triton`), eager; ``graph us`` the same call captured once in a
+  CUDA graph and replayed; ``curef us`` the reference's tensor code, eager (the count
+  all-gather's buffer on the GPU, as with NCCL).
 
     python scripts/bench_balancer.py --quick              # the issue's shape only (seconds)
     python scripts/bench_balancer.py                      # the default grid, CPU (+ GPU if any)
@@ -119,13 +122,35 @@ class LocalGather(Balancer):
         return rows if self._same_device else rows.to(self.device)
 
 
-def _timer(policy, placement, x, counts, cost, device, kernel):
-    """One `Balancer.choose` call on attention rank 0 (see the module doc), timed."""
+def _timer(policy, placement, x, counts, cost, device, kernel, graph=False):
+    """One `Balancer.choose` call on attention rank 0 (see the module doc), timed; ``graph``:
+    captured once in a CUDA graph, each call a replay."""
     A = counts.shape[0]
+    dev = torch.device(device)
     balancer = LocalGather(
-        policy, placement, 0, A, cost, torch.device(device), gathered=counts, kernel=kernel
-    )
+        policy, placement, 0, A, cost, dev, gathered=counts, kernel=kernel,
+        comm_device=dev if device == "cuda" else None,
+    )  # fmt: skip
     x = x.to(device)
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # compile and warm up outside the capture
+                balancer.choose(0, x)
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            balancer.choose(0, x)
+
+        def replay() -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            g.replay()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) * 1e6
+
+        return replay
 
     def once() -> float:
         if device == "cuda":
@@ -148,8 +173,14 @@ def _summary(samples: list[float], name: str) -> dict:
 def decision_times(policy, placement, x, counts, cost, reps, device="cpu"):
     """Median and p99 (us) of `Balancer.choose` with the kernel the runtime uses on ``device``
     and, on the CPU, with the PyTorch reference, the two alternated call by call."""
-    kernels = {device: "auto"} if device != "cpu" else {"cpu": "auto", "ref": "torch"}
-    timers = {k: _timer(policy, placement, x, counts, cost, device, v) for k, v in kernels.items()}
+    if device == "cpu":
+        kernels = {"cpu": ("auto", False), "ref": ("torch", False)}
+    else:  # the Triton kernels ("auto" on CUDA) eager and replayed, the reference eager
+        kernels = {"cuda": ("auto", False), "graph": ("auto", True), "curef": ("torch", False)}
+    timers = {
+        k: _timer(policy, placement, x, counts, cost, device, kernel, graph)
+        for k, (kernel, graph) in kernels.items()
+    }
     samples = {k: [] for k in kernels}
     with torch.inference_mode():
         for i in range(reps + 20):
@@ -194,7 +225,7 @@ def main() -> None:
     args.redundant_for = lambda E: E // 8 if args.redundant is None else args.redundant
     torch.set_num_threads(1)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    columns = ["cpu", "ref"] + devices[1:]
+    columns = ["cpu", "ref"] + (["cuda", "graph", "curef"] if "cuda" in devices else [])
     cost = (
         ExpertCost(activate=args.activate)
         if args.activate

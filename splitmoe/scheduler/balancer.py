@@ -46,6 +46,7 @@ import torch
 from splitmoe.config import BALANCER_POLICIES
 from splitmoe.kernels import balance_cpu
 from splitmoe.kernels.expert_sort import count_keys
+from splitmoe.kernels.triton_utils import require_triton
 from splitmoe.scheduler.placement import Placement
 
 if TYPE_CHECKING:
@@ -53,8 +54,9 @@ if TYPE_CHECKING:
 
 POLICIES = BALANCER_POLICIES
 # Which code makes the decision: "auto" is the native CPU kernel on CPU ranks (`balance_cpu`),
-# the PyTorch reference elsewhere; "torch" is the reference everywhere (tests, benchmarks).
-KERNELS = ("auto", "native", "torch")
+# the Triton kernels on CUDA ranks (`balance_triton`); "torch" is the reference everywhere
+# (tests, benchmarks).
+KERNELS = ("auto", "native", "triton", "torch")
 logger = logging.getLogger("splitmoe")
 _BIG = 1 << 50  # cost of a padding replica: never worth using
 
@@ -213,6 +215,10 @@ class LoadStats:
         into it."""
         return self._rows[layer].data_ptr()
 
+    def row(self, layer: int) -> torch.Tensor:
+        """``layer``'s pending counts ``[E]`` int64 on the balancer's device (kernels add in)."""
+        return self._rows[layer]
+
     def add(self, layer: int, counts: torch.Tensor) -> None:
         self._rows[layer].add_(counts)
 
@@ -282,6 +288,7 @@ class Balancer:
         self.comm_device = comm_device or torch.device("cpu")
         self.kernel = resolve_kernel(kernel, self.device)
         self._lib = balance_cpu.library() if self.kernel == "native" else None
+        self._triton = _triton_module() if self.kernel == "triton" else None
         self.load = LoadStats(placement.layers, placement.num_experts, self.device)
         E = placement.num_experts
         # the count all-gather's buffers, reused every call (consumed before the next one)
@@ -300,6 +307,7 @@ class Balancer:
             self.tables: dict[int, ReplicaTable] = {}
             self._static: dict[int, torch.Tensor | None] = {}
             self._native: dict[int, tuple] = {}
+            self._tri: dict[int, object] = {}
         # ``static``: this rank's slot of each expert, fixed per placement ([E] int64); None
         # where that slot is the expert id itself (one replica each, slots in expert order)
         experts = torch.arange(placement.num_experts, device=self.device)
@@ -313,6 +321,11 @@ class Balancer:
                 )
                 # the table, what it points into, the layer's load counts (a fixed address)
                 self._native[layer] = (ctypes.pointer(native), native, self.load.row_ptr(layer))
+            if self._triton is not None:
+                self._tri[layer] = self._triton.Tables(
+                    table, mine[:, 0], placement.row(layer), placement.slot_rank,
+                    _direct(table),
+                )  # fmt: skip
 
     def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts [E]`` of this rank -> ``[A, E]`` of every attention rank (rank order)."""
@@ -325,6 +338,8 @@ class Balancer:
         """``topk_ids [T, k]`` -> ``slots [T, k]`` int64 (collective for ``global``)."""
         if self._lib is not None:
             return self._choose_native(layer, topk_ids)
+        if self._triton is not None:
+            return self._choose_triton(layer, topk_ids)
         if self.policy == "static":  # a fixed lookup (the same as `assign`'s); counts only kept
             self.load.count(layer, topk_ids)
             mine = self._static[layer]
@@ -363,11 +378,53 @@ class Balancer:
         )  # fmt: skip
         return out
 
+    def _choose_triton(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """`choose` with the Triton kernels: one launch per layer (``global``: counts, the
+        all-gather, then quotas and deal), no host synchronisation, identical to `assign`."""
+        kernels, t = self._triton, self._tri[layer]
+        ids = topk_ids.contiguous()
+        out = torch.empty(ids.shape, dtype=torch.int64, device=ids.device)
+        load = self.load.row(layer)
+        if self.policy == "static":
+            kernels.static(t, ids, out, load)
+        elif self.policy == "local":
+            kernels.local(t, ids, self.attention_rank, self._counts, load, out)
+        else:
+            kernels.count(t, ids, self._counts, load)
+            gathered = self.gather_counts(self._counts).contiguous()
+            kernels.global_(t, ids, self.attention_rank, gathered, self.cost.activate, out)
+        return out
+
+
+def _triton_module():
+    from splitmoe.kernels import balance_triton  # imports triton: only on the ranks using it
+
+    return balance_triton
+
+
+def _direct(table: ReplicaTable) -> torch.Tensor:
+    """``[E]``: a single-replica expert's slot, else ``-1 - q`` (its row among the multi
+    experts), as the kernels' deal reads it."""
+    direct = table.replica_slots[:, 0].clone()
+    direct[table.multi[:, 0]] = -1 - torch.arange(table.multi.shape[0], device=direct.device)
+    return direct
+
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
     """``"auto"``: ``"native"`` on a CPU device when the C kernel builds, else ``"torch"`` (on
     a CPU without a C compiler with one warning naming the cause: the decision is the same,
-    only slower); ``"native"`` off the CPU, or without a compiler, is an error."""
+    only slower); ``"triton"`` on CUDA when triton is installed, else ``"torch"``.
+    ``"native"`` off the CPU, or without a compiler, is an error; so is ``"triton"`` without
+    triton or (outside ``TRITON_INTERPRET=1``) off CUDA."""
+    if kernel == "triton":
+        require_triton("balancer kernel", device)
+        return "triton"
+    if kernel == "auto" and device.type == "cuda":
+        try:
+            require_triton("balancer kernel", device)
+        except RuntimeError:
+            return "torch"
+        return "triton"
     if kernel == "torch" or (kernel == "auto" and device.type != "cpu"):
         return "torch"
     if device.type != "cpu":
