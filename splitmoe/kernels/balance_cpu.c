@@ -30,28 +30,63 @@ typedef struct {
                                     row q among the multi experts */
 } table_t;
 
+/* Pairs per expert of ids into counts[e] (+=), checking the ids. Four histograms, one per lane
+ * of four consecutive pairs, summed at the end: a single `counts[e] += 1` chain waits on the
+ * previous store whenever an expert repeats within a few pairs (hot experts), ~10% of the
+ * `static` call. `out`: when not NULL, out[i] = lookup[ids[i]] in the same pass. */
+#define LANE_MAX 1024
+static int histogram(const int64_t *restrict ids, int64_t P, int64_t E, int64_t *restrict counts,
+                     const int64_t *restrict lookup, int64_t *restrict out) {
+    if (E > LANE_MAX) {
+        for (int64_t i = 0; i < P; i++) {
+            int64_t e = ids[i];
+            if ((uint64_t)e >= (uint64_t)E) return -1;
+            if (out) out[i] = lookup[e];
+            counts[e] += 1;
+        }
+        return 0;
+    }
+    int32_t h[4][LANE_MAX];
+    memset(h, 0, sizeof(h[0]) * 4);
+    const uint64_t n = (uint64_t)E;
+    int64_t i = 0;
+    for (; i + 4 <= P; i += 4) {
+        int64_t e0 = ids[i], e1 = ids[i + 1], e2 = ids[i + 2], e3 = ids[i + 3];
+        if ((uint64_t)e0 >= n || (uint64_t)e1 >= n || (uint64_t)e2 >= n || (uint64_t)e3 >= n)
+            return -1;
+        if (out) {
+            out[i] = lookup[e0];
+            out[i + 1] = lookup[e1];
+            out[i + 2] = lookup[e2];
+            out[i + 3] = lookup[e3];
+        }
+        h[0][e0]++;
+        h[1][e1]++;
+        h[2][e2]++;
+        h[3][e3]++;
+    }
+    for (; i < P; i++) {
+        int64_t e = ids[i];
+        if ((uint64_t)e >= n) return -1;
+        if (out) out[i] = lookup[e];
+        h[0][e]++;
+    }
+    for (int64_t e = 0; e < E; e++) counts[e] += (int64_t)h[0][e] + h[1][e] + h[2][e] + h[3][e];
+    return 0;
+}
+
 /* `static`: out[i] = static_slot[ids[i]]; load[ids[i]] += 1 per pair. */
 int smb_static(const table_t *t, const int64_t *restrict ids, int64_t P, int64_t *restrict out,
                int64_t *restrict load) {
-    const int64_t E = t->E;
-    for (int64_t i = 0; i < P; i++) {
-        int64_t e = ids[i];
-        if ((uint64_t)e >= (uint64_t)E) return -1;
-        out[i] = t->static_slot[e];
-        load[e] += 1;
-    }
-    return 0;
+    return histogram(ids, P, t->E, load, t->static_slot, out);
 }
 
 /* counts[e] = pairs of expert e in ids (written); load[e] += counts[e]. */
 int smb_count(const int64_t *restrict ids, int64_t P, int64_t E, int64_t *restrict counts,
               int64_t *restrict load) {
     memset(counts, 0, (size_t)E * sizeof(int64_t));
-    for (int64_t i = 0; i < P; i++) {
-        int64_t e = ids[i];
-        if ((uint64_t)e >= (uint64_t)E) return -1;
-        counts[e] += 1;
-    }
+    int rc = histogram(ids, P, E, counts, NULL, NULL);
+    if (rc) return rc;
     for (int64_t e = 0; e < E; e++) load[e] += counts[e];
     return 0;
 }

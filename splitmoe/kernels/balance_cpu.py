@@ -150,7 +150,7 @@ def library() -> ctypes.CDLL:
     if _LIB is None:
         lib = ctypes.CDLL(str(build()))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        tab = ctypes.POINTER(Table)
+        tab = p  # the table's address (ctypes.addressof): an int converts fastest
         for name, args in {
             "smb_static": [tab, p, i64, p, p],
             "smb_count": [p, i64, i64, p, p],
