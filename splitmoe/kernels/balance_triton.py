@@ -203,6 +203,10 @@ class Tables:
         self.S = self.slot_expert.numel()
         self.direct = direct.to(dev, torch.int64).contiguous()
         self.E_PAD, self.M_PAD = next_pow2(self.E), next_pow2(self.M)
+        if self.M_PAD > 4096:  # the sort keys `cost * M_PAD + j` stay within int64
+            raise ValueError(
+                f"the Triton balancer supports <= 4096 replicas per expert, not {self.M}"
+            )
         self.E2_PAD, self.S_PAD = next_pow2(self.E2), next_pow2(self.S)
         self.R_PAD = next_pow2(self.R)
         # scratch: the cumulative quotas [E2, M_PAD], each rank's cost [R]

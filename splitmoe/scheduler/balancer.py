@@ -29,8 +29,10 @@ depends only on the placement is in `ReplicaTable`; only the experts with more t
 sort on CPU). No host synchronisation, so the same code runs on a GPU.
 
 This tensor code is the reference: CPU ranks decide with the native kernel
-(`splitmoe.kernels.balance_cpu`, one C call per layer, two for ``global``), which makes the same
-choices bit for bit (~10 us for ``global`` at that shape; `Balancer` ``kernel``).
+(`splitmoe.kernels.balance_cpu`, one C call per layer, two for ``global``; ~9 us for ``global``
+at that shape), CUDA ranks with Triton kernels (`splitmoe.kernels.balance_triton`, one launch
+per layer, two for ``global``, graph-capturable); both make the same choices bit for bit
+(`Balancer` ``kernel``).
 """
 
 from __future__ import annotations
