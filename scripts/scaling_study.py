@@ -659,7 +659,8 @@ def _fit(shape, hw, tbt, model):
     oh = fitted.overheads
     print(
         f"fitted: step {oh.step_s * 1e3:.3f} ms, multi-process {oh.proc_step_s * 1e3:.3f} ms + "
-        f"{oh.proc_seq_step_s * 1e3:.3f} ms/seq, micro-batch {oh.micro_batch_s * 1e3:.3f} ms, "
+        f"{oh.proc_seq_step_s * 1e3:.3f} ms/seq, "
+        f"empty micro-batch {oh.empty_micro_batch_s * 1e6:.0f} us/layer, "
         "collective "
         + ", ".join(f"W={w + 1} {c * 1e3:.3f} ms" for w, c in enumerate(oh.collective_s) if w)
     )

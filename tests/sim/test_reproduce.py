@@ -55,8 +55,9 @@ def test_throughput_row_is_the_simulator_on_the_case_config():
 def test_ratio_case_at_the_sources_batches_on_fp8_weights():
     """FastAFD: both sides at the resident batch the source ran (96 vs 64 per attention GPU);
     an FP8 checkpoint of a family the runtime parses holds its weights in one byte each."""
-    fp8, bf16 = ModelShape.from_config("qwen3-235b-a22b-fp8"), ModelShape.from_config(
-        "qwen3-235b-a22b"
+    fp8, bf16 = (
+        ModelShape.from_config("qwen3-235b-a22b-fp8"),
+        ModelShape.from_config("qwen3-235b-a22b"),
     )
     assert fp8.fp8_weights and not bf16.fp8_weights
     case = next(c for c in load_cases() if c["file"] == "fastafd-qwen3-8k.json")
