@@ -13,8 +13,11 @@ yet (``micro_batches``, ``balancer``) or whose transport is not registered runs 
 default and the skipped values are listed in ``notes.txt`` and on the console: nothing else
 changes when the option lands.
 
-Every run point is measured ``--repeats`` times on one started instance and the median kept
-(other work on the machine makes single timings noisy). Outputs under ``--out``:
+Every run point is measured ``--repeats`` times per pass on one started instance, ``--passes``
+times over the whole sweep (each pass visits the topologies in another order, so a slow minute
+of the machine does not fall on one configuration), after a discarded warm-up run; the median is
+kept, with the spread of the repeats (other work on the machine makes single timings noisy).
+Outputs under ``--out``:
 
 * ``scaling.csv``: one row per run point: settings; output tokens/s, per rank, TTFT/TBT
   percentiles, TPOT, comm share (attention ranks' time in collectives), expert imbalance
@@ -63,7 +66,8 @@ FIELDS = [
     "max_tokens", "max_num_batched_tokens", "repeats", "duration_s", "output_tok_s",
     "output_tok_s_per_rank", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tbt_p50_ms",
     "tbt_p90_ms", "tbt_p99_ms", "tpot_mean_ms", "step_p50_ms", "comm_share", "imbalance",
-    "seqs_per_step_mean", "pred_output_tok_s", "pred_tbt_ms", "pred_ttft_ms", "pred_comm_share",
+    "seqs_per_step_mean", "step_min_ms", "step_max_ms", "output_tok_s_min", "output_tok_s_max",
+    "load_avg", "pred_output_tok_s", "pred_tbt_ms", "pred_ttft_ms", "pred_comm_share",
     "err_output_tok_s", "err_tbt", "calibration",
 ]  # fmt: skip
 
@@ -230,6 +234,7 @@ def run_point(llms: list[LLM], topo: Topology, num_requests: int, rate: float, a
         tbt_p99_ms=m.tbt_p99 * 1e3,
         tpot_mean_ms=m.tpot_mean * 1e3,
         step_p50_ms=decode_step_time(records, m.tbt_p50) * 1e3,
+        load_avg=os.getloadavg()[0],
         comm_share=(comm1 - comm0) / busy if busy else 0.0,
         imbalance=imbalance,
         seqs_per_step_mean=m.seqs_per_step_mean,
@@ -237,8 +242,26 @@ def run_point(llms: list[LLM], topo: Topology, num_requests: int, rate: float, a
 
 
 def median_dict(runs: list[dict]) -> dict:
-    """Per-key median over repeats (throughput and latencies alike)."""
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    """Per-key median over repeats (throughput and latencies alike), and the range of the step
+    time and throughput over the repeats (how far the machine moved them)."""
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    for key, field in (("step", "step_p50_ms"), ("output_tok_s", "output_tok_s")):
+        vals = [r[field] for r in runs]
+        out[f"{key}_min" + ("_ms" if key == "step" else "")] = min(vals)
+        out[f"{key}_max" + ("_ms" if key == "step" else "")] = max(vals)
+    return out
+
+
+def pass_order(topos: list[Topology], i: int, seed: int) -> list[Topology]:
+    """The topologies in pass ``i``'s order: as given, then reversed, then shuffled (seeded), so
+    each configuration's repeats fall at different times of the study."""
+    if i == 0:
+        return list(topos)
+    if i == 1:
+        return topos[::-1]
+    order = list(topos)
+    random.Random(seed + i).shuffle(order)
+    return order
 
 
 def sweep(args, topos: list[Topology], bar: tqdm) -> list[dict]:
@@ -249,8 +272,8 @@ def sweep(args, topos: list[Topology], bar: tqdm) -> list[dict]:
     rng = random.Random(args.seed)
     runs: dict[tuple[Topology, int], list[dict]] = {}
     failed: dict[Topology, str] = {}
-    for _ in range(args.passes):
-        for topo in topos:
+    for pass_i in range(args.passes):
+        for topo in pass_order(topos, pass_i, args.seed):
             if topo in failed:
                 bar.update(len(points))
                 continue
@@ -269,8 +292,9 @@ def sweep(args, topos: list[Topology], bar: tqdm) -> list[dict]:
                             **topo.llm_kwargs(),
                         )
                     )
-                for llm in llms:  # warm-up
-                    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+                # warm-up: a whole discarded run of the first point (first steps of fresh
+                # processes pay allocation and first-call costs)
+                run_point(llms, topo, points[0][0], points[0][1], args, rng)
                 for i, (n, rate) in enumerate(points):
                     for _ in range(args.repeats):
                         r = run_point(llms, topo, n, rate, args, rng)
@@ -482,7 +506,9 @@ def read_csv(path: Path) -> list[dict]:
     return rows
 
 
-FLOAT_FIELDS = {"rate"} | {f for f in FIELDS if f.endswith(("_ms", "_s", "share", "imbalance"))}
+FLOAT_FIELDS = {"rate", "load_avg"} | {
+    f for f in FIELDS if f.endswith(("_ms", "_s", "share", "imbalance", "_min", "_max"))
+}
 
 
 def parse_args(argv=None):
@@ -518,7 +544,7 @@ def parse_args(argv=None):
         args.attention_ranks, args.expert_ranks = [1, 2], [0, 1, 2]
         args.batch, args.rate = [1, 16], []
         args.micro_batches, args.transport, args.balancer = [1, 2], ["flat"], ["static", "global"]
-        args.replicas, args.repeats, args.passes = [1], 2, 2
+        args.replicas, args.repeats, args.passes = [1], 1, 3
     if args.validate is None:
         args.validate = args.quick
     return args
@@ -633,7 +659,8 @@ def _fit(shape, hw, tbt, model):
     oh = fitted.overheads
     print(
         f"fitted: step {oh.step_s * 1e3:.3f} ms, multi-process {oh.proc_step_s * 1e3:.3f} ms + "
-        f"{oh.proc_seq_step_s * 1e3:.3f} ms/seq, micro-batch {oh.micro_batch_s * 1e3:.3f} ms, "
+        f"{oh.proc_seq_step_s * 1e3:.3f} ms/seq, "
+        f"empty micro-batch {oh.empty_micro_batch_s * 1e6:.0f} us/layer, "
         "collective "
         + ", ".join(f"W={w + 1} {c * 1e3:.3f} ms" for w, c in enumerate(oh.collective_s) if w)
     )

@@ -170,7 +170,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
 # configuration is left for validation.
 CALIBRATION_RUNS = (
     (1, 0, 1, 1), (1, 0, 16, 1), (2, 0, 1, 1), (2, 0, 16, 1), (1, 1, 1, 1), (1, 2, 1, 1),
-    (2, 2, 1, 1), (1, 2, 16, 1), (1, 0, 16, 2),
+    (2, 2, 1, 1), (1, 2, 16, 1), (1, 0, 1, 2),
 )  # fmt: skip
 CALIBRATION_PROMPT = 16
 CALIBRATION_TOKENS = 32
@@ -236,7 +236,7 @@ def fit_runs(
     """Fits ``step_s`` and the components' scale (1 colocated rank at 1 and 16 sequences), the
     multi-process step costs ``proc_step_s`` / ``proc_seq_step_s`` (2 colocated ranks at 1 and
     16 sequences) and ``collective_s`` per world size (1 attention + 1 or 2 expert ranks, 2 + 2)
-    and ``micro_batch_s`` (1 colocated rank, 16 sequences in two micro-batches) so the
+    and ``empty_micro_batch_s`` (1 colocated rank, 1 sequence in two micro-batches) so the
     simulator reproduces the measured decode step time (seconds) of the `CALIBRATION_RUNS`
     present in ``tbt``, in that order; ``cores`` is the machine's count; constants without a
     run keep ``hw``'s value."""
@@ -307,12 +307,12 @@ def fit_runs(
                 hw = fit_collective(hw, key, world)
         if (1, 2, 16) in tbt:
             hw = _fit_oversubscribed(hw, lambda h: pred(h, 1, 2, 16) - tbt[(1, 2, 16)])
-    if (1, 0, 16, 2) in tbt:  # each further micro-batch: building its inputs and metadata
+    if (1, 0, 1, 2) in tbt:  # an empty micro-batch's pass through the layers, colocated
 
         def with_mb(c: float) -> HardwareProfile:
-            return replace(hw, overheads=replace(hw.overheads, micro_batch_s=c))
+            return replace(hw, overheads=replace(hw.overheads, empty_micro_batch_s=c))
 
-        c = _solve(lambda c: pred(with_mb(c), 1, 0, 16, 2) - tbt[(1, 0, 16, 2)], 0.0, 0.05)
+        c = _solve(lambda c: pred(with_mb(c), 1, 0, 1, 2) - tbt[(1, 0, 1, 2)], 0.0, 0.01)
         hw = with_mb(c)
     slope = coll[-1] - coll[-2] if len(coll) >= 3 else 0.0
     return replace(hw, overheads=replace(hw.overheads, collective_slope_s=max(0.0, slope)))

@@ -47,7 +47,10 @@ class Overheads:
         more than one rank process (the driver scheduling, broadcasting the step and collecting
         each sequence's token from separate processes; a single rank runs in the driver's
         process; 0 on the GPU profiles, whose ranks are driven by their own processes anyway);
-    micro_batch_s: per step and micro-batch beyond the first (building its inputs and metadata);
+    empty_micro_batch_s: per layer and empty micro-batch (fewer sequences than micro-batches) on
+        a colocated rank: the runtime still runs every op of its layer loop on zero rows, with no
+        exchange to hide it behind (an AF attention rank runs it while it waits for the other
+        micro-batch's experts: hidden); 0 on the GPU profiles;
     """
 
     step_s: float = 0.0
@@ -62,7 +65,7 @@ class Overheads:
     wake_s: float = 0.0
     proc_step_s: float = 0.0
     proc_seq_step_s: float = 0.0
-    micro_batch_s: float = 0.0
+    empty_micro_batch_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collective_s", tuple(float(x) for x in self.collective_s))

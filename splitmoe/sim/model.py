@@ -190,6 +190,7 @@ class ModelShape:
             num_heads=f["num_heads"],
             num_kv_heads=f["num_kv_heads"],
             head_dim=f["head_dim"],
+            fp8_weights=(raw.get("quantization_config") or {}).get("quant_method") == "fp8",
         )
 
     @classmethod

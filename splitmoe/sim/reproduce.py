@@ -10,7 +10,8 @@ was run. Kinds:
   on its throughput and per-user speed (``batch_from: "little"``), or the largest under
   ``tpot_slo_ms`` whose KV cache fits (the attention side's memory bound);
 * ``ratio``: a disaggregated deployment's best tokens/s per GPU over a colocated baseline's, each
-  searched under the same TPOT target (lists in ``deployment`` are searched);
+  searched under the same TPOT target (lists in ``deployment`` are searched), or each at the
+  batch the source ran (``batch``, ``baseline_batch``);
 * ``a2a``: dispatch and combine microseconds of GPU-initiated all-to-all at each EP size;
 * ``a2a_budget``: a time budget for one layer's exchange (met when the prediction fits in it).
 
@@ -163,6 +164,8 @@ def evaluate(case: dict) -> list[Row]:
         p = _throughput_prediction(case, sim)
         cap = case.get("baseline_max_batch")
         base_case = {**case, "deployment": case["baseline"], "max_batch": cap}
+        if "baseline_batch" in case:  # the baseline ran its own measured batch
+            base_case["batch"] = case["baseline_batch"]
         base = _throughput_prediction(base_case, sim)
         if p is None or base is None:
             return [Row(name, "AF / colocated", case["published"], 0.0, case["unit"], "no plan")]

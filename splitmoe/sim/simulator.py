@@ -456,7 +456,7 @@ class Simulator:
         )
         t_step = (
             oh.step_s
-            + oh.micro_batch_s * (mb - 1)
+            + (oh.empty_micro_batch_s * (mb - full) * m.num_layers if dep.colocated else 0.0)
             + procs
             + oh.seq_step_s * seqs
             + oh.collective(dep.ranks)

@@ -52,6 +52,23 @@ def test_throughput_row_is_the_simulator_on_the_case_config():
     assert row.ratio == pytest.approx(expect / 2324)
 
 
+def test_ratio_case_at_the_sources_batches_on_fp8_weights():
+    """FastAFD: both sides at the resident batch the source ran (96 vs 64 per attention GPU);
+    an FP8 checkpoint of a family the runtime parses holds its weights in one byte each."""
+    fp8, bf16 = (
+        ModelShape.from_config("qwen3-235b-a22b-fp8"),
+        ModelShape.from_config("qwen3-235b-a22b"),
+    )
+    assert fp8.fp8_weights and not bf16.fp8_weights
+    case = next(c for c in load_cases() if c["file"] == "fastafd-qwen3-8k.json")
+    (row,) = evaluate(case)
+    sim = simulator(case)
+    af = sim.decode(Deployment(**case["deployment"]), 96, 8192)
+    base = sim.decode(Deployment(**case["baseline"]), 64, 8192)
+    assert af.fits and base.fits
+    assert row.predicted == pytest.approx(af.tokens_per_s_per_gpu / base.tokens_per_s_per_gpu)
+
+
 def test_rows_within_tolerance_and_budgets():
     assert Row("c", "f", 100, 100 * (1 + TOLERANCE) - 1e-9, "x").within
     assert not Row("c", "f", 100, 130, "x").within

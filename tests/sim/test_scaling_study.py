@@ -88,3 +88,26 @@ def test_one_real_run_end_to_end(study, tmp_path):
     rows = list(csv.DictReader((out / "scaling.csv").open()))
     assert len(rows) == 1 and rows[0]["status"] == "ok"
     assert float(rows[0]["output_tok_s"]) > 0 and float(rows[0]["tbt_p50_ms"]) > 0
+
+
+def test_repeats_ranges_and_pass_order(study):
+    runs = [dict(step_p50_ms=s, output_tok_s=t, load_avg=1.0) for s, t in ((1.0, 90.0),
+            (1.4, 60.0), (1.1, 80.0))]  # fmt: skip
+    m = study.median_dict(runs)
+    assert (m["step_p50_ms"], m["step_min_ms"], m["step_max_ms"]) == (1.1, 1.0, 1.4)
+    assert (m["output_tok_s_min"], m["output_tok_s_max"]) == (60.0, 90.0)
+    topos = study.plan_topologies(study.parse_args(["--quick"]), [])
+    orders = [study.pass_order(topos, i, 0) for i in range(3)]
+    assert orders[0] == topos and orders[1] == topos[::-1]
+    assert sorted(map(str, orders[2])) == sorted(map(str, topos))  # every topology, once
+
+
+def test_noise_accounting_of_the_check():
+    from splitmoe.sim.validate import miss_inside_range, noisy
+
+    row = dict(step_p50_ms=2.0, step_min_ms=1.9, step_max_ms=2.1, output_tok_s=100.0,
+               output_tok_s_min=95.0, output_tok_s_max=105.0, err_tbt=0.3, pred_tbt_ms=2.6,
+               err_output_tok_s=-0.25, pred_output_tok_s=75.0)  # fmt: skip
+    assert not noisy(row) and not miss_inside_range(row)  # quiet point, model miss
+    wide = {**row, "step_max_ms": 2.8, "output_tok_s_min": 70.0}
+    assert noisy(wide) and miss_inside_range(wide)  # the repeats reach the prediction

@@ -128,6 +128,26 @@ def test_ping_pong_overlap():
     assert two.t_moe_layer < two.t_attn + two.t_expert + two.t_comm and two.overlap_saved > 0
 
 
+def test_empty_micro_batch_costs_its_layer_loop_only_colocated():
+    oh = Overheads(attn_layer_s=1e-3, moe_layer_s=1e-3, empty_micro_batch_s=3e-4,
+                   collective_s=(0.0, 2e-4))  # fmt: skip
+    sim = Simulator(TINY, _roofline_only(overheads=oh))
+    one, two = sim.step(Deployment(1), 1, 10), sim.step(Deployment(1, micro_batches=2), 1, 10)
+    # one sequence in two micro-batches: the empty one runs every layer's ops on zero rows
+    assert two.t_step - one.t_step == pytest.approx(TINY.num_layers * 3e-4)
+    full = sim.step(Deployment(1, micro_batches=2), 2, 10)  # no empty micro-batch
+    assert full.t_step == pytest.approx(
+        replace(sim, hw=_roofline_only(overheads=replace(oh, empty_micro_batch_s=0.0)))
+        .step(Deployment(1, micro_batches=2), 2, 10)
+        .t_step
+    )
+    # an AF attention rank runs it while waiting for the other micro-batch's experts: hidden
+    af = replace(sim, hw=_roofline_only(overheads=replace(oh, empty_micro_batch_s=0.0)))
+    assert sim.step(Deployment(1, 1, micro_batches=2), 1, 10).t_step == pytest.approx(
+        af.step(Deployment(1, 1, micro_batches=2), 1, 10).t_step
+    )
+
+
 def test_contention_only_where_ranks_share_cores():
     oh = Overheads(attn_layer_s=1e-3, moe_layer_s=1e-3)
     gpu = Simulator(TINY, _roofline_only(overheads=oh))
