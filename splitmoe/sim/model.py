@@ -168,12 +168,13 @@ class ModelShape:
     def _from_family(cls, raw: dict, name: str, cfg_file: Path) -> ModelShape:
         from splitmoe.models.families import family_for
 
-        # RoPE scaling and sliding windows change no shape: drop what the runtime refuses today.
-        shapes_only = {
-            k: v
-            for k, v in raw.items()
-            if k not in ("rope_scaling", "rope_parameters", "use_sliding_window", "sliding_window")
-        }
+        # RoPE scaling and sliding windows change no shape: drop what the runtime refuses
+        # (some rope types, Mistral-style windows). GPT-OSS's sliding_window stays (its parser
+        # needs it); its window layers' KV is sized as full layers'.
+        dropped = ("rope_scaling", "rope_parameters", "use_sliding_window")
+        if raw.get("model_type") != "gpt_oss":
+            dropped += ("sliding_window",)
+        shapes_only = {k: v for k, v in raw.items() if k not in dropped}
         f = family_for(raw.get("model_type"), cfg_file).parse_config(shapes_only, cfg_file)
         return cls(
             name=name,

@@ -23,6 +23,11 @@ def test_published_model_sizes():
     assert ds.active_params / 1e9 == pytest.approx(37, rel=0.03)
     assert (ds.attention, ds.num_moe_layers, ds.fp8_weights) == ("mla", 58, True)
     assert ds.kv_bytes_per_token(2) == (512 + 64) * 2  # the compressed latent, not 128 heads
+    # GPT-OSS's config (sliding windows, YaRN, attention sinks) loads through its family parser
+    oss = ModelShape.from_config("gpt-oss-120b")
+    assert oss.total_params / 1e9 == pytest.approx(117, rel=0.01)
+    # OpenAI's 5.1 B active leaves out the embedding table (0.58 B); the simulator counts it
+    assert oss.active_params / 1e9 == pytest.approx(5.13 + 0.58, rel=0.01)
 
 
 def test_supported_family_from_checkpoint_config(tmp_path):
