@@ -72,6 +72,17 @@ class Channel(Protocol):
         """Answer to a stats request."""
 
 
+class MailChannel(Channel, Protocol):
+    """A channel that reaches its front end through the control plane (a launched server's
+    ranks, see `splitmoe.llm.RelayChannel`): what it has to send goes out with the step sync."""
+
+    def outgoing(self):
+        """Messages to relay (None: nothing), taken out of the channel."""
+
+    def deliver(self, mail: list) -> None:
+        """Every rank's relayed messages (`StepSync.relay`), from which it takes its own."""
+
+
 def rank_stats(topo: Topology, worker, transport, balance: ExpertBalance | None = None) -> dict:
     """A JSON-able snapshot of one rank: role, memory, worker state, transport counters."""
     with open("/proc/self/statm") as f:
@@ -213,7 +224,7 @@ def run_rank(
         group=groups.cpu,
         max_spin_s=CONTROL_SPIN_S,
     )
-    sync = StepSync(control, topo.world_size)
+    sync = StepSync(control, topo.world_size, groups.cpu)
     sync.warm_up(groups.data, groups.comm_device)
     # Everything built so far (torch, the model, the groups) lives as long as the rank: moved out
     # of the collector's sight, a full collection during a step walks only what steps create.
@@ -241,6 +252,7 @@ def _loop(
     busy = False
     rebalance_asked = False  # this rank's channel asked; answered once the switch is done
     answer_pending = False  # a rebalance this rank asked for has begun, not finished
+    relays = hasattr(channel, "outgoing")  # (a `MailChannel`)
     while True:
         idle = topo.is_attention and not (busy or worker.has_work)
         inbox = channel.poll(IDLE_POLL_S if idle else 0.0)
@@ -262,8 +274,11 @@ def _loop(
         else:
             row = (0, True)
         ready = balance is None or balance.ready
+        mail = channel.outgoing() if relays else None
         with worker.timeline.span("sync", "wait"):
-            decision = sync.exchange(*row, rebalance_asked, ready)
+            decision = sync.exchange(*row, rebalance_asked, ready, mail is not None)
+            if decision.mail:
+                channel.deliver(sync.relay(mail))
         if decision.finished:
             return
         if balance is not None:  # colocated: nothing to rebalance; asks answered at once
