@@ -148,7 +148,13 @@ def test_torchrun_rank0_serves_two_attention_ranks(tiny_ckpt, hf_ref, tmp_path):
             and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]
         ]
     finally:
-        if job.poll() is None:
-            job.kill()
+        if job.poll() is None:  # (failed: stop the ranks too, not only the launcher)
+            tree, todo = [], [job.pid]
+            while todo:
+                tree.append(todo.pop())
+                todo += children(tree[-1])
+            for pid in reversed(tree):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             job.wait()
         log.close()
