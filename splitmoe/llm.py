@@ -347,8 +347,8 @@ class RelayChannel(_QueueChannel):
         return mail or None
 
     def deliver(self, mail: list) -> None:
-        for sent in mail[1:]:
-            for msg in sent or ():
+        for blob in mail[1:]:
+            for msg in pickle.loads(blob) if blob else ():
                 self.out.put(msg, ring=msg[0] != "step" or bool(msg[2][2]))
 
 
@@ -389,7 +389,8 @@ class RemoteChannel:
         return out or None
 
     def deliver(self, mail: list) -> None:
-        self._commands += (mail[0] or {}).get(self.rank, [])
+        if mail[0]:  # (only rank 0 sends commands; the other ranks' mail is rank 0's)
+            self._commands += pickle.loads(mail[0]).get(self.rank, [])
 
 
 class _Relayed:

@@ -12,6 +12,7 @@ import ctypes
 import gc
 import logging
 import os
+import pickle
 import resource
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -80,7 +81,8 @@ class MailChannel(Channel, Protocol):
         """Messages to relay (None: nothing), taken out of the channel."""
 
     def deliver(self, mail: list) -> None:
-        """Every rank's relayed messages (`StepSync.relay`), from which it takes its own."""
+        """Every rank's pickled mail (`StepSync.relay`; None: none), from which it takes (and
+        unpickles) what is addressed to it."""
 
 
 def rank_stats(topo: Topology, worker, transport, balance: ExpertBalance | None = None) -> dict:
@@ -275,10 +277,11 @@ def _loop(
             row = (0, True)
         ready = balance is None or balance.ready
         mail = channel.outgoing() if relays else None
+        blob = b"" if mail is None else pickle.dumps(mail, pickle.HIGHEST_PROTOCOL)
         with worker.timeline.span("sync", "wait"):
-            decision = sync.exchange(*row, rebalance_asked, ready, mail is not None)
+            decision = sync.exchange(*row, rebalance_asked, ready, len(blob))
             if decision.mail:
-                channel.deliver(sync.relay(mail))
+                channel.deliver(sync.relay(blob))
         if decision.finished:
             return
         if balance is not None:  # colocated: nothing to rebalance; asks answered at once

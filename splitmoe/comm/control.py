@@ -34,14 +34,15 @@ class StepDecision:
 
 
 class StepSync:
-    """All-gathers ``(tokens this step, done, rebalance wanted, next placement staged, mail)``
-    from every rank over a CPU collective of the whole world (shared memory on one host, else the
-    gloo group).
+    """All-gathers ``(tokens this step, done, rebalance wanted, next placement staged, mail
+    bytes)`` from every rank over a CPU collective of the whole world (shared memory on one host,
+    else the gloo group).
 
     Mail is how a launched job's server on rank 0 reaches ranks in other processes (see
     `splitmoe.llm.RelayChannel`): new requests, aborts and commands go out, token progress and
     stats come back. Only an iteration in which some rank has mail pays for a second collective,
-    `relay`, an object all-gather over the gloo group ``objects``."""
+    `relay`: one all-gather of the pickled mail over the gloo group ``objects``, padded to the
+    longest (every size is known from the first)."""
 
     def __init__(
         self, group: Collective, world_size: int, objects: dist.ProcessGroup | None = None
@@ -50,6 +51,7 @@ class StepSync:
         self.world_size = world_size
         self.objects = objects
         self._out = torch.zeros(world_size, 5, dtype=torch.int64)
+        self._sizes: list[int] = []
 
     def exchange(
         self,
@@ -57,19 +59,20 @@ class StepSync:
         done: bool,
         rebalance: bool = False,
         ready: bool = True,
-        mail: bool = False,
+        mail: int = 0,
     ) -> StepDecision:
         if self.world_size == 1:  # nothing to agree on
             return StepDecision(
                 tokens=(tokens,), finished=not tokens and done, rebalance=rebalance, ready=ready
             )
         mine = torch.tensor(
-            [tokens, int(done), int(rebalance), int(ready), int(mail)], dtype=torch.int64
+            [tokens, int(done), int(rebalance), int(ready), mail], dtype=torch.int64
         )
         self.group.all_gather_single(self._out.view(-1), mine)
         rows = self._out.tolist()
         counts = tuple(r[0] for r in rows)
-        mail = any(r[4] for r in rows)
+        self._sizes = [r[4] for r in rows]
+        mail = any(self._sizes)
         return StepDecision(
             tokens=counts,
             finished=not any(counts) and all(r[1] for r in rows) and not mail,
@@ -78,12 +81,20 @@ class StepSync:
             mail=mail,
         )
 
-    def relay(self, mail) -> list:
-        """Every rank's mail (None where it has none), in rank order; run by every rank after an
-        `exchange` whose decision has ``mail``."""
-        gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, mail, group=self.objects)
-        return gathered
+    def relay(self, blob: bytes) -> list[bytes | None]:
+        """Every rank's mail (``blob``: this rank's, of the size it gave `exchange`; None where
+        a rank has none), in rank order; run by every rank after an `exchange` whose decision
+        has ``mail``."""
+        n = max(self._sizes)
+        mine = torch.zeros(n, dtype=torch.uint8)
+        if blob:
+            mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        parts = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(parts, mine, group=self.objects)
+        return [
+            parts[r][:size].numpy().tobytes() if size else None
+            for r, size in enumerate(self._sizes)
+        ]
 
     def warm_up(self, data_group: dist.ProcessGroup, comm_device: torch.device) -> None:
         """Opens every peer connection once at start-up (gloo connects lazily), so the first
