@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         options["expert_ranks"] = env.world_size - options.get("attention_ranks", 1)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
+        if launched and options["expert_ranks"] < 0:
+            raise ValueError(
+                f"--attention-ranks {options['attention_ranks']} exceeds the {env.launcher} "
+                f"world size {env.world_size}; start at least that many processes"
+            )
         if args.max_queued_requests is not None and args.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 0")
         if not 0 < args.port < 65536:

@@ -158,3 +158,15 @@ def test_torchrun_rank0_serves_two_attention_ranks(tiny_ckpt, hf_ref, tmp_path):
                     os.kill(pid, signal.SIGKILL)
             job.wait()
         log.close()
+
+
+def test_launched_attention_ranks_beyond_the_world(tiny_ckpt, monkeypatch, capsys):
+    """Checked on every rank before the rendezvous: a clear error, exit code 2."""
+    from splitmoe.serve import main
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+    ckpt = str(tiny_ckpt("qwen3_moe"))
+    assert main(["--model", ckpt, "--attention-ranks", "3", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--attention-ranks 3 exceeds the torchrun world size 2" in err
