@@ -276,45 +276,132 @@ class _QueueChannel:
         try:
             msg = self.in_q.get(timeout=timeout) if timeout > 0 else self.in_q.get_nowait()
             while True:
-                if msg[0] == "add":
-                    inbox.requests.extend(msg[1])
-                elif msg[0] == "abort":
-                    inbox.aborts.extend(msg[1])
-                elif msg[0] == "stats":
-                    inbox.stats_wanted = True
-                elif msg[0] == "trace":
-                    inbox.trace_wanted = True
-                elif msg[0] == "rebalance":
-                    inbox.rebalance_wanted = True
-                elif msg[0] == "wake":  # work arrived elsewhere: join the next sync now
-                    pass
-                else:
-                    self._closed = True
+                self._take(inbox, msg)
                 msg = self.in_q.get_nowait()
         except queue.Empty:
             pass
         return inbox
 
+    def _take(self, inbox: Inbox, msg: tuple) -> None:
+        """One command from the front end into ``inbox``."""
+        if msg[0] == "add":
+            inbox.requests.extend(msg[1])
+        elif msg[0] == "abort":
+            inbox.aborts.extend(msg[1])
+        elif msg[0] == "stats":
+            inbox.stats_wanted = True
+        elif msg[0] == "trace":
+            inbox.trace_wanted = True
+        elif msg[0] == "rebalance":
+            inbox.rebalance_wanted = True
+        elif msg[0] == "wake":  # work arrived elsewhere: join the next sync now
+            pass
+        else:
+            self._closed = True
+
     def emit(self, updates, record) -> None:
-        # As plain lists (`LLM._apply_step` reads them): 128 dataclass objects took ~350 us to
-        # pickle and as long to unpickle in the front end, against ~45 us for these lists. (A
-        # finished request's update, and only that, carries its metrics.)
-        ids = [u.request_id for u in updates]
-        tokens = [u.new_token_ids for u in updates]
-        finished = [(i, u.finish_reason, u.metrics) for i, u in enumerate(updates) if u.metrics]
-        logprobs = None
-        if any(u.logprobs for u in updates):
-            logprobs = [u.logprobs for u in updates]
+        msg, finished = _step_message(self.rank, updates, record)
         # (rings only when a request finished: what every waiting front end wants)
-        self.out.put(
-            ("step", self.rank, (ids, tokens, finished, logprobs), record), ring=bool(finished)
-        )
+        self.out.put(msg, ring=finished)
 
     def send_stats(self, stats: dict) -> None:
         self.out.put(("stats", self.rank, stats))
 
     def ready(self, topo: Topology) -> None:
         self.out.put(("ready", self.rank, topo.role))
+
+
+def _step_message(rank: int, updates, record) -> tuple[tuple, bool]:
+    """A step's updates as the front end's ``"step"`` message, and whether a request finished.
+
+    As plain lists (`LLM._apply_step` reads them): 128 dataclass objects took ~350 us to pickle
+    and as long to unpickle in the front end, against ~45 us for these lists. (A finished
+    request's update, and only that, carries its metrics.)"""
+    ids = [u.request_id for u in updates]
+    tokens = [u.new_token_ids for u in updates]
+    finished = [(i, u.finish_reason, u.metrics) for i, u in enumerate(updates) if u.metrics]
+    logprobs = None
+    if any(u.logprobs for u in updates):
+        logprobs = [u.logprobs for u in updates]
+    return ("step", rank, (ids, tokens, finished, logprobs), record), bool(finished)
+
+
+class RelayChannel(_QueueChannel):
+    """Rank 0's channel in a launched server (torchrun, mpirun): besides its own commands its
+    queue carries ``("relay", rank, command)`` for the ranks in other processes, which go out
+    with the next step sync (`StepSync.relay`); their answers (step progress, stats) come back
+    the same way and go to the front end as if the rank had sent them itself."""
+
+    def __init__(self, rank: int, in_q, out: _Outbox, takes_requests: bool):
+        super().__init__(rank, in_q, out, takes_requests)
+        self._mail: dict[int, list] = {}
+
+    def _take(self, inbox: Inbox, msg: tuple) -> None:
+        if msg[0] == "relay":
+            self._mail.setdefault(msg[1], []).append(msg[2])
+        else:
+            super()._take(inbox, msg)
+
+    def outgoing(self):
+        mail, self._mail = self._mail, {}
+        return mail or None
+
+    def deliver(self, mail: list) -> None:
+        for blob in mail[1:]:
+            for msg in pickle.loads(blob) if blob else ():
+                self.out.put(msg, ring=msg[0] != "step" or bool(msg[2][2]))
+
+
+class RemoteChannel:
+    """The channel of a launched server's rank in another process than the server (rank > 0):
+    its commands arrive from rank 0's `RelayChannel` with the step sync, and its step progress
+    and stats leave with the next one. It never blocks in `poll`: an idle rank waits in the step
+    sync, which rank 0 joins as soon as its front end has work."""
+
+    def __init__(self, rank: int, takes_requests: bool):
+        self.rank = rank
+        self._closed = not takes_requests
+        self._commands: list = []
+        self._out: list = []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def poll(self, timeout: float) -> Inbox:
+        inbox = Inbox()
+        commands, self._commands = self._commands, []
+        for msg in commands:
+            _QueueChannel._take(self, inbox, msg)
+        return inbox
+
+    def emit(self, updates, record) -> None:
+        self._out.append(_step_message(self.rank, updates, record)[0])
+
+    def send_stats(self, stats: dict) -> None:
+        self._out.append(("stats", self.rank, stats))
+
+    def ready(self, topo: Topology) -> None:
+        pass  # (rank 0 is ready only once every rank joined its start-up collectives)
+
+    def outgoing(self):
+        out, self._out = self._out, []
+        return out or None
+
+    def deliver(self, mail: list) -> None:
+        if mail[0]:  # (only rank 0 sends commands; the other ranks' mail is rank 0's)
+            self._commands += pickle.loads(mail[0]).get(self.rank, [])
+
+
+class _Relayed:
+    """What the front end holds for a rank in another process: its commands go through rank
+    0's queue (see `RelayChannel`)."""
+
+    def __init__(self, rank0_q, rank: int):
+        self.q, self.rank = rank0_q, rank
+
+    def put(self, msg: tuple) -> None:
+        self.q.put(("relay", self.rank, msg))
 
 
 def _die_with_parent() -> None:
@@ -390,7 +477,9 @@ def _rank_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     role = "attention" if rank < cfg.parallel.attention_ranks else "expert"
     out = _Outbox(out_conn, bell)
-    channel = _QueueChannel(rank, in_q, out, takes_requests=role == "attention")
+    # (launched: rank 0 relays for the ranks in the launcher's other processes)
+    kind = RelayChannel if local_rank is not None else _QueueChannel
+    channel = kind(rank, in_q, out, takes_requests=role == "attention")
     try:
         run_rank(cfg, rank, init_method, channel, local_rank, local_world_size)
         shutdown_groups()
@@ -520,14 +609,10 @@ class LLM:
         ctx = mp.get_context("spawn")
         A, W = cfg.parallel.attention_ranks, cfg.parallel.world_size
         job = self._launched
-        if job is not None and A != 1:
-            raise ValueError(
-                f"attention_ranks={A}: under a launcher (torchrun, mpirun) the front end on rank "
-                "0 feeds one attention rank, its own; start it with --attention-ranks 1 (the "
-                "other processes are expert ranks)"
-            )
         local = 1 if job is not None else W  # (the ranks this process starts)
         self._in_qs = [ctx.Queue() for _ in range(local)]
+        # every rank's command queue, in rank order: launched, rank 0 relays for the others
+        self._to_rank = [*self._in_qs, *(_Relayed(self._in_qs[0], r) for r in range(local, W))]
         init_method = job.init_method if job else f"tcp://127.0.0.1:{_free_port()}"
         where = (job.local_rank, job.local_world_size) if job else (None, None)
         readers = []
@@ -608,11 +693,17 @@ class LLM:
             if dead or time.monotonic() > deadline:
                 break
             time.sleep(0.02)
-        return "; ".join(
+        told = "; ".join(
             f"rank {r} ({self._role(r)}) died "
             + (f"(killed by {signal.Signals(-c).name})" if c < 0 else f"(exit code {c})")
             for r, c in dead
         )
+        if self._launched is not None and any(c == -signal.SIGTERM for _, c in dead):
+            told += (
+                " (a launcher stops every rank when one fails: its report names the rank that "
+                "failed first)"
+            )
+        return told
 
     def _fail(self, message: str):
         self._shutdown(graceful=False)
@@ -622,7 +713,7 @@ class LLM:
         if not self._procs:
             return
         if graceful:
-            for q in self._in_qs:
+            for q in reversed(self._to_rank):  # (rank 0 last: it relays the others' closes)
                 q.put(("close",))
             deadline = time.monotonic() + 30
             for p in self._procs:
@@ -677,7 +768,7 @@ class LLM:
             if sp.stop:
                 self._stops[rid] = _StopWatch(self.tokenizer, sp.stop)
             rids.append(rid)
-        for q, batch in zip(self._in_qs, batches):  # (the attention ranks' queues)
+        for q, batch in zip(self._to_rank, batches):  # (the attention ranks' queues)
             q.put(("add", batch) if batch else ("wake",))  # idle ranks join the next step now
         return rids
 
@@ -691,7 +782,7 @@ class LLM:
             if out is not None:
                 by_rank.setdefault(out.attention_rank, []).append(rid)
         for rank, rids in by_rank.items():
-            self._in_qs[rank].put(("abort", rids))
+            self._to_rank[rank].put(("abort", rids))
 
     def wake(self) -> None:
         """Makes a `poll` that waits in another thread return now (thread-safe): a server's
@@ -770,7 +861,7 @@ class LLM:
                 watch = stops.get(rid)
                 if watch is not None and watch.check(out):
                     if watch.hit[0] == len(out.token_ids) and new:  # (it just appeared)
-                        self._in_qs[rank].put(("abort", [rid]))
+                        self._to_rank[rank].put(("abort", [rid]))
                     continue  # (nothing past a stop string is reported)
                 if progress is not None:
                     progress.append((out, new))
@@ -886,14 +977,14 @@ class LLM:
         if not self._procs:
             raise RuntimeError("this LLM is closed; create a new one")
         self._stats = {}
-        for q in self._in_qs:
+        for q in reversed(self._to_rank):
             q.put((command,))
         deadline = time.monotonic() + (
             self.config.parallel.timeout_s if timeout is None else timeout
         )
-        while len(self._stats) < len(self._procs):
+        while len(self._stats) < len(self._to_rank):
             self._await_answer(deadline, "answer a stats request")
-        return [self._stats[r] for r in range(len(self._procs))]
+        return [self._stats[r] for r in range(len(self._to_rank))]
 
     def rebalance(self, timeout: float | None = None) -> dict:
         """Recomputes the expert placement from the load observed since the last rebalance and
@@ -904,7 +995,7 @@ class LLM:
             raise RuntimeError("this LLM is closed; create a new one")
         self._stats = {}
         self._in_qs[0].put(("rebalance",))  # one rank asks; the control plane tells all
-        for q in self._in_qs[1 : self.config.parallel.attention_ranks]:
+        for q in self._to_rank[1 : self.config.parallel.attention_ranks]:
             q.put(("wake",))
         deadline = time.monotonic() + (
             self.config.parallel.timeout_s if timeout is None else timeout

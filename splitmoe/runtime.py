@@ -12,6 +12,7 @@ import ctypes
 import gc
 import logging
 import os
+import pickle
 import resource
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -70,6 +71,18 @@ class Channel(Protocol):
 
     def send_stats(self, stats: dict) -> None:
         """Answer to a stats request."""
+
+
+class MailChannel(Channel, Protocol):
+    """A channel that reaches its front end through the control plane (a launched server's
+    ranks, see `splitmoe.llm.RelayChannel`): what it has to send goes out with the step sync."""
+
+    def outgoing(self):
+        """Messages to relay (None: nothing), taken out of the channel."""
+
+    def deliver(self, mail: list) -> None:
+        """Every rank's pickled mail (`StepSync.relay`; None: none), from which it takes (and
+        unpickles) what is addressed to it."""
 
 
 def rank_stats(topo: Topology, worker, transport, balance: ExpertBalance | None = None) -> dict:
@@ -213,7 +226,7 @@ def run_rank(
         group=groups.cpu,
         max_spin_s=CONTROL_SPIN_S,
     )
-    sync = StepSync(control, topo.world_size)
+    sync = StepSync(control, topo.world_size, groups.cpu)
     sync.warm_up(groups.data, groups.comm_device)
     # Everything built so far (torch, the model, the groups) lives as long as the rank: moved out
     # of the collector's sight, a full collection during a step walks only what steps create.
@@ -241,6 +254,7 @@ def _loop(
     busy = False
     rebalance_asked = False  # this rank's channel asked; answered once the switch is done
     answer_pending = False  # a rebalance this rank asked for has begun, not finished
+    relays = hasattr(channel, "outgoing")  # (a `MailChannel`)
     while True:
         idle = topo.is_attention and not (busy or worker.has_work)
         inbox = channel.poll(IDLE_POLL_S if idle else 0.0)
@@ -262,8 +276,12 @@ def _loop(
         else:
             row = (0, True)
         ready = balance is None or balance.ready
+        mail = channel.outgoing() if relays else None
+        blob = b"" if mail is None else pickle.dumps(mail, pickle.HIGHEST_PROTOCOL)
         with worker.timeline.span("sync", "wait"):
-            decision = sync.exchange(*row, rebalance_asked, ready)
+            decision = sync.exchange(*row, rebalance_asked, ready, len(blob))
+            if decision.mail:
+                channel.deliver(sync.relay(blob))
         if decision.finished:
             return
         if balance is not None:  # colocated: nothing to rebalance; asks answered at once

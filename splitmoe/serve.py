@@ -7,13 +7,15 @@ curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
 ```
 
 Every engine option of `splitmoe.config` is a flag (as for the launcher), checked before any rank
-starts. Under torchrun or mpirun, rank 0 serves and feeds its own attention rank (a child process
-that joins the launcher's rendezvous); every other process is an expert rank, so one server
-fronts a multi-node job (``--attention-ranks 1``; several attention ranks behind one launched
-server are not supported yet):
+starts. Under torchrun or mpirun, rank 0 serves: its attention rank 0 is a child process that
+joins the launcher's rendezvous, and every other process runs its rank (attention ranks
+``1..A-1``, then the expert ranks), so one server fronts a multi-node job. The router on rank 0
+picks an attention rank for each request; rank 0 relays requests, aborts and commands to the
+ranks in other processes, and their tokens and stats back, with the per-step control all-gather
+(`splitmoe.comm.control.StepSync`):
 
 ```
-torchrun --nnodes 2 --nproc-per-node 4 ... -m splitmoe.serve --model CKPT --attention-ranks 1
+torchrun --nnodes 2 --nproc-per-node 4 ... -m splitmoe.serve --model CKPT --attention-ranks 2
 ```
  The HTTP server comes up first and answers ``GET /health`` with 503 until every rank is
 ready. SIGTERM (or Ctrl-C) drains: no new connections, running requests finish (up to
@@ -34,8 +36,8 @@ import uvicorn
 from splitmoe.chat import ChatTemplate
 from splitmoe.comm.distributed import shutdown_groups
 from splitmoe.config import add_engine_args, engine_args, engine_config
-from splitmoe.launch import _StaticChannel, detect_env, rendezvous
-from splitmoe.llm import LaunchedJob
+from splitmoe.launch import detect_env, rendezvous
+from splitmoe.llm import LaunchedJob, RemoteChannel
 from splitmoe.models.loader import CheckpointReader
 from splitmoe.runtime import run_rank
 from splitmoe.server.app import ServerState, build_app
@@ -92,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         options["expert_ranks"] = env.world_size - options.get("attention_ranks", 1)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
+        if launched and options["expert_ranks"] < 0:
+            raise ValueError(
+                f"--attention-ranks {options['attention_ranks']} exceeds the {env.launcher} "
+                f"world size {env.world_size}; start at least that many processes"
+            )
         if args.max_queued_requests is not None and args.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 0")
         if not 0 < args.port < 65536:
@@ -108,12 +115,6 @@ def main(argv: list[str] | None = None) -> int:
         CheckpointReader(args.model)
         tokenizer = Tokenizer.from_checkpoint(args.model)
         chat_template = ChatTemplate.from_checkpoint(args.model)
-        if launched and config.parallel.attention_ranks != 1:
-            raise ValueError(
-                f"--attention-ranks {config.parallel.attention_ranks}: under {env.launcher} the "
-                "server on rank 0 feeds one attention rank; use --attention-ranks 1 (the other "
-                "processes are expert ranks)"
-            )
         if launched and env.world_size < 2:
             raise ValueError("started by a launcher with one process: run it directly instead")
     except (ValueError, TypeError, OSError) as e:
@@ -164,11 +165,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _work(config, env, init_method: str) -> int:
-    """A launched job's rank other than 0: an expert rank, until rank 0's server closes."""
+    """A launched job's rank other than 0, until rank 0's server closes: its requests, commands
+    and answers travel with the step sync, relayed by rank 0 (see `RemoteChannel`)."""
+    channel = RemoteChannel(env.rank, takes_requests=env.rank < config.parallel.attention_ranks)
     try:
-        run_rank(
-            config, env.rank, init_method, _StaticChannel([]), env.local_rank, env.local_world_size
-        )
+        run_rank(config, env.rank, init_method, channel, env.local_rank, env.local_world_size)
     except Exception as e:
         print(f"splitmoe.serve: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -19,12 +19,14 @@ class StepDecision:
     """``tokens[r]``: tokens attention rank ``r`` computes this step (0 for expert ranks);
     ``rebalance``: some rank asked for an expert rebalance, which every rank then starts before
     this iteration's step; ``ready``: every rank has the weights of the next placement staged
-    (a rebalance in progress switches at such a step boundary)."""
+    (a rebalance in progress switches at such a step boundary); ``mail``: some rank has messages
+    to relay (`StepSync.relay` runs on every rank; the job does not end while any is left)."""
 
     tokens: tuple[int, ...]
     finished: bool
     rebalance: bool = False
     ready: bool = True
+    mail: bool = False
 
     @property
     def run(self) -> bool:
@@ -32,32 +34,67 @@ class StepDecision:
 
 
 class StepSync:
-    """All-gathers ``(tokens this step, done, rebalance wanted, next placement staged)`` from
-    every rank over a CPU collective of the whole world (shared memory on one host, else the
-    gloo group)."""
+    """All-gathers ``(tokens this step, done, rebalance wanted, next placement staged, mail
+    bytes)`` from every rank over a CPU collective of the whole world (shared memory on one host,
+    else the gloo group).
 
-    def __init__(self, group: Collective, world_size: int):
+    Mail is how a launched job's server on rank 0 reaches ranks in other processes (see
+    `splitmoe.llm.RelayChannel`): new requests, aborts and commands go out, token progress and
+    stats come back. Only an iteration in which some rank has mail pays for a second collective,
+    `relay`: one all-gather of the pickled mail over the gloo group ``objects``, padded to the
+    longest (every size is known from the first)."""
+
+    def __init__(
+        self, group: Collective, world_size: int, objects: dist.ProcessGroup | None = None
+    ):
         self.group = group
         self.world_size = world_size
-        self._out = torch.zeros(world_size, 4, dtype=torch.int64)
+        self.objects = objects
+        self._out = torch.zeros(world_size, 5, dtype=torch.int64)
+        self._sizes: list[int] = []
 
     def exchange(
-        self, tokens: int, done: bool, rebalance: bool = False, ready: bool = True
+        self,
+        tokens: int,
+        done: bool,
+        rebalance: bool = False,
+        ready: bool = True,
+        mail: int = 0,
     ) -> StepDecision:
         if self.world_size == 1:  # nothing to agree on
             return StepDecision(
                 tokens=(tokens,), finished=not tokens and done, rebalance=rebalance, ready=ready
             )
-        mine = torch.tensor([tokens, int(done), int(rebalance), int(ready)], dtype=torch.int64)
+        mine = torch.tensor(
+            [tokens, int(done), int(rebalance), int(ready), mail], dtype=torch.int64
+        )
         self.group.all_gather_single(self._out.view(-1), mine)
         rows = self._out.tolist()
         counts = tuple(r[0] for r in rows)
+        self._sizes = [r[4] for r in rows]
+        mail = any(self._sizes)
         return StepDecision(
             tokens=counts,
-            finished=not any(counts) and all(r[1] for r in rows),
+            finished=not any(counts) and all(r[1] for r in rows) and not mail,
             rebalance=any(r[2] for r in rows),
             ready=all(r[3] for r in rows),
+            mail=mail,
         )
+
+    def relay(self, blob: bytes) -> list[bytes | None]:
+        """Every rank's mail (``blob``: this rank's, of the size it gave `exchange`; None where
+        a rank has none), in rank order; run by every rank after an `exchange` whose decision
+        has ``mail``."""
+        n = max(self._sizes)
+        mine = torch.zeros(n, dtype=torch.uint8)
+        if blob:
+            mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        parts = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(parts, mine, group=self.objects)
+        return [
+            parts[r][:size].numpy().tobytes() if size else None
+            for r, size in enumerate(self._sizes)
+        ]
 
     def warm_up(self, data_group: dist.ProcessGroup, comm_device: torch.device) -> None:
         """Opens every peer connection once at start-up (gloo connects lazily), so the first
