@@ -177,6 +177,15 @@ def plot(sim: Simulator, args, space: CompareSpace, v, sweep) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     name = f"{sim.model.name} on {sim.hw.name}"
     paths = []
+
+    def save(fig, ax, path: Path) -> Path:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
     # 1. throughput per GPU against TPOT: every AF and colocated point, and their fronts
     fig, ax = plt.subplots(figsize=(7, 4.8))
     for label, deps, color in (
@@ -194,12 +203,7 @@ def plot(sim: Simulator, args, space: CompareSpace, v, sweep) -> list[Path]:
     ax.set_xlabel("TPOT, ms")
     ax.set_ylabel("output tokens/s per GPU")
     ax.set_title(f"{name}: throughput vs latency ({args.gpus} GPUs, context {args.context:.0f})")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(out / "pareto.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, ax, out / "pareto.png"))
     # 2. A:E ratio sweep at a fixed E, with the closed-form ratio
     # at the best AF plan's E and micro-batches (the verdict's), A from E/4 to 4E
     e, m = min(16, sim.model.num_experts), 2
@@ -220,12 +224,7 @@ def plot(sim: Simulator, args, space: CompareSpace, v, sweep) -> list[Path]:
     ax.set_xlabel("A : E")
     ax.set_ylabel("output tokens/s per GPU (best batch under the target)")
     ax.set_title(f"{name}: attention-to-expert ratio")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(out / "ae_ratio.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, ax, out / "ae_ratio.png"))
     # 3. the crossover
     if sweep:
         param = args.crossover[0]
@@ -239,12 +238,7 @@ def plot(sim: Simulator, args, space: CompareSpace, v, sweep) -> list[Path]:
                        "sparsity": "top-k / experts (same expert parameters)"}[param])  # fmt: skip
         ax.set_ylabel("output tokens/s per GPU under the target")
         ax.set_title(f"{name}: AF vs colocated as {param} varies")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        paths.append(out / f"crossover_{param}.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save(fig, ax, out / f"crossover_{param}.png"))
     return paths
 
 

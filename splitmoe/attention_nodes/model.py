@@ -244,12 +244,9 @@ class AttentionModel:
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
         k_cache, v_cache = kv
         self.attention_backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if layer.sinks is None and layer.window is None:
-            o = self.attention_backend.attend(q, k_cache, v_cache, meta, self.scale)
-        else:
-            o = self.attention_backend.attend(
-                q, k_cache, v_cache, meta, self.scale, sinks=layer.sinks, window=layer.window
-            )
+        o = self.attention_backend.attend(
+            q, k_cache, v_cache, meta, self.scale, sinks=layer.sinks, window=layer.window
+        )
         return linear(o.reshape(T, self.q_size), layer.o_proj, layer.o_bias)
 
     def mla_attention(
