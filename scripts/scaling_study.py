@@ -87,13 +87,14 @@ class Topology:
         return self.attention_ranks + self.expert_ranks
 
     def llm_kwargs(self) -> dict:
+        # micro_batches always: left out, the runtime picks per step (2 for AF steps of 8 or
+        # more tokens per attention rank), and an "m=1" row at batch 16 would run two
         kw = dict(
             attention_ranks=self.attention_ranks,
             expert_ranks=self.expert_ranks,
             transport=self.transport,
+            micro_batches=self.micro_batches,
         )
-        if self.micro_batches != 1:
-            kw["micro_batches"] = self.micro_batches
         if self.balancer != "static":
             kw["balancer"] = self.balancer
             kw["redundant_experts"] = self.redundant_experts
@@ -206,9 +207,14 @@ def run_point(llms: list[LLM], topo: Topology, num_requests: int, rate: float, a
         while nxt < len(prompts) and arrivals[nxt] <= now:
             due.append(nxt)
             nxt += 1
-        for i in due:  # round-robin over replicas
-            llms[i % len(llms)].submit([prompts[i]], params)
-            pending += 1
+        # round-robin over replicas, what is due in one call per replica (a closed batch
+        # arrives at once: submitted one by one, its first requests start a step alone and
+        # the rest prefill a step later)
+        for k, llm in enumerate(llms):
+            mine = [prompts[i] for i in due if i % len(llms) == k]
+            if mine:
+                llm.submit(mine, params)
+                pending += len(mine)
         wait = 0.02 if nxt >= len(prompts) else max(0.0, min(0.02, arrivals[nxt] - now))
         for llm in llms:
             for out, _ in llm.poll(timeout=wait / len(llms)):
@@ -292,9 +298,11 @@ def sweep(args, topos: list[Topology], bar: tqdm) -> list[dict]:
                             **topo.llm_kwargs(),
                         )
                     )
-                # warm-up: a whole discarded run of the first point (first steps of fresh
-                # processes pay allocation and first-call costs)
-                run_point(llms, topo, points[0][0], points[0][1], args, rng)
+                # warm-up: a whole discarded run of each closed batch (or of the first point):
+                # a fresh process pays allocation and first-call costs at each new size (the
+                # first 16 x 16-token prefill of an instance took ~4 ms more than the next)
+                for n, rate in [p for p in points if p[1] == math.inf] or points[:1]:
+                    run_point(llms, topo, n, rate, args, rng)
                 for i, (n, rate) in enumerate(points):
                     for _ in range(args.repeats):
                         r = run_point(llms, topo, n, rate, args, rng)

@@ -102,6 +102,14 @@ def test_repeats_ranges_and_pass_order(study):
     assert sorted(map(str, orders[2])) == sorted(map(str, topos))  # every topology, once
 
 
+def test_rows_run_the_micro_batches_they_name(study):
+    # left to the runtime, an AF step of 8+ tokens per attention rank splits in two: an "m=1"
+    # row at batch 16 measured two micro-batches until the study passed it explicitly
+    for m in (1, 2):
+        topo = study.Topology(1, 2, "flat", m, "static", 4, 1)
+        assert topo.llm_kwargs()["micro_batches"] == m
+
+
 def test_noise_accounting_of_the_check():
     from splitmoe.sim.validate import miss_inside_range, noisy
 
