@@ -51,6 +51,10 @@ class Overheads:
         a colocated rank: the runtime still runs every op of its layer loop on zero rows, with no
         exchange to hide it behind (an AF attention rank runs it while it waits for the other
         micro-batch's experts: hidden); 0 on the GPU profiles;
+    shared_step_s: per step when an instance has more rank processes than the host has cores
+        (`HardwareProfile.contention` > 1): its ranks then sleep while they wait, and the step's
+        boundary (the control all-gather, tokens out to the driver, the next step's start) wakes
+        each of them in turn; 0 on the GPU profiles;
     """
 
     step_s: float = 0.0
@@ -66,6 +70,7 @@ class Overheads:
     proc_step_s: float = 0.0
     proc_seq_step_s: float = 0.0
     empty_micro_batch_s: float = 0.0
+    shared_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collective_s", tuple(float(x) for x in self.collective_s))

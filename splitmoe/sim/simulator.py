@@ -9,17 +9,22 @@ tokens; ``T = B`` in decode) is, with ``m`` micro-batches (primes: one micro-bat
     comm       Tc' = n_coll * o_coll(W) + 2 o_wake + CostModel(dispatch) + CostModel(combine)
     MoE layer  disaggregated: max(m Ta', m Te', m Tc', Ta' + Te' + Tc')   (ping-pong: the last
                                  term is one micro-batch's round trip; m = 1 gives Ta + Te + Tc)
+                 ranks sharing cores (more rank processes than cores: waits sleep):
+                                 m (Ta' + Te' + Tc'), micro-batches take turns (empty ones: Tc')
                colocated:     max(m (Ta' + Te'), m Tc') + min(Ta' + Te', Tc')   (Tc = 0 when each
                                  rank holds every expert)
-    step       o_step + o_seqstep * B + o_coll(W) + LM head + sum over layers
+    step       o_step + o_seqstep * B + o_coll(W) [+ o_shared] + LM head + sum over layers
     TPOT = step;  tokens/s per GPU = A B / (step (A + E))
 
 ``p_max`` / ``n_act`` (pairs and distinct experts on the busiest expert rank) come from
 `splitmoe.sim.imbalance.expert_load` with the deployment's balancer and redundant experts; the
 link terms from the transport's own `CostModel` (``flat``, ``two_phase``, or ``auto``: the
 cheaper, per layer) on the count matrix those loads imply. Host overheads ``o_*`` and the
-roofline come from the `HardwareProfile`; ranks sharing too few cores slow down by
-``busy ranks / cores`` (attention and expert phases apart when ``m = 1``, together otherwise).
+roofline come from the `HardwareProfile`; ranks sharing too few cores compute ``oversubscribed``
+times slower, and their step pays ``o_shared`` (``shared_step_s``: the step boundary wakes each
+sleeping rank). The ``global`` balancer adds its all-gather of counts among the A attention
+ranks, ``o_coll(A)``, to each micro-batch's exchange. A closed batch of fewer requests than
+attention ranks leaves ranks empty: the experts and the driver see only the requests there are.
 """
 
 from __future__ import annotations
@@ -313,9 +318,15 @@ class Simulator:
             row_bytes + 8 * self.model.top_k,
             row_bytes,
         )
+        # the global balancer's all-gather of per-expert counts among the attention ranks
+        balance = (
+            oh.collective(dep.attention_ranks)
+            if dep.balancer == "global" and not dep.colocated and dep.attention_ranks > 1
+            else 0.0
+        )
         best = math.inf
         for s in schemes:
-            fixed = COLLECTIVES_PER_LAYER[s] * oh.collective(world) + 2 * oh.wake_s
+            fixed = COLLECTIVES_PER_LAYER[s] * oh.collective(world) + 2 * oh.wake_s + balance
             best = min(best, fixed + links[s])
         return best
 
@@ -378,14 +389,18 @@ class Simulator:
         context: float,
         prefill_tokens: float = 0.0,
         prefill_seqs: float = 0.0,
+        load_share: float = 1.0,
     ) -> StepPrediction:
         """One step of the busiest attention rank: ``decode_seqs`` decode sequences over
         ``context`` cached tokens each (``1 + draft_tokens`` query tokens each with MTP), plus
         ``prefill_tokens`` prompt tokens in ``prefill_seqs`` chunks. With ``attention_tp`` the
-        sequences are those of one tensor-parallel group, every GPU of which sees all of them."""
+        sequences are those of one tensor-parallel group, every GPU of which sees all of them.
+        ``load_share``: the other ranks' load as a fraction of the busiest one's (1: every rank
+        as busy; a closed batch of fewer requests than attention ranks leaves some empty), for
+        what the experts receive and the driver handles."""
         if dep.colocated and self.expert_hw is not None:  # experts on the attention GPUs
             return replace(self, expert_hw=None).step(
-                dep, decode_seqs, context, prefill_tokens, prefill_seqs
+                dep, decode_seqs, context, prefill_tokens, prefill_seqs, load_share
             )
         m, hw, oh = self.model, self.hw, self.hw.overheads
         tp = dep.attention_tp
@@ -418,6 +433,7 @@ class Simulator:
             group, senders = dep.expert_parallel, dep.expert_parallel
         else:
             group, senders = dep.expert_ranks, dep.attention_ranks
+        senders = 1 + (senders - 1) * load_share  # (the busiest one, and the others)
         routed = round(t_mb * senders)
         load = expert_load(
             max(routed, 0),
@@ -438,6 +454,11 @@ class Simulator:
         if dep.colocated:
             comp = ta + te
             layer = max(full * comp, mb * tc) + min(comp, tc)
+        elif slow > 1:
+            # ranks sharing cores take turns and sleep while they wait (the transport's waits
+            # spin only while a rank has a core of its own): one micro-batch's attention,
+            # exchange and experts after another's, nothing overlaps
+            layer = full * (ta + te) + mb * tc
         else:
             layer = max(full * ta, full * te, mb * tc, ta + te + tc)
         dense = full * attn_dense * slow
@@ -449,17 +470,15 @@ class Simulator:
         # MTP: each drafted token runs the draft module, one more MoE layer (DeepSeek-V3)
         mtp = self.draft_tokens * layer
         # the driver handles every sequence of the instance, whichever rank holds it
-        procs = (
-            oh.proc_step_s + oh.proc_seq_step_s * seqs * dep.attention_ranks
-            if dep.ranks > 1
-            else 0.0
-        )
+        instance_seqs = seqs * (1 + (dep.attention_ranks - 1) * load_share)
+        procs = oh.proc_step_s + oh.proc_seq_step_s * instance_seqs if dep.ranks > 1 else 0.0
         t_step = (
             oh.step_s
             + (oh.empty_micro_batch_s * (mb - full) * m.num_layers if dep.colocated else 0.0)
             + procs
             + oh.seq_step_s * seqs
             + oh.collective(dep.ranks)
+            + (oh.shared_step_s if slow > 1 else 0.0)
             + head * slow
             + m.num_moe_layers * layer
             + m.num_dense_layers * dense
@@ -542,12 +561,20 @@ class Simulator:
         """A closed batch (see `RunPrediction`) on one instance: requests spread evenly over the
         attention ranks, which step in lockstep, so the busiest rank sets the pace."""
         per_rank = math.ceil(num_requests / dep.attention_ranks)
+        # what the other ranks hold, relative to the busiest (1 request on 2 ranks: nothing)
+        share = (
+            (num_requests - per_rank) / (per_rank * (dep.attention_ranks - 1))
+            if dep.attention_ranks > 1
+            else 1.0
+        )
         prompt_tokens = per_rank * prompt_len
         prefill_steps = max(1, math.ceil(prompt_tokens / max_num_batched_tokens))
         chunk = prompt_tokens / prefill_steps
-        prefill = self.step(dep, 0, 0.0, chunk, min(per_rank, math.ceil(per_rank / prefill_steps)))
+        prefill = self.step(
+            dep, 0, 0.0, chunk, min(per_rank, math.ceil(per_rank / prefill_steps)), share
+        )
         ttft = prefill_steps * prefill.t_step
-        decode = self.step(dep, per_rank, prompt_len + output_len / 2)
+        decode = self.step(dep, per_rank, prompt_len + output_len / 2, load_share=share)
         duration = ttft + (output_len - 1) * decode.t_step
         return RunPrediction(
             duration_s=duration,

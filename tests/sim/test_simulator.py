@@ -169,6 +169,34 @@ def test_contention_only_where_ranks_share_cores():
         _roofline_only(cores=2.0, oversubscribed=0.5)
 
 
+def test_ranks_sharing_cores_take_turns():
+    oh = Overheads(attn_layer_s=1e-3, moe_layer_s=1e-3, collective_s=(0.0, 2e-4, 3e-4),
+                   shared_step_s=5e-4)  # fmt: skip
+    cpu = Simulator(TINY, _roofline_only(overheads=oh, cores=2.0, oversubscribed=1.5))
+    # 1 + 2 rank processes on 2 cores: they sleep while they wait, so two micro-batches run one
+    # after the other, each paying its own round trip
+    two = cpu.step(Deployment(1, 2, micro_batches=2), 8, 100)
+    assert two.t_moe_layer == pytest.approx(two.t_attn + two.t_expert + two.t_comm)
+    assert two.overlap_saved == pytest.approx(0.0)
+    # ... and every step wakes them at its boundary; ranks with a core each do neither
+    one = cpu.step(Deployment(1, 2), 8, 100)
+    unshared = replace(cpu, hw=replace(cpu.hw, cores=3.0, oversubscribed=1.0))
+    one_own = unshared.step(Deployment(1, 2), 8, 100)
+    layers = TINY.num_moe_layers * (one_own.t_attn + one_own.t_expert)
+    assert one.t_step - one_own.t_step == pytest.approx(5e-4 + 0.5 * layers, rel=0.02)
+    two_own = unshared.step(Deployment(1, 2, micro_batches=2), 8, 100)
+    assert two_own.overlap_saved > 0
+
+
+def test_global_balancer_all_gathers_counts_among_attention_ranks():
+    oh = Overheads(collective_s=(0.0, 2e-4, 3e-4, 4e-4))
+    sim = Simulator(TINY, _roofline_only(overheads=oh))
+    load = expert_load(8, 8, 2, 2)
+    for a, extra in ((1, 0.0), (2, 2e-4)):  # (one attention rank: nothing to gather)
+        static, glob = Deployment(a, 2), Deployment(a, 2, balancer="global", redundant_experts=2)
+        assert sim._comm(glob, 4, load) - sim._comm(static, 4, load) == pytest.approx(extra)
+
+
 def test_decode_throughput_and_memory():
     sim = Simulator(ModelShape.from_config("qwen3-235b-a22b"), load_profile("h100"))
     p = sim.decode(Deployment(8, 8, 2, "auto", "global", 8), 32, 2048)
@@ -186,3 +214,7 @@ def test_closed_batch_run():
     assert r.output_tok_s == pytest.approx(80 / r.duration_s)
     assert r.decode.tokens == 4 and r.prefill.tokens == 64
     assert math.isfinite(replace(sim, skew=0.5).run(Deployment(1), 1, 4, 2).tbt)
+    # one request on two attention ranks: the second is empty, the experts see one token
+    one, two = sim.run(Deployment(1, 1), 1, 16, 10), sim.run(Deployment(2, 1), 1, 16, 10)
+    assert two.decode.t_expert == pytest.approx(one.decode.t_expert)
+    assert sim.run(Deployment(2, 1), 2, 16, 10).decode.t_expert > one.decode.t_expert
