@@ -447,10 +447,13 @@ class Simulator:
         )
         te = self._experts(load.pairs_max, load.active_max)
         tc = self._comm(dep, t_mb, load) if tokens else 0.0
-        # More rank processes than a host's cores: every rank computes slower
-        # (`HardwareProfile.contention`; 1 on GPUs).
+        # More rank processes than a host's cores: every rank's work that grows with its
+        # tokens runs slower (`HardwareProfile.contention`; 1 on GPUs); the fixed per-layer host
+        # cost does not (on this machine 1+2 ranks at 1 sequence cost their fixed work and
+        # wake-ups, at 16 sequences the per-token work 1.9x as long)
         slow = hw.contention(dep.ranks)
-        ta, te = attn_moe * slow, te * slow
+        fa, fe = oh.attn_layer_s, self.ehw.overheads.moe_layer_s
+        ta, te = fa + (attn_moe - fa) * slow, fe + (te - fe) * slow
         if dep.colocated:
             comp = ta + te
             layer = max(full * comp, mb * tc) + min(comp, tc)
@@ -461,7 +464,7 @@ class Simulator:
             layer = full * (ta + te) + mb * tc
         else:
             layer = max(full * ta, full * te, mb * tc, ta + te + tc)
-        dense = full * attn_dense * slow
+        dense = full * (fa + (attn_dense - fa) * slow)
         if tp > 1:
             dense += mb * self._allreduce(tp, t_mb)
         head = hw.gemm_s(
