@@ -8,7 +8,9 @@ tokens; ``T = B`` in decode) is, with ``m`` micro-batches (primes: one micro-bat
     experts    Te' = o_moe + o_exp * n_act + roofline(2 p_max P_exp, n_act P_exp w)  busiest rank
     comm       Tc' = n_coll * o_coll(W) + 2 o_wake + CostModel(dispatch) + CostModel(combine)
     MoE layer  disaggregated: max(m Ta', m Te', m Tc', Ta' + Te' + Tc')   (ping-pong: the last
-                                 term is one micro-batch's round trip; m = 1 gives Ta + Te + Tc)
+                                 term is one micro-batch's round trip; m = 1 gives Ta + Te + Tc;
+                                 ranks that are host processes add their own collective calls,
+                                 n_coll o_coll(W), to each micro-batch of m Ta' and m Te')
                  ranks sharing cores (more rank processes than cores: waits sleep):
                                  m (Ta' + Te' + Tc'), micro-batches take turns (empty ones: Tc')
                colocated:     max(m (Ta' + Te'), m Tc') + min(Ta' + Te', Tc')   (Tc = 0 when each
@@ -463,7 +465,16 @@ class Simulator:
             # exchange and experts after another's, nothing overlaps
             layer = full * (ta + te) + mb * tc
         else:
-            layer = max(full * ta, full * te, mb * tc, ta + te + tc)
+            # ranks that are host processes (``cores`` set) make their own collective calls on
+            # their own core: that part of each micro-batch's exchange does not overlap their
+            # compute (on GPUs the exchange runs beside the kernels)
+            own = (
+                COLLECTIVES_PER_LAYER.get(dep.transport, COLLECTIVES_PER_LAYER["flat"])
+                * oh.collective(dep.ranks)
+                if hw.cores is not None
+                else 0.0
+            )
+            layer = max(full * ta + mb * own, full * te + mb * own, mb * tc, ta + te + tc)
         dense = full * (fa + (attn_dense - fa) * slow)
         if tp > 1:
             dense += mb * self._allreduce(tp, t_mb)

@@ -131,6 +131,13 @@ def test_ping_pong_overlap():
     ta, te, tc = two.t_attn / 2, two.t_expert / 2, two.t_comm / 2
     assert two.t_moe_layer == pytest.approx(max(2 * ta, 2 * te, 2 * tc, ta + te + tc))
     assert two.t_moe_layer < two.t_attn + two.t_expert + two.t_comm and two.overlap_saved > 0
+    # ranks that are host processes (with a core each) make their collective calls themselves:
+    # 3 per micro-batch (counts, dispatch, combine) on each side, beside its compute
+    host = Simulator(TINY, _roofline_only(overheads=oh, cores=8.0))
+    ht = host.step(Deployment(2, 1, micro_batches=2), 8, 100)
+    own = 3 * 2e-4
+    assert ht.t_moe_layer == pytest.approx(max(2 * (ta + own), 2 * (te + own), ta + te + tc))
+    assert host.step(Deployment(2, 1), 8, 100).t_moe_layer == pytest.approx(serial.t_moe_layer)
 
 
 def test_empty_micro_batch_costs_its_layer_loop_only_colocated():
