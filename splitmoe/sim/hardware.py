@@ -41,8 +41,9 @@ class Overheads:
         ~0 for one grouped-GEMM kernel);
     collective_s: one collective call between ``w`` ranks costs
         ``collective_s[min(w, len) - 1] + collective_slope_s * max(0, w - len)`` (index 0: w = 1);
-    wake_s: extra latency when the receiving side of an exchange was blocked waiting (a process
-        woken by the OS; on a GPU, a kernel that polls — 0);
+    wake_s: where rank processes outnumber the cores (`contention` > 1), the latency of waking
+        one rank that sleeps waiting for an exchange (the OS waking a process; the transport's
+        waits spin instead while a rank has a core of its own; on a GPU, a kernel polls: 0);
     proc_step_s / proc_seq_step_s: per step, and per sequence and step, when an instance runs
         more than one rank process (the driver scheduling, broadcasting the step and collecting
         each sequence's token from separate processes; a single rank runs in the driver's
@@ -51,10 +52,10 @@ class Overheads:
         a colocated rank: the runtime still runs every op of its layer loop on zero rows, with no
         exchange to hide it behind (an AF attention rank runs it while it waits for the other
         micro-batch's experts: hidden); 0 on the GPU profiles;
-    shared_step_s: per step when an instance has more rank processes than the host has cores
-        (`HardwareProfile.contention` > 1): its ranks then sleep while they wait, and the step's
-        boundary (the control all-gather, tokens out to the driver, the next step's start) wakes
-        each of them in turn; 0 on the GPU profiles;
+    shared_step_s: per step and rank process where rank processes outnumber the cores
+        (`HardwareProfile.contention` > 1): the step's boundary (the control all-gather, tokens
+        out to the driver, the next step's start) wakes each sleeping rank; 0 on the GPU
+        profiles;
     """
 
     step_s: float = 0.0

@@ -6,7 +6,8 @@ tokens; ``T = B`` in decode) is, with ``m`` micro-batches (primes: one micro-bat
     attention  Ta' = o_attn + o_seq * B/m + roofline(2 T/m P_attn + T/m F_core(C),
                                                      P_attn w + B/m C kv)          [+ shared expert]
     experts    Te' = o_moe + o_exp * n_act + roofline(2 p_max P_exp, n_act P_exp w)  busiest rank
-    comm       Tc' = n_coll * o_coll(W) + 2 o_wake + CostModel(dispatch) + CostModel(combine)
+    comm       Tc' = n_coll * o_coll(W) [+ (E + A_busy) o_wake]
+                     + CostModel(dispatch) + CostModel(combine)
     MoE layer  disaggregated: max(m Ta', m Te', m Tc', Ta' + Te' + Tc')   (ping-pong: the last
                                  term is one micro-batch's round trip; m = 1 gives Ta + Te + Tc;
                                  ranks that are host processes add their own collective calls,
@@ -15,18 +16,21 @@ tokens; ``T = B`` in decode) is, with ``m`` micro-batches (primes: one micro-bat
                                  m (Ta' + Te' + Tc'), micro-batches take turns (empty ones: Tc')
                colocated:     max(m (Ta' + Te'), m Tc') + min(Ta' + Te', Tc')   (Tc = 0 when each
                                  rank holds every expert)
-    step       o_step + o_seqstep * B + o_coll(W) [+ o_shared] + LM head + sum over layers
+    step       o_step + o_seqstep * B + o_coll(W) [+ (A + E) o_shared] + LM head + sum over layers
     TPOT = step;  tokens/s per GPU = A B / (step (A + E))
 
 ``p_max`` / ``n_act`` (pairs and distinct experts on the busiest expert rank) come from
 `splitmoe.sim.imbalance.expert_load` with the deployment's balancer and redundant experts; the
 link terms from the transport's own `CostModel` (``flat``, ``two_phase``, or ``auto``: the
 cheaper, per layer) on the count matrix those loads imply. Host overheads ``o_*`` and the
-roofline come from the `HardwareProfile`; ranks sharing too few cores compute ``oversubscribed``
-times slower, and their step pays ``o_shared`` (``shared_step_s``: the step boundary wakes each
-sleeping rank). The ``global`` balancer adds its all-gather of counts among the A attention
-ranks, ``o_coll(A)``, to each micro-batch's exchange. A closed batch of fewer requests than
-attention ranks leaves ranks empty: the experts and the driver see only the requests there are.
+roofline come from the `HardwareProfile`. Ranks sharing too few cores (bracketed terms) sleep
+while they wait: each exchange pays ``o_wake`` per rank it wakes (every expert rank, every
+attention rank with sequences, ``A_busy``), every step ``o_shared`` per rank process (the step
+boundary wakes each), and their work that grows with the tokens runs ``oversubscribed`` times
+slower (their fixed per-layer cost does not). The ``global`` balancer adds its all-gather of
+counts among the A attention ranks, ``o_coll(A)`` (+ ``(A - 1) o_wake`` where ranks sleep), to
+each micro-batch's exchange. A closed batch of fewer requests than attention ranks leaves ranks
+empty: the experts and the driver see only the requests there are.
 """
 
 from __future__ import annotations
@@ -295,8 +299,9 @@ class Simulator:
             oh.moe_layer_s + oh.expert_s * active + self.ehw.gemm_s(flops, nbytes, self.expert_fp8)
         )
 
-    def _comm(self, dep: Deployment, tokens_per_rank: float, load) -> float:
-        """Dispatch + combine of one micro-batch of one MoE layer."""
+    def _comm(self, dep: Deployment, tokens_per_rank: float, load, wakes: float = 0.0) -> float:
+        """Dispatch + combine of one micro-batch of one MoE layer. ``wakes``: the sleeping ranks
+        it wakes, ``wake_s`` each (0 unless ranks share cores: see `step`)."""
         oh = self.hw.overheads
         if dep.attention_tp > 1:
             return self._allreduce(dep.attention_tp, tokens_per_rank)
@@ -320,15 +325,15 @@ class Simulator:
             row_bytes + 8 * self.model.top_k,
             row_bytes,
         )
-        # the global balancer's all-gather of per-expert counts among the attention ranks
-        balance = (
-            oh.collective(dep.attention_ranks)
-            if dep.balancer == "global" and not dep.colocated and dep.attention_ranks > 1
-            else 0.0
-        )
+        # the global balancer's all-gather of per-expert counts among the attention ranks (where
+        # ranks sleep, it wakes the A - 1 that arrive first)
+        balance = 0.0
+        if dep.balancer == "global" and not dep.colocated and dep.attention_ranks > 1:
+            asleep = dep.attention_ranks - 1 if wakes else 0
+            balance = oh.collective(dep.attention_ranks) + asleep * oh.wake_s
         best = math.inf
         for s in schemes:
-            fixed = COLLECTIVES_PER_LAYER[s] * oh.collective(world) + 2 * oh.wake_s + balance
+            fixed = COLLECTIVES_PER_LAYER[s] * oh.collective(world) + wakes * oh.wake_s + balance
             best = min(best, fixed + links[s])
         return best
 
@@ -448,7 +453,15 @@ class Simulator:
             self.recorded_load,
         )
         te = self._experts(load.pairs_max, load.active_max)
-        tc = self._comm(dep, t_mb, load) if tokens else 0.0
+        # More rank processes than cores: the transport's waits sleep (they spin only on a core
+        # of one's own), so dispatch wakes each expert rank and combine each attention rank with
+        # sequences (an empty one's answer is there before it waits).
+        wakes = (
+            dep.expert_ranks + 1 + (dep.attention_ranks - 1) * load_share
+            if hw.contention(dep.ranks) > 1 and not dep.colocated
+            else 0.0
+        )
+        tc = self._comm(dep, t_mb, load, wakes) if tokens else 0.0
         # More rank processes than a host's cores: every rank's work that grows with its
         # tokens runs slower (`HardwareProfile.contention`; 1 on GPUs); the fixed per-layer host
         # cost does not (on this machine 1+2 ranks at 1 sequence cost their fixed work and
@@ -492,7 +505,7 @@ class Simulator:
             + procs
             + oh.seq_step_s * seqs
             + oh.collective(dep.ranks)
-            + (oh.shared_step_s if slow > 1 else 0.0)
+            + (oh.shared_step_s * dep.ranks if slow > 1 else 0.0)  # each woken at the boundary
             + head * slow
             + m.num_moe_layers * layer
             + m.num_dense_layers * dense

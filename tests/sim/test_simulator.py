@@ -179,21 +179,27 @@ def test_contention_only_where_ranks_share_cores():
 
 
 def test_ranks_sharing_cores_take_turns():
-    oh = Overheads(attn_layer_s=1e-3, moe_layer_s=1e-3, collective_s=(0.0, 2e-4, 3e-4),
-                   shared_step_s=5e-4)  # fmt: skip
+    oh = Overheads(attn_layer_s=1e-3, moe_layer_s=1e-3, collective_s=(0.0, 2e-4),
+                   wake_s=1e-4, shared_step_s=5e-4)  # fmt: skip
     cpu = Simulator(TINY, _roofline_only(overheads=oh, cores=2.0, oversubscribed=1.5))
     # 1 + 2 rank processes on 2 cores: they sleep while they wait, so two micro-batches run one
     # after the other, each paying its own round trip
     two = cpu.step(Deployment(1, 2, micro_batches=2), 8, 100)
     assert two.t_moe_layer == pytest.approx(two.t_attn + two.t_expert + two.t_comm)
     assert two.overlap_saved == pytest.approx(0.0)
-    # ... and every step wakes them at its boundary; ranks with a core each do neither
+    # ... each exchange wakes the 2 expert ranks and the attention rank, and every step wakes
+    # the 3 ranks at its boundary; ranks with a core each do none of it
     one = cpu.step(Deployment(1, 2), 8, 100)
     unshared = replace(cpu, hw=replace(cpu.hw, cores=3.0, oversubscribed=1.0))
     one_own = unshared.step(Deployment(1, 2), 8, 100)
+    assert one.t_comm - one_own.t_comm == pytest.approx(3 * 1e-4)
     per_token = one_own.t_attn + one_own.t_expert - 2e-3  # (less the fixed 1 ms each side)
-    extra = 5e-4 + 0.5 * TINY.num_moe_layers * per_token
+    extra = 3 * 5e-4 + TINY.num_moe_layers * (3e-4 + 0.5 * per_token)
     assert one.t_step - one_own.t_step == pytest.approx(extra, rel=0.02)
+    # an empty attention rank's answer is there before anyone waits: 2 attention ranks holding
+    # one request between them wake as many ranks as one rank does
+    two_a = cpu.run(Deployment(2, 2), 1, 4, 4).decode
+    assert two_a.t_comm == pytest.approx(cpu.run(Deployment(1, 2), 1, 4, 4).decode.t_comm)
     two_own = unshared.step(Deployment(1, 2, micro_batches=2), 8, 100)
     assert two_own.overlap_saved > 0
 
@@ -205,6 +211,11 @@ def test_global_balancer_all_gathers_counts_among_attention_ranks():
     for a, extra in ((1, 0.0), (2, 2e-4)):  # (one attention rank: nothing to gather)
         static, glob = Deployment(a, 2), Deployment(a, 2, balancer="global", redundant_experts=2)
         assert sim._comm(glob, 4, load) - sim._comm(static, 4, load) == pytest.approx(extra)
+    # where ranks sleep (wake-ups counted), it also wakes the attention ranks that arrive first
+    sleepy = Simulator(TINY, _roofline_only(overheads=replace(oh, wake_s=1e-4)))
+    static, glob = Deployment(3, 2), Deployment(3, 2, balancer="global", redundant_experts=2)
+    diff = sleepy._comm(glob, 4, load, wakes=5) - sleepy._comm(static, 4, load, wakes=5)
+    assert diff == pytest.approx(oh.collective(3) + 2 * 1e-4)
 
 
 def test_decode_throughput_and_memory():
