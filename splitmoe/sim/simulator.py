@@ -13,7 +13,7 @@ tokens; ``T = B`` in decode) is, with ``m`` micro-batches (primes: one micro-bat
                                  ranks that are host processes add their own collective calls,
                                  n_coll o_coll(W), to each micro-batch of m Ta' and m Te')
                  ranks sharing cores (more rank processes than cores: waits sleep):
-                                 m (Ta' + Te' + Tc'), micro-batches take turns (empty ones: Tc')
+                                 m Tc' + max(m Ta' + Te', Ta' + m Te', m (A Ta' + E Te') / cores)
                colocated:     max(m (Ta' + Te'), m Tc') + min(Ta' + Te', Tc')   (Tc = 0 when each
                                  rank holds every expert)
     step       o_step + o_seqstep * B + o_coll(W) [+ (A + E) o_shared] + LM head + sum over layers
@@ -473,10 +473,12 @@ class Simulator:
             comp = ta + te
             layer = max(full * comp, mb * tc) + min(comp, tc)
         elif slow > 1:
-            # ranks sharing cores take turns and sleep while they wait (the transport's waits
-            # spin only while a rank has a core of its own): one micro-batch's attention,
-            # exchange and experts after another's, nothing overlaps
-            layer = full * (ta + te) + mb * tc
+            # ranks sharing cores sleep while they wait (the transport's waits spin only on a
+            # core of one's own): the micro-batches' exchanges, each waking its peers, run one
+            # after another; compute overlaps only as far as the cores go (one side's work plus
+            # one micro-batch of the other's, or all ranks' work over the cores)
+            work = (dep.attention_ranks * ta + dep.expert_ranks * te) * full / hw.cores
+            layer = mb * tc + max(full * ta + te, ta + full * te, work)
         else:
             # ranks that are host processes (``cores`` set) make their own collective calls on
             # their own core: that part of each micro-batch's exchange does not overlap their
