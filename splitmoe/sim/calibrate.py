@@ -74,6 +74,22 @@ def measure_roofline() -> tuple[float, float]:
     return flops, bw
 
 
+def last_level_cache_bytes(cpu: int = 0) -> float:
+    """Size of the largest unified cache of ``cpu`` (Linux sysfs; 0 where unknown)."""
+    best = 0.0
+    for index in Path(f"/sys/devices/system/cpu/cpu{cpu}/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        n = float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
+        best = max(best, n)
+    return best
+
+
 # ---- in-process components --------------------------------------------------------------------
 def _decode_meta(batch: int, context: int, block_size: int, query_len: int = 1):
     from splitmoe.kernels.attention_metadata import AttentionMetadata
@@ -365,7 +381,9 @@ def measure_hardware(checkpoint: str | Path, log=print) -> HardwareProfile:
     """The in-process part: roofline and component overheads (a few seconds)."""
     flops, bw = measure_roofline()
     log(f"roofline: {flops / 1e9:.1f} GFLOP/s fp32 GEMM, {bw / 1e9:.1f} GB/s copy (1 thread)")
-    hw = replace(ROOFLINE_CPU, peak_flops=flops, mem_bytes_per_s=bw)
+    cache = last_level_cache_bytes()
+    log(f"last-level cache: {cache / 2**20:.0f} MiB")
+    hw = replace(ROOFLINE_CPU, peak_flops=flops, mem_bytes_per_s=bw, cache_bytes=cache)
     comp = measure_components(checkpoint, hw)
     log("components: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in comp.items()))
     return replace(hw, overheads=Overheads(**comp))

@@ -104,6 +104,10 @@ class HardwareProfile:
     oversubscribed: the slow-down of every rank's compute once more rank processes than
         ``cores`` share the host (each holds a core while it computes or polls a peer, so the
         OS time-slices them: measured here as a step, the same at 3 and 4 processes on 2 cores);
+    cache_bytes: the host's last-level cache (this machine: read from sysfs); a model whose
+        weights all fit stays there between uses, and its kernels' weight reads are not bound by
+        ``mem_bytes_per_s`` (0: not modelled, as on the GPU profiles, whose models are far
+        larger than an L2);
     a2a_fixed_s: fixed seconds of one GPU-initiated dispatch or combine call (DeepEP low-latency,
         StepMesh, MegaScale-Infer's M2N: launch, signalling, one network round trip), the
         ``gpu_a2a`` transport's per-call cost beside its bytes over the links.
@@ -120,6 +124,7 @@ class HardwareProfile:
     weight_bytes: int = 2
     cores: float | None = None
     oversubscribed: float = 1.0
+    cache_bytes: float = 0.0
     a2a_fixed_s: float = 30e-6
     overheads: Overheads = field(default_factory=Overheads)
     links: CostModel = field(default_factory=CostModel)

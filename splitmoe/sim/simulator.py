@@ -245,6 +245,13 @@ class Simulator:
         return 1 if self.expert_fp8 else self.ehw.weight_bytes
 
     @property
+    def weight_reads(self) -> float:
+        """1 where a kernel reads its weights from memory; 0 where the whole model's weights
+        fit in the host's last-level cache (``cache_bytes``) and stay there between uses."""
+        fits = self.model.total_params * self.hw.weight_bytes <= self.hw.cache_bytes
+        return 0.0 if fits else 1.0
+
+    @property
     def act_bytes(self) -> int:
         return self.hw.weight_bytes if self.hw.cores is not None else ACT_BYTES
 
@@ -270,20 +277,28 @@ class Simulator:
             return t, t
         fp8 = self.fp8
         proj = self.hw.gemm_s(
-            2 * tokens * m.attn_params / tp, m.attn_params * self.wbytes / tp, fp8
+            2 * tokens * m.attn_params / tp,
+            m.attn_params * self.wbytes * self.weight_reads / tp,
+            fp8,
         )
         kv = seqs * context * m.kv_bytes_per_token(self.kv_bytes) * self.kv_shard(tp)
         core = self.hw.gemm_s(tokens * m.attn_core_flops(context) / tp, kv) if context else 0.0
         attn = t + proj + core
         shared = (
             self.hw.gemm_s(
-                2 * tokens * m.shared_params / tp, m.shared_params * self.wbytes / tp, fp8
+                2 * tokens * m.shared_params / tp,
+                m.shared_params * self.wbytes * self.weight_reads / tp,
+                fp8,
             )
             if m.shared_params
             else 0.0
         )
         dense = (
-            self.hw.gemm_s(2 * tokens * m.dense_params / tp, m.dense_params * self.wbytes / tp, fp8)
+            self.hw.gemm_s(
+                2 * tokens * m.dense_params / tp,
+                m.dense_params * self.wbytes * self.weight_reads / tp,
+                fp8,
+            )
             if m.dense_params
             else 0.0
         )
@@ -294,7 +309,7 @@ class Simulator:
         if pairs <= 0:
             return oh.moe_layer_s
         flops = 2 * pairs * m.expert_params
-        nbytes = active * m.expert_params * self.expert_wbytes
+        nbytes = active * m.expert_params * self.expert_wbytes * self.weight_reads
         return (
             oh.moe_layer_s + oh.expert_s * active + self.ehw.gemm_s(flops, nbytes, self.expert_fp8)
         )
@@ -494,7 +509,8 @@ class Simulator:
         if tp > 1:
             dense += mb * self._allreduce(tp, t_mb)
         head = hw.gemm_s(
-            2 * seqs * q_per_seq * m.hidden * m.vocab / tp, m.hidden * m.vocab * self.wbytes / tp
+            2 * seqs * q_per_seq * m.hidden * m.vocab / tp,
+            m.hidden * m.vocab * self.wbytes * self.weight_reads / tp,
         )
         # MTP: each drafted token runs the draft module, one more MoE layer (DeepSeek-V3)
         mtp = self.draft_tokens * layer

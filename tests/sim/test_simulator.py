@@ -117,6 +117,19 @@ def test_colocated_step_is_the_roofline_sum():
     assert st.t_step == pytest.approx(head + 2 * (attn + experts))
 
 
+def test_weights_that_fit_in_cache_are_not_read_from_memory():
+    hw = replace(_roofline_only(weight_bytes=2), mem_bytes_per_s=1e9)  # (weights dominate)
+    model_bytes = TINY.total_params * 2
+    out_of = Simulator(TINY, replace(hw, cache_bytes=model_bytes - 1)).step(Deployment(1), 4, 0)
+    cached = Simulator(TINY, replace(hw, cache_bytes=model_bytes)).step(Deployment(1), 4, 0)
+    load = expert_load(4, 8, 2, 1)
+    flops_only = hw.gemm_s(2 * 8 * TINY.expert_params, 0)
+    assert cached.t_expert == pytest.approx(flops_only)
+    weights = load.active_max * TINY.expert_params * 2
+    assert out_of.t_expert == pytest.approx(hw.gemm_s(2 * 8 * TINY.expert_params, weights))
+    assert cached.t_step < out_of.t_step
+
+
 def test_ping_pong_overlap():
     oh = Overheads(attn_layer_s=1e-3, moe_layer_s=1e-3, collective_s=(0.0, 2e-4, 2e-4))
     sim = Simulator(TINY, _roofline_only(overheads=oh))
