@@ -552,7 +552,7 @@ def parse_args(argv=None):
         args.attention_ranks, args.expert_ranks = [1, 2], [0, 1, 2]
         args.batch, args.rate = [1, 16], []
         args.micro_batches, args.transport, args.balancer = [1, 2], ["flat"], ["static", "global"]
-        args.replicas, args.repeats, args.passes = [1], 1, 3
+        args.replicas, args.repeats, args.passes = [1], 1, 5
     if args.validate is None:
         args.validate = args.quick
     return args
