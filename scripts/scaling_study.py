@@ -669,8 +669,9 @@ def _fit(shape, hw, tbt, model):
         f"fitted: step {oh.step_s * 1e3:.3f} ms, multi-process {oh.proc_step_s * 1e3:.3f} ms + "
         f"{oh.proc_seq_step_s * 1e3:.3f} ms/seq, "
         f"empty micro-batch {oh.empty_micro_batch_s * 1e6:.0f} us/layer, "
-        "collective "
-        + ", ".join(f"W={w + 1} {c * 1e3:.3f} ms" for w, c in enumerate(oh.collective_s) if w)
+        f"collective {oh.collective(2) * 1e6:.0f} us; ranks sharing cores: wake-up "
+        f"{oh.wake_s * 1e6:.0f} us, step boundary {oh.shared_step_s * 1e6:.0f} us per rank, "
+        f"per-token work x{fitted.oversubscribed:.2f}"
     )
     return replace(fitted, name="cpu", source={
         "measured_by": "scripts/scaling_study.py --validate", "checkpoint": str(model),
