@@ -42,6 +42,9 @@ class ModelShape:
     qk_rope_dim: int = 0
     v_head_dim: int = 0
     fp8_weights: bool = False  # checkpoint quantised to FP8 (DeepSeek-V3)
+    mxfp4_experts: bool = False  # expert weights in MXFP4: 4-bit values + a scale per 32 (GPT-OSS)
+    sliding_window: int = 0  # tokens a sliding-window layer attends over and keeps in its cache
+    sliding_layers: int = 0  # how many layers have that window (GPT-OSS: every other one)
 
     def __post_init__(self) -> None:
         if self.attention not in ("gqa", "mla"):
@@ -119,6 +122,15 @@ class ModelShape:
             return kv_values_per_token(1, self.qk_rope_dim, self.kv_lora_rank) * elem
         return kv_values_per_token(self.num_kv_heads, self.head_dim) * elem
 
+    def kv_context(self, context: float) -> float:
+        """Cached tokens per layer, averaged over the layers, at ``context`` tokens of sequence:
+        a sliding-window layer keeps (and attends over) at most its window."""
+        if not self.sliding_layers:
+            return context
+        window = min(context, self.sliding_window)
+        full = self.num_layers - self.sliding_layers
+        return (full * context + self.sliding_layers * window) / self.num_layers
+
     def attn_core_flops(self, context: float) -> float:
         """FLOPs of one query token attending over ``context`` cached tokens (scores + values)."""
         if self.attention == "mla":  # absorbed: q and o live in the latent (kv_lora + rope) space
@@ -168,9 +180,9 @@ class ModelShape:
     def _from_family(cls, raw: dict, name: str, cfg_file: Path) -> ModelShape:
         from splitmoe.models.families import family_for
 
-        # RoPE scaling and sliding windows change no shape: drop what the runtime refuses
-        # (some rope types, Mistral-style windows). GPT-OSS's sliding_window stays (its parser
-        # needs it); its window layers' KV is sized as full layers'.
+        # RoPE scaling changes no shape: drop what the runtime refuses (some rope types), and
+        # Mistral-style windows (the runtime refuses them; their models here are sized as full
+        # attention). GPT-OSS's sliding windows stay: its window layers keep 128 tokens.
         dropped = ("rope_scaling", "rope_parameters", "use_sliding_window")
         if raw.get("model_type") != "gpt_oss":
             dropped += ("sliding_window",)
@@ -192,6 +204,9 @@ class ModelShape:
             num_kv_heads=f["num_kv_heads"],
             head_dim=f["head_dim"],
             fp8_weights=(raw.get("quantization_config") or {}).get("quant_method") == "fp8",
+            mxfp4_experts=f.get("quantization") == "mxfp4",
+            sliding_window=f.get("sliding_window") or 0,
+            sliding_layers=len(f.get("sliding_layers") or ()) if f.get("sliding_window") else 0,
         )
 
     @classmethod

@@ -241,7 +241,9 @@ class Simulator:
         return 1 if self.fp8 else self.hw.weight_bytes
 
     @property
-    def expert_wbytes(self) -> int:
+    def expert_wbytes(self) -> float:
+        if self.model.mxfp4_experts and self.ehw.cores is None:  # (GPUs keep them packed)
+            return 17 / 32  # 32 4-bit values + one 8-bit scale
         return 1 if self.expert_fp8 else self.ehw.weight_bytes
 
     @property
@@ -281,8 +283,9 @@ class Simulator:
             m.attn_params * self.wbytes * self.weight_reads / tp,
             fp8,
         )
-        kv = seqs * context * m.kv_bytes_per_token(self.kv_bytes) * self.kv_shard(tp)
-        core = self.hw.gemm_s(tokens * m.attn_core_flops(context) / tp, kv) if context else 0.0
+        cached = m.kv_context(context)  # (sliding-window layers: at most their window)
+        kv = seqs * cached * m.kv_bytes_per_token(self.kv_bytes) * self.kv_shard(tp)
+        core = self.hw.gemm_s(tokens * m.attn_core_flops(cached) / tp, kv) if context else 0.0
         attn = t + proj + core
         shared = (
             self.hw.gemm_s(
@@ -548,7 +551,7 @@ class Simulator:
             return replace(self, expert_hw=None).memory_gb(dep, batch, max_context)
         m = self.model
         tp = dep.attention_tp
-        kv = batch * max_context * m.kv_bytes_per_token(self.kv_bytes) * m.num_layers
+        kv = batch * m.kv_context(max_context) * m.kv_bytes_per_token(self.kv_bytes) * m.num_layers
         kv *= self.kv_shard(tp)
         experts_total = m.num_moe_layers * m.expert_params * self.expert_wbytes
         slots = m.num_experts + dep.redundant_experts

@@ -28,6 +28,16 @@ def test_published_model_sizes():
     assert oss.total_params / 1e9 == pytest.approx(117, rel=0.01)
     # OpenAI's 5.1 B active leaves out the embedding table (0.58 B); the simulator counts it
     assert oss.active_params / 1e9 == pytest.approx(5.13 + 0.58, rel=0.01)
+    # half its layers keep a 128-token window; its experts are MXFP4 (17 bytes per 32 weights)
+    assert (oss.sliding_window, oss.sliding_layers, oss.mxfp4_experts) == (128, 18, True)
+    assert oss.kv_context(8192) == pytest.approx((8192 + 128) / 2)
+    assert oss.kv_context(100) == 100
+    sim = Simulator(oss, load_profile("h100"))
+    attn_gb, exp_gb = sim.memory_gb(Deployment(8, 8), 64, 8192)
+    assert attn_gb * 1e9 == pytest.approx(
+        oss.attention_rank_params * 2 + 64 * (8192 + 128) * 18 * oss.kv_bytes_per_token(2)
+    )
+    assert exp_gb * 1e9 == pytest.approx(36 * oss.expert_params * 17 / 32 * 16)
 
 
 def test_supported_family_from_checkpoint_config(tmp_path):
