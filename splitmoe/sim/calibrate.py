@@ -278,21 +278,12 @@ def fit_runs(
 
         speed = _solve(lambda f: tbt[(1, 0, 16)] - pred(at(f, step_for(f)), 1, 0, 16), 0.05, 20.0)
         hw = at(speed, step_for(speed))
-    coll = list(hw.overheads.collective_s) + [0.0] * max(0, 4 - len(hw.overheads.collective_s))
 
-    def with_coll(world: int, c: float) -> HardwareProfile:
-        table = list(coll)
-        table[world - 1] = c
-        for w in range(world, len(table)):  # larger worlds: at least as slow until fitted
-            table[w] = max(table[w], c)
-        return replace(hw, overheads=replace(hw.overheads, collective_s=tuple(table)))
-
-    def fit_collective(hw: HardwareProfile, key: tuple[int, int, int], world: int):
-        nonlocal coll
-        c = _solve(lambda c: pred(with_coll(world, c), *key) - tbt[key], 0.0, 0.05)
-        hw = with_coll(world, c)
-        coll = list(hw.overheads.collective_s)
-        return hw
+    def with_coll(c: float) -> HardwareProfile:
+        """A collective call costs ``c`` among any number of ranks (what sharing the cores adds
+        is counted in wake-ups)."""
+        oh = replace(hw.overheads, collective_s=(0.0, c), collective_slope_s=0.0)
+        return replace(hw, overheads=oh)
 
     # more than one rank process: the driver's fixed and per-sequence cost per step, from two
     # colocated runs (no exchange between the ranks; two ranks on the machine's own cores)
@@ -310,7 +301,8 @@ def fit_runs(
             c = _solve(lambda c: pred(with_proc(c, 0.0), 2, 0, 1) - tbt[(2, 0, 1)], 0.0, 0.05)
             hw = with_proc(c, 0.0)
         if (1, 1, 1) in tbt:
-            hw = fit_collective(hw, (1, 1, 1), 2)
+            c = _solve(lambda c: pred(with_coll(c), 1, 1, 1) - tbt[(1, 1, 1)], 0.0, 0.05)
+            hw = with_coll(c)
     if (2, 0, 16) in tbt:
         step_s = hw.overheads.proc_step_s
         s = _solve(lambda s: pred(with_proc(step_s, s), 2, 0, 16) - tbt[(2, 0, 16)], 0.0, 0.01)
@@ -319,8 +311,7 @@ def fit_runs(
     # more rank processes than cores (they sleep while they wait): the wake-up of one rank
     # (from what a second, empty micro-batch's exchange adds to 1+2 at 1 sequence), the step
     # boundary's cost per rank (1+2 at 1) and the slow-down of per-token work (1+2 at 16) depend
-    # on each other: fit them in turn until the three runs are reproduced. Collectives among 3
-    # or 4 ranks keep the 2-rank cost: what sharing the cores adds is counted in wake-ups.
+    # on each other: fit them in turn until the three runs are reproduced.
     def with_shared(c: float) -> HardwareProfile:
         return replace(hw, overheads=replace(hw.overheads, shared_step_s=c))
 
@@ -343,8 +334,7 @@ def fit_runs(
 
         c = _solve(lambda c: pred(with_mb(c), 1, 0, 1, 2) - tbt[(1, 0, 1, 2)], 0.0, 0.01)
         hw = with_mb(c)
-    slope = coll[-1] - coll[-2] if len(coll) >= 3 else 0.0
-    return replace(hw, overheads=replace(hw.overheads, collective_slope_s=max(0.0, slope)))
+    return hw
 
 
 def measure_calibration_runs(

@@ -277,35 +277,21 @@ class Simulator:
         t = oh.attn_layer_s + oh.seq_layer_s * seqs + oh.prefill_seq_layer_s * prefill_seqs
         if not tokens:
             return t, t
-        fp8 = self.fp8
-        proj = self.hw.gemm_s(
-            2 * tokens * m.attn_params / tp,
-            m.attn_params * self.wbytes * self.weight_reads / tp,
-            fp8,
-        )
         cached = m.kv_context(context)  # (sliding-window layers: at most their window)
         kv = seqs * cached * m.kv_bytes_per_token(self.kv_bytes) * self.kv_shard(tp)
         core = self.hw.gemm_s(tokens * m.attn_core_flops(cached) / tp, kv) if context else 0.0
-        attn = t + proj + core
-        shared = (
-            self.hw.gemm_s(
-                2 * tokens * m.shared_params / tp,
-                m.shared_params * self.wbytes * self.weight_reads / tp,
-                fp8,
-            )
-            if m.shared_params
-            else 0.0
-        )
-        dense = (
-            self.hw.gemm_s(
-                2 * tokens * m.dense_params / tp,
-                m.dense_params * self.wbytes * self.weight_reads / tp,
-                fp8,
-            )
-            if m.dense_params
-            else 0.0
-        )
-        return attn + shared, attn + dense
+        attn = t + self._linear(tokens, m.attn_params, tp) + core
+        shared = self._linear(tokens, m.shared_params, tp)
+        return attn + shared, attn + self._linear(tokens, m.dense_params, tp)
+
+    def _linear(self, tokens: float, params: float, tp: int = 1, fp8: bool | None = None):
+        """A GEMM of ``tokens`` rows through ``params`` weights split ``tp`` ways (FP8 where
+        the checkpoint and GPU have it, unless ``fp8`` says otherwise); weights that stay in the
+        host's cache (`weight_reads`) cost no memory traffic."""
+        if not params:
+            return 0.0
+        nbytes = params * self.wbytes * self.weight_reads / tp
+        return self.hw.gemm_s(2 * tokens * params / tp, nbytes, self.fp8 if fp8 is None else fp8)
 
     def _experts(self, pairs: float, active: float) -> float:
         m, oh = self.model, self.ehw.overheads
@@ -459,6 +445,7 @@ class Simulator:
         else:
             group, senders = dep.expert_ranks, dep.attention_ranks
         senders = 1 + (senders - 1) * load_share  # (the busiest one, and the others)
+        busy_attention = 1 + (dep.attention_ranks - 1) * load_share  # attention ranks with work
         routed = round(t_mb * senders)
         load = expert_load(
             max(routed, 0),
@@ -471,26 +458,22 @@ class Simulator:
             self.recorded_load,
         )
         te = self._experts(load.pairs_max, load.active_max)
-        # More rank processes than cores: the transport's waits sleep (they spin only on a core
-        # of one's own), so dispatch wakes each expert rank and combine each attention rank with
-        # sequences (an empty one's answer is there before it waits).
-        wakes = (
-            dep.expert_ranks + 1 + (dep.attention_ranks - 1) * load_share
-            if hw.contention(dep.ranks) > 1 and not dep.colocated
-            else 0.0
-        )
-        tc = self._comm(dep, t_mb, load, wakes) if tokens else 0.0
-        # More rank processes than a host's cores: every rank's work that grows with its
-        # tokens runs slower (`HardwareProfile.contention`; 1 on GPUs); the fixed per-layer host
+        # More rank processes than a host's cores (`HardwareProfile.contention`; 1 on GPUs):
+        # every rank's work that grows with its tokens runs slower, the fixed per-layer host
         # cost does not (on this machine 1+2 ranks at 1 sequence cost their fixed work and
-        # wake-ups, at 16 sequences the per-token work 1.9x as long)
+        # wake-ups, at 16 sequences the per-token work 1.9x as long); and the transport's waits
+        # sleep (they spin only on a core of one's own), so dispatch wakes each expert rank and
+        # combine each attention rank with sequences (an empty one's answer is there first).
         slow = hw.contention(dep.ranks)
+        sleeping = slow > 1 and not dep.colocated
+        wakes = dep.expert_ranks + busy_attention if sleeping else 0.0
+        tc = self._comm(dep, t_mb, load, wakes) if tokens else 0.0
         fa, fe = oh.attn_layer_s, self.ehw.overheads.moe_layer_s
         ta, te = fa + (attn_moe - fa) * slow, fe + (te - fe) * slow
         if dep.colocated:
             comp = ta + te
             layer = max(full * comp, mb * tc) + min(comp, tc)
-        elif slow > 1:
+        elif sleeping:
             # ranks sharing cores sleep while they wait (the transport's waits spin only on a
             # core of one's own): the micro-batches' exchanges, each waking its peers, run one
             # after another; compute overlaps only as far as the cores go (one side's work plus
@@ -511,14 +494,11 @@ class Simulator:
         dense = full * (fa + (attn_dense - fa) * slow)
         if tp > 1:
             dense += mb * self._allreduce(tp, t_mb)
-        head = hw.gemm_s(
-            2 * seqs * q_per_seq * m.hidden * m.vocab / tp,
-            m.hidden * m.vocab * self.wbytes * self.weight_reads / tp,
-        )
+        head = self._linear(seqs * q_per_seq, m.hidden * m.vocab, tp, fp8=False)
         # MTP: each drafted token runs the draft module, one more MoE layer (DeepSeek-V3)
         mtp = self.draft_tokens * layer
         # the driver handles every sequence of the instance, whichever rank holds it
-        instance_seqs = seqs * (1 + (dep.attention_ranks - 1) * load_share)
+        instance_seqs = seqs * busy_attention
         procs = oh.proc_step_s + oh.proc_seq_step_s * instance_seqs if dep.ranks > 1 else 0.0
         t_step = (
             oh.step_s
