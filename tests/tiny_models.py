@@ -49,15 +49,81 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
 
+def _family_shape(family: str, num_experts: int) -> tuple[str, dict]:
+    """(transformers config class, its kwargs beyond the common ones) of a non-MLA family."""
+    if family == "qwen3_moe":
+        return "Qwen3MoeConfig", dict(
+            intermediate_size=DENSE_INTERMEDIATE,
+            moe_intermediate_size=EXPERT_INTERMEDIATE,
+            num_experts=num_experts,
+            norm_topk_prob=True,
+            mlp_only_layers=[],
+            decoder_sparse_step=1,
+        )
+    if family == "qwen2_moe":
+        return "Qwen2MoeConfig", dict(
+            intermediate_size=DENSE_INTERMEDIATE,
+            moe_intermediate_size=EXPERT_INTERMEDIATE,
+            shared_expert_intermediate_size=SHARED_INTERMEDIATE,
+            num_experts=num_experts,
+            norm_topk_prob=False,
+            qkv_bias=True,
+            mlp_only_layers=[],
+            decoder_sparse_step=1,
+        )
+    if family == "mixtral":
+        # Mixtral's intermediate_size *is* the expert intermediate size.
+        return "MixtralConfig", dict(
+            intermediate_size=EXPERT_INTERMEDIATE, num_local_experts=num_experts
+        )
+    if family == "olmoe":
+        # OLMoE's intermediate_size *is* the expert intermediate size; its default
+        # eos (50279) lies outside the tiny vocab, the common kwargs fix it.
+        return "OlmoeConfig", dict(
+            intermediate_size=EXPERT_INTERMEDIATE, num_experts=num_experts, norm_topk_prob=False
+        )
+    if family == "glm4_moe":
+        # GLM-4.5's shape of things: heads wider than hidden / heads, half of each head
+        # rotates, qkv bias, per-head q/k norm, grouped sigmoid routing (2 groups of 4, one
+        # chosen) scaled by 2.5, a shared expert, layer 0 dense.
+        return "Glm4MoeConfig", dict(
+            head_dim=WIDE_HEAD_DIM,
+            intermediate_size=DENSE_INTERMEDIATE,
+            moe_intermediate_size=EXPERT_INTERMEDIATE,
+            n_routed_experts=num_experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            attention_bias=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+        )
+    if family == "minimax_m2":
+        # MiniMax-M2's intermediate_size *is* the expert size; heads wider than hidden / heads,
+        # rotary_dim a quarter of a head.
+        return "MiniMaxM2Config", dict(
+            intermediate_size=EXPERT_INTERMEDIATE,
+            num_local_experts=num_experts,
+            head_dim=WIDE_HEAD_DIM,
+            rotary_dim=WIDE_HEAD_DIM // 4,
+        )
+    if family == "gpt_oss":
+        return "GptOssConfig", dict(
+            intermediate_size=EXPERT_INTERMEDIATE,
+            num_local_experts=num_experts,
+            head_dim=16,
+            sliding_window=GPT_OSS_WINDOW,
+            swiglu_limit=1.0,
+            rope_parameters=dict(GPT_OSS_ROPE),
+        )
+    raise ValueError(f"unknown family {family!r}")
+
+
 def _config(family: str, num_layers: int, num_experts: int, top_k: int, overrides: dict):
-    from transformers import (
-        Glm4MoeConfig,
-        MiniMaxM2Config,
-        MixtralConfig,
-        OlmoeConfig,
-        Qwen2MoeConfig,
-        Qwen3MoeConfig,
-    )
+    import transformers
 
     common = dict(
         vocab_size=VOCAB,
@@ -73,99 +139,10 @@ def _config(family: str, num_layers: int, num_experts: int, top_k: int, override
         eos_token_id=EOS_ID,
         num_experts_per_tok=top_k,
     )
-    if family == "qwen3_moe":
-        kw = dict(
-            common,
-            intermediate_size=DENSE_INTERMEDIATE,
-            moe_intermediate_size=EXPERT_INTERMEDIATE,
-            num_experts=num_experts,
-            norm_topk_prob=True,
-            mlp_only_layers=[],
-            decoder_sparse_step=1,
-        )
-        kw.update(overrides)
-        return Qwen3MoeConfig(**kw)
-    if family == "qwen2_moe":
-        kw = dict(
-            common,
-            intermediate_size=DENSE_INTERMEDIATE,
-            moe_intermediate_size=EXPERT_INTERMEDIATE,
-            shared_expert_intermediate_size=SHARED_INTERMEDIATE,
-            num_experts=num_experts,
-            norm_topk_prob=False,
-            qkv_bias=True,
-            mlp_only_layers=[],
-            decoder_sparse_step=1,
-        )
-        kw.update(overrides)
-        return Qwen2MoeConfig(**kw)
-    if family == "mixtral":
-        # Mixtral's intermediate_size *is* the expert intermediate size.
-        kw = dict(common, intermediate_size=EXPERT_INTERMEDIATE, num_local_experts=num_experts)
-        kw.update(overrides)
-        return MixtralConfig(**kw)
-    if family == "olmoe":
-        # OLMoE's intermediate_size *is* the expert intermediate size; its default
-        # eos (50279) lies outside the tiny vocab, the common kwargs fix it.
-        kw = dict(
-            common,
-            intermediate_size=EXPERT_INTERMEDIATE,
-            num_experts=num_experts,
-            norm_topk_prob=False,
-        )
-        kw.update(overrides)
-        return OlmoeConfig(**kw)
-    if family == "glm4_moe":
-        # GLM-4.5's shape of things: heads wider than hidden / heads, half of each head
-        # rotates, qkv bias, per-head q/k norm, grouped sigmoid routing (2 groups of 4, one
-        # chosen) scaled by 2.5, a shared expert, layer 0 dense.
-        kw = dict(
-            common,
-            head_dim=WIDE_HEAD_DIM,
-            intermediate_size=DENSE_INTERMEDIATE,
-            moe_intermediate_size=EXPERT_INTERMEDIATE,
-            n_routed_experts=num_experts,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=2,
-            topk_group=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            attention_bias=True,
-            use_qk_norm=True,
-            partial_rotary_factor=0.5,
-        )
-        kw.update(overrides)
-        return Glm4MoeConfig(**kw)
-    if family == "minimax_m2":
-        # MiniMax-M2's intermediate_size *is* the expert size; heads wider than hidden / heads,
-        # rotary_dim a quarter of a head.
-        kw = dict(
-            common,
-            intermediate_size=EXPERT_INTERMEDIATE,
-            num_local_experts=num_experts,
-            head_dim=WIDE_HEAD_DIM,
-            rotary_dim=WIDE_HEAD_DIM // 4,
-        )
-        kw.update(overrides)
-        return MiniMaxM2Config(**kw)
     if family in MLA_FAMILIES:
         return _deepseek_config(family, common, num_experts, overrides)
-    if family == "gpt_oss":
-        from transformers import GptOssConfig
-
-        kw = dict(
-            common,
-            intermediate_size=EXPERT_INTERMEDIATE,
-            num_local_experts=num_experts,
-            head_dim=16,
-            sliding_window=GPT_OSS_WINDOW,
-            swiglu_limit=1.0,
-            rope_parameters=dict(GPT_OSS_ROPE),
-        )
-        kw.update(overrides)
-        return GptOssConfig(**kw)
-    raise ValueError(f"unknown family {family!r}")
+    config_class, shape = _family_shape(family, num_experts)
+    return getattr(transformers, config_class)(**{**common, **shape, **overrides})
 
 
 def _deepseek_config(family: str, common: dict, num_experts: int, overrides: dict):
