@@ -17,7 +17,7 @@ import triton.language as tl
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.decode_attention import LOG2E
 from splitmoe.kernels.mla_decode import MlaTiles, load_queries, mla_constexprs, mla_tile
-from splitmoe.kernels.prefill_attention import _find_seq
+from splitmoe.kernels.prefill_attention import query_tile
 
 
 def mla_prefill_tiles(num_heads: int, dtype: torch.dtype) -> MlaTiles:
@@ -59,16 +59,11 @@ def _mla_prefill_kernel(
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     pid = tl.program_id(0)
     head_block = tl.program_id(1)
-    seq = _find_seq(query_start_ptr, pid, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_ptr + seq).to(tl.int64)
-    q_len = tl.load(query_start_ptr + seq + 1).to(tl.int64) - q_start
-    num_tiles = tl.cdiv(q_len, BLOCK_Q)
-    local = pid - (q_start // BLOCK_Q + seq)
-    if q_len <= 1 or local >= num_tiles:  # decode rows, spare programs
+    seq, q_start, q_len, q_tile, seq_len, prefix, active = query_tile(
+        query_start_ptr, seq_lens_ptr, pid, num_seqs, BLOCK_Q
+    )
+    if not active:  # decode rows, spare programs
         return
-    q_tile = num_tiles - 1 - local  # a sequence's last (longest) tiles start first
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
-    prefix = seq_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
     tok = q_tile * BLOCK_Q + offs_m // BLOCK_H  # [M] within the chunk

@@ -26,9 +26,8 @@ import triton.language as tl
 
 from splitmoe.kernels.attention_metadata import AttentionMetadata, check_paged_inputs
 from splitmoe.kernels.attention_tile import attend_tile
+from splitmoe.kernels.decode_attention import LOG2E
 from splitmoe.kernels.triton_utils import dot_precision, next_pow2, require_triton
-
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,23 @@ def _find_seq(query_start_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def query_tile(query_start_ptr, seq_lens_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Program ``pid``'s share of the grid (shared with `splitmoe.kernels.mla_prefill`): its
+    sequence, where that sequence's query tokens start and how many there are, which
+    ``BLOCK_Q`` tile of them is the program's (a sequence's last, longest tiles start first),
+    the sequence's length and the tokens cached before this step, and whether the program has
+    work (one-token rows belong to the decode kernel; spare programs past the last tile exit)."""
+    seq = _find_seq(query_start_ptr, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq).to(tl.int64)
+    q_len = tl.load(query_start_ptr + seq + 1).to(tl.int64) - q_start
+    num_tiles = tl.cdiv(q_len, BLOCK_Q)
+    local = pid - (q_start // BLOCK_Q + seq)
+    active = (q_len > 1) & (local < num_tiles)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    return seq, q_start, q_len, num_tiles - 1 - local, seq_len, seq_len - q_len, active
+
+
 # Per-step integers are not specialised (see moe_gemm.py): one compiled variant per tile choice.
 @triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _prefill_kernel(
@@ -105,17 +121,11 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_seq(query_start_ptr, pid, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_ptr + seq).to(tl.int64)
-    q_len = tl.load(query_start_ptr + seq + 1).to(tl.int64) - q_start
-    num_tiles = tl.cdiv(q_len, BLOCK_Q)
-    local = pid - (q_start // BLOCK_Q + seq)
-    # One-token rows belong to the decode kernel; spare programs past the last tile exit.
-    if q_len <= 1 or local >= num_tiles:
+    seq, q_start, q_len, q_tile, seq_len, prefix, active = query_tile(
+        query_start_ptr, seq_lens_ptr, pid, num_seqs, BLOCK_Q
+    )
+    if not active:
         return
-    q_tile = num_tiles - 1 - local  # a sequence's last (longest) tiles start first
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
-    prefix = seq_len - q_len  # tokens cached before this step
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
