@@ -155,8 +155,6 @@ class LocalExperts:
     ) -> torch.Tensor:
         """``x [N, H]``, ``local_ids / weights [N, k]`` (-1: not here) -> sums ``[N, H]``."""
         w13, w2, *bias = self.weights[layer]
-        if not bias and not self.act:
-            return self.backend.experts(x, w13, w2, local_ids, weights)
         b13, b2 = bias or (None, None)
         return self.backend.experts(x, w13, w2, local_ids, weights, b13=b13, b2=b2, **self.act)
 
