@@ -39,7 +39,7 @@ from splitmoe.config import add_engine_args, engine_args, engine_config
 from splitmoe.launch import detect_env, rendezvous
 from splitmoe.llm import LaunchedJob, RemoteChannel
 from splitmoe.models.loader import CheckpointReader
-from splitmoe.runtime import run_rank
+from splitmoe.runtime import available_cores, run_rank
 from splitmoe.server.app import ServerState, build_app
 from splitmoe.server.engine import AsyncEngine
 from splitmoe.server.metrics import ServerMetrics
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     launched = env.launcher != "single"
     if launched:
         options["expert_ranks"] = env.world_size - options.get("attention_ranks", 1)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = len(available_cores())
     try:
         if launched and options["expert_ranks"] < 0:
             raise ValueError(

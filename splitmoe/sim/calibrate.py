@@ -287,7 +287,9 @@ def fit_runs(
 
     # more than one rank process: the driver's fixed and per-sequence cost per step, from two
     # colocated runs (no exchange between the ranks; two ranks on the machine's own cores)
-    hw = replace(hw, cores=float(os.cpu_count() or 1))
+    from splitmoe.runtime import available_cores
+
+    hw = replace(hw, cores=float(len(available_cores())))  # (this process's, `taskset` too)
 
     def with_proc(step_s: float, seq_s: float) -> HardwareProfile:
         oh = replace(hw.overheads, proc_step_s=step_s, proc_seq_step_s=seq_s)
