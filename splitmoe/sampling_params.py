@@ -19,7 +19,9 @@ class SamplingParams:
     decoded output (matched by the front end; the text stops before the string and
     ``token_ids`` at the token that completed it). logprobs: None, or return each output
     token's log-probability under the model (before temperature, top-k and top-p) and those of
-    the ``logprobs`` most likely tokens (0: only the chosen one's).
+    the ``logprobs`` most likely tokens (0: only the chosen one's). cache_salt: requests reuse
+    each other's cached prompt blocks only when their salts are equal (or both None), so a tenant
+    that sets its own salt never shares KV with another.
     """
 
     max_tokens: int = 16
@@ -31,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -61,6 +64,9 @@ class SamplingParams:
             or not 0 <= self.logprobs <= 20
         ):
             raise ValueError(f"logprobs={self.logprobs!r} must be None or an integer in [0, 20]")
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= 256):
+            raise ValueError("cache_salt must be None or a string of 1 to 256 characters")
 
     @property
     def greedy(self) -> bool:
