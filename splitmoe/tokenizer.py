@@ -21,8 +21,11 @@ class Tokenizer:
         except Exception as e:
             raise ValueError(f"cannot load {f}: {e}") from None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. ``add_special_tokens``: let the tokenizer's post-processor add
+        what it adds (e.g. BOS); False for text that already has them, as a rendered chat
+        prompt does."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
