@@ -757,7 +757,8 @@ class LLM:
         for p, sp in zip(ids, params):
             rid = self._next_id
             self._next_id += 1
-            rank = self._router.pick(len(p), block_hashes(p, bs) if route_by_prefix else ())
+            hashes = block_hashes(p, bs, salt=sp.cache_salt) if route_by_prefix else ()
+            rank = self._router.pick(len(p), hashes)
             batches[rank].append(RequestSpec(rid, list(p), sp, now))
             self._live[rid] = RequestOutput(
                 request_id=rid,

@@ -71,3 +71,17 @@ def test_caching_off_gives_the_same_and_stop_strings_and_logprobs(tiny_ckpt):
     assert len(cut.logprobs) == len(cut.token_ids)
     for tok, (lp, top) in zip(cut.token_ids, cut.logprobs):
         assert top[0][0] == tok and top[0][1] == lp and len(top) == 2  # greedy: the top one
+
+
+def test_cache_salt_keeps_tenants_apart(tiny_ckpt):
+    ckpt = tiny_ckpt("qwen3_moe")
+    prompt = prompt_ids(33, seed=91)  # 2 full blocks of 16 (the last one always recomputed)
+
+    def run(llm, salt):
+        sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, cache_salt=salt)
+        return llm.generate([prompt], sp)[0]
+
+    with cpu_llm(ckpt, 1, 0) as llm:
+        outs = [run(llm, salt) for salt in ("a", "a", "b", None, None, "b")]
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 32, 0, 0, 32, 32]
+    assert all(o.token_ids == outs[0].token_ids for o in outs)

@@ -41,10 +41,10 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-    # prefix caching: chained hashes of the full blocks so far (`block_manager.block_hashes`),
-    # how many of the table's blocks are indexed in the cache, and the prompt tokens that the
-    # first admission found cached
-    block_hashes: list[int] = field(default_factory=list)
+    # prefix caching: chained digests of the full blocks so far (`block_manager.block_hashes`,
+    # salted with the request's cache_salt), how many of the table's blocks are indexed in the
+    # cache, and the prompt tokens that the first admission found cached
+    block_hashes: list[bytes] = field(default_factory=list)
     num_indexed_blocks: int = 0
     num_cached_tokens: int = 0
     # fixed at creation; the step loop reads them once per request and token
@@ -69,6 +69,10 @@ class Request:
         return self.spec.params
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.spec.prompt_token_ids
+
+    @property
     def num_tokens(self) -> int:
         return self.prompt_len + len(self.output_token_ids)
 
@@ -81,14 +85,16 @@ class Request:
             return self.output_token_ids[start - p : end - p]
         return self.spec.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
-    def hashes_upto(self, num_tokens: int, block_size: int) -> list[int]:
+    def hashes_upto(self, num_tokens: int, block_size: int) -> list[bytes]:
         """`block_hashes` extended over the full blocks of the first ``num_tokens`` tokens."""
         full = num_tokens // block_size
         have = len(self.block_hashes)
         if full > have:
             parent = self.block_hashes[-1] if have else None
             tokens = self.token_ids(have * block_size, full * block_size)
-            self.block_hashes += block_hashes(tokens, block_size, parent)
+            self.block_hashes += block_hashes(
+                tokens, block_size, parent, salt=self.spec.params.cache_salt
+            )
         return self.block_hashes
 
     def token_at(self, i: int) -> int:
@@ -99,7 +105,8 @@ class Request:
     def append_token(self, token: int, now: float) -> None:
         self.output_token_ids.append(token)
         self.token_times.append(now)
-        if token in self._stop_ids:
+        # (before min_tokens the sampler masks the stop tokens; as vLLM, none stops it either)
+        if token in self._stop_ids and len(self.output_token_ids) > self.spec.params.min_tokens:
             self.finish_reason = "stop"
         elif self.num_tokens >= self._max_num_tokens:
             self.finish_reason = "length"

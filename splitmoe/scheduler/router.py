@@ -13,9 +13,10 @@ class LeastLoadRouter:
     back when the request finishes (`release`). Ties go to the lowest rank, so the choice is
     deterministic: every rank replaying the same requests reaches the same assignment.
 
-    With prefix caching the caller also passes the prompt's chained block hashes: among the
-    ranks whose load is close to the lightest (within the request's own cost, or a quarter of
-    the lightest load), the one that most likely holds the longest cached prefix wins. What a
+    With prefix caching the caller also passes the prompt's chained block hashes, salted as the
+    ranks salt them (`block_manager.block_hashes`): among the ranks whose load is close to the
+    lightest (within the request's own cost, or a quarter of the lightest load), the one that
+    most likely holds the longest cached prefix wins. What a
     rank holds is estimated from the prompts routed to it (the last ``capacity`` blocks'
     worth, least recently routed forgotten first), as SGLang's cache-aware router does: the
     front end never asks the ranks, so routing costs no round trip."""
@@ -23,9 +24,9 @@ class LeastLoadRouter:
     def __init__(self, num_ranks: int, capacity: int = 0):
         self.load = [0] * num_ranks
         self.capacity = capacity  # blocks remembered per rank (0: no prefix awareness)
-        self._prefixes: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_ranks)]
+        self._prefixes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_ranks)]
 
-    def pick(self, cost: int, hashes: Sequence[int] = ()) -> int:
+    def pick(self, cost: int, hashes: Sequence[bytes] = ()) -> int:
         ranks = range(len(self.load))
         rank = min(ranks, key=lambda r: (self.load[r], r))
         if hashes and self.capacity:
@@ -44,7 +45,7 @@ class LeastLoadRouter:
         self.load[rank] += cost
         return rank
 
-    def cached_prefix(self, rank: int, hashes: Sequence[int]) -> int:
+    def cached_prefix(self, rank: int, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of ``hashes`` ``rank`` is thought to hold."""
         seen = self._prefixes[rank]
         n = 0

@@ -4,10 +4,16 @@ their blocks to the cache."""
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
+import pytest
+
 from splitmoe.config import SchedulerConfig
 from splitmoe.sampling_params import SamplingParams
-from splitmoe.scheduler.block_manager import BlockManager, block_hashes
-from splitmoe.scheduler.request import RequestSpec
+from splitmoe.scheduler.block_manager import BlockManager, block_hashes, root_hash
+from splitmoe.scheduler.request import Request, RequestSpec
+from splitmoe.scheduler.router import LeastLoadRouter
 from splitmoe.scheduler.scheduler import Scheduler
 
 
@@ -19,6 +25,49 @@ def test_hashes_chain_over_the_prefix():
     assert a[0] == b[0] and a[1] != b[1]
     assert c[1] != a[1]  # the same block after another prefix is another block
     assert block_hashes([5, 6, 7, 8], 4, parent=a[0]) == a[1:]
+    assert block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, start=4, parent=a[0]) == a[1:]
+
+
+def test_block_digest_is_sha256_of_parent_and_uint32_ids():
+    # computed here without the module: sha256(parent digest + ids as little-endian uint32),
+    # the first block's parent 32 zero bytes, or sha256("cache_salt:" + salt) with a salt
+    ids = [1, 151_935, 0, 2**32 - 1, 7, 8, 9, 10]
+    first = hashlib.sha256(bytes(32) + b"".join(t.to_bytes(4, "little") for t in ids[:4]))
+    second = hashlib.sha256(first.digest() + struct.pack("<4I", *ids[4:]))
+    assert block_hashes(ids, 4) == [first.digest(), second.digest()]
+    assert (
+        first.hexdigest()
+        == (
+            hashlib.sha256(
+                bytes.fromhex("00" * 32 + "01000000" + "7f510200" + "00000000" + "ff" * 4)
+            )
+        ).hexdigest()
+    )
+    root = hashlib.sha256(b"cache_salt:tenant-a").digest()
+    assert root_hash("tenant-a") == root
+    assert (
+        block_hashes(ids, 4, salt="tenant-a")[0]
+        == hashlib.sha256(root + struct.pack("<4I", *ids[:4])).digest()
+    )
+
+
+def test_salt_separates_every_block_and_equal_salts_agree():
+    ids = list(range(100, 132))
+    plain = block_hashes(ids, 8)
+    a = block_hashes(ids, 8, salt="a")
+    assert a == block_hashes(ids, 8, salt="a") and len(a) == 4
+    others = [plain, block_hashes(ids, 8, salt="b"), block_hashes(ids, 8, salt="a ")]
+    assert all(x != y for other in others for x, y in zip(a, other))
+    # a chain resumed from a salted parent stays salted (the salt only seeds the first block)
+    assert block_hashes(ids[16:], 8, parent=a[1], salt="ignored") == a[2:]
+    assert block_hashes(ids, 8, salt="\ud800")  # (a lone surrogate from JSON still hashes)
+
+
+def test_cache_salt_is_checked():
+    assert SamplingParams(cache_salt="x" * 256).cache_salt == "x" * 256
+    for bad in ("", "x" * 257, 5, b"salt"):
+        with pytest.raises(ValueError, match="cache_salt"):
+            SamplingParams(cache_salt=bad)
 
 
 def test_match_refcount_and_lru_eviction():
@@ -62,8 +111,9 @@ def test_reviving_cached_blocks_counts_against_the_pool():
     assert bm.num_free == 2 and bm.num_cached == 2
 
 
-def _spec(rid, prompt, max_tokens=4):
-    return RequestSpec(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), 0.0)
+def _spec(rid, prompt, max_tokens=4, salt=None):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, cache_salt=salt)
+    return RequestSpec(rid, prompt, params, 0.0)
 
 
 def _run_step(s: Scheduler, batch, token=9):
@@ -112,3 +162,42 @@ def test_preempted_request_gets_its_blocks_back_from_the_cache():
     assert b in batch.requests
     assert b.num_computed_tokens == 8  # its two full prompt blocks came back from the cache
     assert b.num_cached_tokens == 0  # (counted at its first admission only)
+
+
+def test_scheduler_shares_blocks_only_between_equal_salts():
+    bm = BlockManager(32, 4, enable_prefix_caching=True)
+    s = Scheduler(SchedulerConfig(), bm, eos_token_ids=(), max_model_len=100)
+    prompt = list(range(10, 23))  # 13 tokens: 3 full blocks
+    a = s.add(_spec(0, prompt, salt="tenant-a"))
+    _run_step(s, s.schedule())
+    assert a.block_table == [0, 1, 2, 3] and bm.num_cached == 3
+    reqs = [
+        s.add(_spec(1, prompt, salt="tenant-b")),
+        s.add(_spec(2, prompt)),
+        s.add(_spec(3, prompt, salt="tenant-a")),
+    ]
+    _run_step(s, s.schedule())
+    b, plain, a2 = reqs
+    assert (b.num_cached_tokens, plain.num_cached_tokens, a2.num_cached_tokens) == (0, 0, 12)
+    assert b.block_table == [4, 5, 6, 7] and plain.block_table == [8, 9, 10, 11]
+    assert a2.block_table == [0, 1, 2, 12]
+    # the unsalted request's blocks are found by the next unsalted one, and only by it
+    c = s.add(_spec(4, prompt))
+    _run_step(s, s.schedule())
+    assert c.num_cached_tokens == 12 and c.block_table[:3] == [8, 9, 10]
+    assert bm.num_cached == 9
+
+
+def test_router_hashes_are_the_ranks_hashes():
+    # the front end routes by block_hashes(prompt, salt=...); the rank indexes its cache by
+    # Request.hashes_upto: they must agree for prefix-aware routing to find anything
+    prompt = list(range(40))
+    for salt in (None, "t"):
+        req = Request(_spec(0, prompt, salt=salt))
+        assert req.hashes_upto(40, 16) == block_hashes(prompt, 16, salt=salt)
+    for salt, rank in (("t", 0), ("u", 1)):
+        router = LeastLoadRouter(2, capacity=64)
+        assert router.pick(40, block_hashes(prompt, 16, salt="t")) == 0
+        router.add(1, 30)  # rank 1 is lighter, rank 0 within the request's cost of it:
+        # the same tenant goes where its prefix is cached, another tenant has no hit there
+        assert router.pick(40, block_hashes(prompt, 16, salt=salt)) == rank
