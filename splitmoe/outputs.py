@@ -31,18 +31,24 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The result of one prompt."""
+    """The result of one prompt.
+
+    ``finish_reason``: ``"length"``, ``"stop"``, ``"abort"`` (`LLM.abort`, a client that went
+    away) or ``"error"``: handling this request alone raised (in its rank's sampler, or in the
+    front end's stop-string check or detokenizer); ``error`` then says what failed, the log has
+    the traceback under its request id, and every other request ran on unaffected."""
 
     request_id: int
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
-    finish_reason: str | None = None  # "length" | "stop"
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     metrics: RequestMetrics | None = None
     attention_rank: int | None = None  # which data-parallel attention rank served it
     # with SamplingParams.logprobs: per output token, (its logprob, [(token, logprob)] of the
     # most likely tokens)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    error: str | None = None  # with finish_reason "error": what failed
 
     @property
     def finished(self) -> bool:
@@ -58,6 +64,7 @@ class RequestOutput:
             "metrics": self.metrics.to_dict() if self.metrics else None,
             "attention_rank": self.attention_rank,
             "logprobs": self.logprobs,
+            "error": self.error,
         }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes any unsigned 64-bit value
 MIN_TEMPERATURE = 0.01  # smaller positive temperatures are raised to it (as vLLM does)
@@ -92,6 +92,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     cache_salt: str | None = None
+    # derived: whether logits processors or penalties apply before the token is chosen (they
+    # change a greedy request's argmax too). Stored, not a property: the sampler reads it for
+    # every row of every step (~30 ns a row against ~100 for a property).
+    adjusts_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # (frozen: normalised values are stored this way)
@@ -132,7 +136,7 @@ class SamplingParams:
                 f"min_tokens={_show(self.min_tokens)} must be an integer in [0, max_tokens="
                 f"{self.max_tokens}]"
             )
-        if isinstance(self.stop_token_ids, (str, bytes, Mapping)):
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise ValueError(f"stop_token_ids={_show(self.stop_token_ids)} must be a list of ints")
         stop = tuple(self.stop_token_ids or ())
         if any(not _is_int(t) or t < 0 for t in stop):
@@ -142,6 +146,8 @@ class SamplingParams:
         put(self, "stop_token_ids", stop)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={_show(self.ignore_eos)} must be True or False")
+        if not isinstance(self.stop, (str, list, tuple, type(None))):
+            raise ValueError(f"stop={_show(self.stop)} must be a string or a list of strings")
         strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(x, str) or not x for x in strings):
             raise ValueError(f"stop={_show(self.stop)} must be non-empty strings")
@@ -152,6 +158,14 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs={_show(self.logprobs)} must be None or an integer in [0, 20]"
             )
+        adjusts = bool(
+            self.min_tokens
+            or self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+        )
+        put(self, "adjusts_logits", adjusts)
         salt = self.cache_salt
         if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= 256):
             raise ValueError("cache_salt must be None or a string of 1 to 256 characters")
@@ -159,18 +173,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether logits processors or penalties apply before the token is chosen (they can
-        change a greedy request's argmax too)."""
-        return bool(
-            self.min_tokens
-            or self.logit_bias
-            or self.repetition_penalty != 1.0
-            or self.presence_penalty
-            or self.frequency_penalty
-        )
 
     def check_vocab(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
@@ -184,13 +186,16 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "") -> SamplingParams:
-        fields = set(cls.__dataclass_fields__)
-        unknown = set(d) - fields
+        """From a dict of fields (a prompts file's line, or another's ``__dict__``: derived
+        fields in it are recomputed, not taken)."""
+        fields = {name for name, f in cls.__dataclass_fields__.items() if f.init}
+        derived = set(cls.__dataclass_fields__) - fields
+        unknown = set(d) - fields - derived
         if unknown:
             raise ValueError(
                 f"{where}unknown sampling field(s) {sorted(unknown)}; known: {sorted(fields)}"
             )
-        return cls(**d)
+        return cls(**{k: v for k, v in d.items() if k in fields})
 
 
 def _logit_bias(value) -> tuple[tuple[int, float], ...]:

@@ -27,6 +27,17 @@ def _seeded(seed=SEEDED["seed"], **kw):
     return SamplingParams(max_tokens=N_SAMPLED, ignore_eos=True, **dict(SEEDED, seed=seed, **kw))
 
 
+# vLLM's logits controls, greedy and seeded: the same tokens on every topology
+CONTROLS = [
+    SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.6, logit_bias={"9": 3.0}),
+    SamplingParams(max_tokens=12, temperature=0.8, seed=11, presence_penalty=1.2, min_p=0.05),
+    SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=-0.8),
+    SamplingParams(
+        max_tokens=12, temperature=0.0, min_tokens=10, stop_token_ids=list(range(3, 60))
+    ),
+]
+
+
 @pytest.fixture(scope="module")
 def ckpt(tiny_ckpt):
     return tiny_ckpt(CKPT)
@@ -36,6 +47,18 @@ def ckpt(tiny_ckpt):
 def llm(ckpt):
     with cpu_llm(ckpt, 1, 1) as llm:
         yield llm
+
+
+@pytest.fixture(scope="module")
+def controls_ref(llm, ckpt, hf_ref):
+    """CONTROLS on PROMPTS[0] from the 1+1 LLM; each control really changed the output."""
+    outs = llm.generate([PROMPTS[0]] * len(CONTROLS), CONTROLS)
+    greedy = hf_ref(ckpt, PROMPTS[0], 12)
+    for p, o in zip(CONTROLS, outs):
+        assert o.token_ids != greedy[: len(o.token_ids)], f"{p} gave the plain greedy tokens"
+    masked = outs[3]  # min_tokens: none of the stop tokens among its first 10, 12 in all
+    assert not set(masked.token_ids[:10]) & set(range(3, 60)) and len(masked.token_ids) >= 11
+    return [list(o.token_ids) for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +135,13 @@ _HELPERS = ("resource_tracker", "semaphore_tracker", "forkserver")
 
 
 @pytest.mark.parametrize("topology", [(1, 0), (2, 2)], ids=["1+0", "2+2"])
-def test_seeded_sampling_same_across_topologies(topology, ckpt, seeded_ref):
+def test_seeded_sampling_same_across_topologies(topology, ckpt, seeded_ref, controls_ref):
     before = set(_descendants())
     with cpu_llm(ckpt, *topology) as other:
         outs = other.generate(PROMPTS, _seeded())
+        controlled = other.generate([PROMPTS[0]] * len(CONTROLS), CONTROLS)
     assert [list(o.token_ids) for o in outs] == seeded_ref
+    assert [list(o.token_ids) for o in controlled] == controls_ref
 
     # Closing the LLM shuts its rank processes down.
     deadline = time.time() + 30

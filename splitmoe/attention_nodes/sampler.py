@@ -1,10 +1,39 @@
-"""Next-token sampling with per-request random streams."""
+"""Next-token sampling with per-request random streams, in vLLM v1's order.
+
+Per row of logits:
+
+1. logits processors that can change the argmax: ``min_tokens`` (EOS and ``stop_token_ids``
+   masked until that many tokens were generated), then ``logit_bias``;
+2. penalties: repetition (prompt and output tokens), frequency and presence (output tokens);
+3. greedy rows: argmax; sampled rows: temperature, ``min_p``, top-k, top-p, then a draw from
+   the request's own generator.
+
+Rows without any of these controls (all greedy, none adjusting logits: the common decode batch)
+take one numpy argmax and nothing else. Log-probabilities (`token_logprobs`) are those of the
+raw model distribution, as vLLM reports them.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from splitmoe.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+class TokenHistory(Protocol):
+    """What the sampler reads of a request beyond its params (`scheduler.request.Request` is
+    one): the tokens the penalties and ``min_tokens`` look at."""
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
 
 
 def make_generator(
@@ -12,7 +41,8 @@ def make_generator(
 ) -> torch.Generator | None:
     """Every sampled request gets its own stream, so its tokens do not depend on the batch or the
     topology it runs in: from its ``seed``, or else from (engine seed, request id), which makes a
-    whole `generate` call reproducible for a given `LLM(seed=...)`. Greedy requests need none."""
+    whole `generate` call reproducible for a given `LLM(seed=...)`. Greedy requests need none.
+    (``manual_seed`` takes any value in [0, 2**64 - 1], the range `SamplingParams` allows.)"""
     if params.greedy:
         return None
     g = torch.Generator(device=device)
@@ -25,10 +55,21 @@ def make_generator(
 
 def sample(
     logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    history: Sequence[TokenHistory] | None = None,
+    eos_token_ids: Sequence[int] = (),
 ) -> list[int]:
-    """``logits [B, V]`` float32 -> one token id per row."""
+    """``logits [B, V]`` float32 -> one token id per row.
+
+    ``history[i]``: row i's prompt and output tokens, needed by rows whose params adjust logits
+    (penalties, ``min_tokens``); ``eos_token_ids``: what ``min_tokens`` masks besides the
+    request's ``stop_token_ids`` (EOS is masked even with ``ignore_eos``, as in vLLM).
+
+    Generators are drawn from only once every row's logits were processed, so an exception
+    leaves every stream as it was: the caller can retry row by row and only the faulty rows
+    fail (`AttentionWorker._sample_logits`). ``logits`` itself is never modified.
+    """
     if logits.shape[0] == 0:
         return []
     # greedy rows keep these (the first of equal maxima, as torch's argmax); on CPU numpy's
@@ -37,32 +78,88 @@ def sample(
         tokens = logits.numpy().argmax(-1).tolist()
     else:
         tokens = logits.argmax(dim=-1).tolist()
-    if all(p.greedy for p in params):
+    if not any(p.temperature or p.adjusts_logits for p in params):
         return tokens
-    for i, (p, g) in enumerate(zip(params, generators)):
-        if p.greedy:
+    draws: list[tuple[int, torch.Tensor]] = []  # (row, its probabilities [V])
+    for i, p in enumerate(params):
+        if p.greedy and not p.adjusts_logits:
             continue
-        row = logits[i] / p.temperature  # [V]
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            probs = sorted_logits.softmax(-1)
-            # drop a token once the tokens before it already reach top_p (the first always stays)
-            drop = probs.cumsum(-1) - probs >= p.top_p
-            row = row.scatter(0, order[drop], float("-inf"))
-        probs = row.softmax(-1)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=g).item())
+        row = logits[i].to(torch.float32, copy=True)  # [V]
+        if p.adjusts_logits:
+            if history is None:
+                raise ValueError("rows with penalties, logit_bias or min_tokens need history")
+            row = adjust_logits(row, p, history[i], eos_token_ids)
+        if p.greedy:
+            tokens[i] = int(row.argmax())
+        else:
+            draws.append((i, sampling_probs(row, p)))
+    for i, probs in draws:
+        tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
     return tokens
+
+
+def adjust_logits(
+    row: torch.Tensor, p: SamplingParams, seq: TokenHistory, eos_token_ids: Sequence[int]
+) -> torch.Tensor:
+    """Steps 1 and 2 on one row ``[V]`` (float32, modified in place and returned)."""
+    vocab = row.numel()
+    if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
+        stops = [t for t in (*p.stop_token_ids, *eos_token_ids) if t < vocab]
+        row[stops] = _NEG_INF
+    if p.logit_bias:
+        ids = [t for t, _ in p.logit_bias]
+        row[ids] += torch.tensor([b for _, b in p.logit_bias], device=row.device)
+    rep, freq, pres = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+    if rep != 1.0 or freq or pres:
+        out = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=row.device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)  # [V]
+        if rep != 1.0:
+            seen = counts > 0  # [V]
+            prompt = torch.tensor(seq.prompt_token_ids, dtype=torch.int64, device=row.device)
+            seen[prompt[prompt < vocab]] = True
+            row = torch.where(seen, torch.where(row > 0, row / rep, row * rep), row)
+        if freq:
+            row -= freq * counts
+        if pres:
+            row -= pres * (counts > 0).to(row.dtype)
+    return row
+
+
+def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Step 3 for a sampled row ``[V]``: the distribution its token is drawn from (float32).
+
+    The row's maximum is subtracted before the temperature divides it: logits / 0.01 overflows
+    float32 for logits past ~3e36, and softmax of an inf is NaN; this way the top token is 0 and
+    the rest at worst -inf."""
+    top = row.max()
+    if not torch.isfinite(top):
+        raise ValueError(
+            f"cannot sample: the row's largest logit is {float(top)} (every token masked, or "
+            "the model gave inf/nan)"
+        )
+    row = (row - top) / p.temperature  # [V], <= 0
+    if p.min_p > 0.0:
+        probs = row.softmax(-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), _NEG_INF)
+    if 0 < p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, _NEG_INF)
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token once the tokens before it already reach top_p (the first always stays)
+        drop = probs.cumsum(-1) - probs >= p.top_p
+        row = row.scatter(0, order[drop], _NEG_INF)
+    return row.softmax(-1)
 
 
 def token_logprobs(
     logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]
 ) -> list[tuple[float, list[tuple[int, float]]] | None]:
     """Per row of ``logits [B, V]``: None where ``params.logprobs`` is None, else the chosen
-    token's log-probability under the model's distribution (before temperature, top-k, top-p,
-    as vLLM reports them) and the ``params.logprobs`` most likely ``(token, logprob)``."""
+    token's log-probability under the model's distribution (before penalties, biases,
+    temperature, top-k, top-p, as vLLM reports them) and the ``params.logprobs`` most likely
+    ``(token, logprob)``."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     out: list = [None] * len(params)
     if not rows:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,16 +29,21 @@ from splitmoe.scheduler.scheduler import ScheduledBatch, Scheduler
 from splitmoe.scheduler.window_blocks import SlidingWindowBlocks
 from splitmoe.timeline import Timeline
 
+logger = logging.getLogger("splitmoe")
+
 
 @dataclass
 class RequestUpdate:
-    """New tokens of one request from one step; ``metrics`` once it finished."""
+    """New tokens of one request from one step; ``metrics`` once it finished; ``error`` (with
+    ``finish_reason="error"``) when handling this request alone raised: it failed, the others
+    in its step did not."""
 
     request_id: int
     new_token_ids: list[int]
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
     logprobs: list | None = None  # per new token, `sampler.token_logprobs`'s entry
+    error: str | None = None
 
 
 class RemoteExperts:
@@ -161,6 +167,9 @@ class AttentionWorker:
             cfg.scheduler, self.blocks, m.eos_token_ids, cfg.max_model_len, self.window_blocks
         )
         self.generators: dict[int, torch.Generator | None] = {}
+        # requests that failed on arrival (their generator could not be made): they fail at
+        # their first sampling, where the step reports them (request id -> error)
+        self._arrival_faults: dict[int, str] = {}
         self._batch = ScheduledBatch()
         self._step_record: StepRecord | None = None
 
@@ -200,9 +209,12 @@ class AttentionWorker:
 
     def add_request(self, spec: RequestSpec) -> None:
         self.scheduler.add(spec)
-        self.generators[spec.request_id] = make_generator(
-            spec.params, spec.request_id, self.seed, self.device
-        )
+        try:
+            gen = make_generator(spec.params, spec.request_id, self.seed, self.device)
+        except Exception as e:
+            self._arrival_faults[spec.request_id] = _fault(self.rank, spec.request_id, "seed", e)
+            gen = None
+        self.generators[spec.request_id] = gen
 
     def abort(self, request_ids: list[int]) -> list[RequestUpdate]:
         """Drops these requests at once, blocks freed; an update (``"abort"``) for each that was
@@ -212,6 +224,7 @@ class AttentionWorker:
             req = self.scheduler.abort(rid)
             if req is not None:
                 self.generators.pop(rid, None)
+                self._arrival_faults.pop(rid, None)
                 updates.append(RequestUpdate(rid, [], "abort", req.metrics()))
         return updates
 
@@ -356,24 +369,53 @@ class AttentionWorker:
             )
         return updates, record
 
-    def _choose(self, logits: torch.Tensor, to_sample: list) -> list[int]:
-        """Next tokens of ``to_sample`` from their rows of ``logits [B, V]``."""
-        return sample(
-            logits,
-            [r.params for r in to_sample],
-            [self.generators[r.request_id] for r in to_sample],
-        )
-
     def _sample_logits(self, logits: torch.Tensor, to_sample: list) -> list[RequestUpdate]:
         """Next tokens of the requests whose prompt is done from their rows of ``logits``
-        ``[B, V]``, appended to them, as the front end's updates."""
-        tokens = self._choose(logits, to_sample)
+        ``[B, V]``, appended to them, as the front end's updates.
+
+        An exception while sampling or taking logprobs for some rows fails those requests alone
+        (``finish_reason="error"``, blocks freed, traceback logged): the batch is redone row by
+        row, and since `sample` draws from no generator before every row's logits are processed,
+        every other row gets exactly the token it would have got."""
+        faults: dict[int, str] = {}  # row -> error
+        if self._arrival_faults:
+            for i, req in enumerate(to_sample):
+                if req.request_id in self._arrival_faults:
+                    faults[i] = self._arrival_faults.pop(req.request_id)
+        tokens = None
+        if not faults:
+            try:
+                tokens = self._choose(logits, to_sample)
+            except Exception:
+                logger.debug("rank %d: sampling a batch raised; redone row by row", self.rank)
+        if tokens is None:
+            tokens = [0] * len(to_sample)
+            for i, req in enumerate(to_sample):
+                if i not in faults:
+                    try:
+                        tokens[i] = self._choose(logits[i : i + 1], [req])[0]
+                    except Exception as e:
+                        faults[i] = _fault(self.rank, req.request_id, "sampling", e)
         lps = None
-        if any(r.params.logprobs is not None for r in to_sample):
-            lps = token_logprobs(logits, tokens, [r.params for r in to_sample])
+        try:
+            if any(r.params.logprobs is not None for r in to_sample):
+                lps = token_logprobs(logits, tokens, [r.params for r in to_sample])
+        except Exception:
+            lps = [None] * len(to_sample)
+            for i, req in enumerate(to_sample):
+                if i not in faults:
+                    try:
+                        if req.params.logprobs is not None:
+                            row = logits[i : i + 1]
+                            lps[i] = token_logprobs(row, [tokens[i]], [req.params])[0]
+                    except Exception as e:
+                        faults[i] = _fault(self.rank, req.request_id, "logprobs", e)
         now = time.time()
         updates = []
         for i, (req, tok) in enumerate(zip(to_sample, tokens)):
+            if i in faults:
+                updates.append(self._fail(req, faults[i]))
+                continue
             req.append_token(tok, now)
             update = RequestUpdate(req.spec.request_id, [tok])
             if lps is not None and lps[i] is not None:
@@ -385,3 +427,33 @@ class AttentionWorker:
                 update.metrics = req.metrics()
             updates.append(update)
         return updates
+
+    def _choose(self, logits: torch.Tensor, to_sample: list) -> list[int]:
+        """Next tokens of ``to_sample`` from their rows of ``logits [B, V]``."""
+        return sample(
+            logits,
+            [r.params for r in to_sample],
+            [self.generators[r.request_id] for r in to_sample],
+            to_sample,
+            self.scheduler.eos_token_ids,
+        )
+
+    def _fail(self, req, error: str) -> RequestUpdate:
+        """Ends a request whose handling raised: its blocks are freed and its stream dropped."""
+        self.scheduler.abort(req.request_id)
+        req.finish_reason = "error"
+        self.generators.pop(req.request_id, None)
+        return RequestUpdate(req.request_id, [], "error", req.metrics(), error=error)
+
+
+def _fault(rank: int, request_id: int, stage: str, error: Exception) -> str:
+    """Logs a fault that fails one request alone (with its traceback); returns the request's
+    error message."""
+    logger.error(
+        "rank %d: request %d failed in %s and is ended; the other requests go on",
+        rank,
+        request_id,
+        stage,
+        exc_info=error,
+    )
+    return f"{stage} failed: {type(error).__name__}: {error}"[:500]

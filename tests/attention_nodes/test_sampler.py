@@ -1,10 +1,20 @@
-"""Sampling filters and per-request random streams (unit level)."""
+"""Sampling filters, vLLM's logits controls and per-request random streams (unit level).
+
+The controls are checked against `reference`, vLLM v1's semantics written out token by token
+(logits processors min_tokens / logit_bias, then repetition / frequency / presence penalties,
+then greedy argmax or temperature, min_p, top-k, top-p)."""
 
 from __future__ import annotations
 
-import torch
+import math
+from dataclasses import dataclass
 
-from splitmoe.attention_nodes.sampler import make_generator, sample
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from splitmoe.attention_nodes.sampler import adjust_logits, make_generator, sample, sampling_probs
 from splitmoe.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -39,3 +49,212 @@ def test_streams_are_per_request_and_reproducible():
     assert a == _draws(unseeded, logits, request_id=3, engine_seed=0)
     assert a != _draws(unseeded, logits, request_id=4, engine_seed=0)
     assert a != _draws(unseeded, logits, request_id=3, engine_seed=1)
+
+
+# ----------------------------------------------------------------- vLLM's controls vs a reference
+
+EOS = (2,)
+
+
+@dataclass
+class History:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def reference(logits, p, hist, eos=EOS):
+    """vLLM v1's semantics written out per token, in float64: the greedy token, or the
+    distribution a sampled row is drawn from."""
+    x = [float(v) for v in logits]
+    vocab = len(x)
+    out = list(hist.output_token_ids)
+    if len(out) < p.min_tokens:  # min_tokens: the stop tokens (EOS too) cannot come yet
+        for t in set(p.stop_token_ids) | set(eos):
+            x[t] = -math.inf
+    for t, b in p.logit_bias:
+        x[t] += b
+    for t in range(vocab):
+        if p.repetition_penalty != 1.0 and (t in hist.prompt_token_ids or t in out):
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+        x[t] -= p.frequency_penalty * out.count(t)
+        x[t] -= p.presence_penalty * (t in out)
+    if p.greedy:
+        return max(range(vocab), key=lambda t: (x[t], -t))
+
+    def softmax(v):
+        m = max(v)
+        e = [math.exp(a - m) if a != -math.inf else 0.0 for a in v]
+        return [a / sum(e) for a in e]
+
+    x = [a / p.temperature for a in x]
+    if p.min_p > 0:
+        probs = softmax(x)
+        x = [-math.inf if q < p.min_p * max(probs) else a for a, q in zip(x, probs)]
+    if p.top_k > 0:
+        kth = sorted(x, reverse=True)[min(p.top_k, vocab) - 1]
+        x = [a if a >= kth else -math.inf for a in x]
+    if p.top_p < 1.0:
+        probs = softmax(x)
+        order = sorted(range(vocab), key=lambda t: -x[t])
+        before = 0.0
+        for t in order:
+            if before >= p.top_p:
+                x[t] = -math.inf
+            before += probs[t]
+    return torch.tensor(softmax(x), dtype=torch.float64)
+
+
+def _check_row(logits, p, hist, eos=EOS):
+    want = reference(logits, p, hist, eos)
+    if p.greedy:
+        got = sample(logits[None], [p], [None], [hist], eos)[0]
+        assert got == want, f"{p}: token {got}, reference {want}"
+    else:
+        row = adjust_logits(logits.clone(), p, hist, eos)
+        got = sampling_probs(row, p).double()
+        assert torch.allclose(got, want, atol=1e-5), f"{p}:\n{got}\n{want}"
+        # the same tokens filtered out (underflow aside: float32 against float64)
+        assert not got[want == 0].any() and (got[want > 1e-6] > 0).all(), f"{p}: support"
+
+
+LOGITS = torch.tensor([1.5, -0.5, 3.0, 0.25, -2.0, 2.75, 0.0, 1.0, -1.0, 2.0])
+HIST = History(prompt_token_ids=[0, 3, 3], output_token_ids=[5, 5, 1, 7])
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(min_p=0.2),
+        dict(repetition_penalty=1.8),
+        dict(repetition_penalty=0.5),
+        dict(presence_penalty=1.5),
+        dict(frequency_penalty=-0.75),
+        dict(frequency_penalty=2.0, presence_penalty=-1.0, repetition_penalty=1.3),
+        dict(logit_bias={"4": 6.0, 2: -100.0}),
+        dict(min_tokens=8, stop_token_ids=[5]),
+        dict(min_tokens=4, stop_token_ids=[5]),  # reached: nothing masked
+        dict(min_p=0.1, top_k=4, top_p=0.8, repetition_penalty=1.2, logit_bias={9: 1.0}),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_controls_match_the_reference(kw, temperature):
+    _check_row(LOGITS, SamplingParams(temperature=temperature, max_tokens=16, **kw), HIST)
+
+
+def test_each_control_changes_the_outcome():
+    """The fixed cases are not vacuous: every control moves the greedy token or the
+    distribution away from the plain one."""
+    plain = reference(LOGITS, SamplingParams(temperature=0.7), HIST)
+    assert reference(LOGITS, SamplingParams(temperature=0), HIST) == 2
+    for kw in (
+        dict(min_p=0.2),
+        dict(repetition_penalty=1.8),
+        dict(presence_penalty=1.5),
+        dict(frequency_penalty=-0.75),
+        dict(logit_bias={4: 6.0}),
+        dict(min_tokens=8, stop_token_ids=[5]),
+    ):
+        assert not torch.allclose(
+            reference(LOGITS, SamplingParams(**kw, temperature=0.7), HIST), plain
+        )
+    assert reference(LOGITS, SamplingParams(temperature=0, logit_bias={4: 6.0}), HIST) == 4
+    masked = SamplingParams(temperature=0, min_tokens=8, stop_token_ids=[2])  # 2: the top token
+    assert sample(LOGITS[None], [masked], [None], [HIST], EOS) == [5]
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    data=st.data(),
+    vocab=st.integers(2, 24),
+    temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+    min_p=st.sampled_from([0.0, 0.05, 0.3]),
+    top_k=st.sampled_from([-1, 1, 3]),
+    top_p=st.sampled_from([1.0, 0.6, 0.93]),
+    rep=st.sampled_from([1.0, 0.6, 1.4]),
+    pres=st.sampled_from([0.0, -1.2, 0.8]),
+    freq=st.sampled_from([0.0, 0.35, -2.0]),
+    min_tokens=st.integers(0, 4),
+)
+def test_random_controls_match_the_reference(
+    data, vocab, temperature, min_p, top_k, top_p, rep, pres, freq, min_tokens
+):
+    token = st.integers(0, vocab - 1)
+    logits = (
+        torch.tensor(data.draw(st.lists(st.integers(-40, 40), min_size=vocab, max_size=vocab))) / 4
+    )
+    bias = data.draw(st.dictionaries(token, st.integers(-12, 12).map(lambda b: b / 2), max_size=3))
+    hist = History(
+        data.draw(st.lists(token, min_size=1, max_size=6)), data.draw(st.lists(token, max_size=6))
+    )
+    p = SamplingParams(
+        max_tokens=8,
+        temperature=temperature,
+        min_p=min_p,
+        top_k=top_k,
+        top_p=top_p,
+        repetition_penalty=rep,
+        presence_penalty=pres,
+        frequency_penalty=freq,
+        logit_bias=bias,
+        min_tokens=min_tokens,
+        stop_token_ids=data.draw(st.lists(token, max_size=2)),
+        seed=0,
+    )
+    eos = (vocab - 1,)
+    assume(
+        len(set(p.stop_token_ids) | set(eos)) < vocab or len(hist.output_token_ids) >= min_tokens
+    )
+    if p.greedy:  # (equal maxima after the penalties: the lowest id, in both)
+        _check_row(logits, p, hist, eos)
+    else:
+        _check_row(logits, p, hist, eos)
+        # and the draw comes from that support
+        g = make_generator(p, 0, 0, CPU)
+        tok = sample(logits[None], [p], [g], [hist], eos)[0]
+        assert reference(logits, p, hist, eos)[tok] > 0
+
+
+def test_sample_leaves_logits_alone_and_mixes_rows():
+    """Plain greedy, adjusted greedy and sampled rows in one batch; the logits (which
+    `token_logprobs` reads next) are not modified."""
+    logits = torch.stack([LOGITS, LOGITS, LOGITS, LOGITS.flip(0)])
+    before = logits.clone()
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logit_bias={4: 6.0}),
+        SamplingParams(temperature=0.9, seed=3, repetition_penalty=1.5),
+        SamplingParams(temperature=0, presence_penalty=2.0),
+    ]
+    gens = [make_generator(p, i, 0, CPU) for i, p in enumerate(params)]
+    hist = [HIST] * 4
+    tokens = sample(logits, params, gens, hist, EOS)
+    assert torch.equal(logits, before)
+    assert tokens[:2] == [2, 4]
+    assert tokens[3] == reference(LOGITS.flip(0), params[3], HIST)
+    alone = sample(logits[2:3], params[2:3], [make_generator(params[2], 2, 0, CPU)], hist[2:3], EOS)
+    assert alone == tokens[2:3]
+
+
+@pytest.mark.parametrize("big", [1e30, 3e38])
+def test_huge_logits_at_the_lowest_temperature_give_no_nan(big):
+    p = SamplingParams(temperature=1e-40, seed=1)  # (raised to 0.01)
+    assert p.temperature == 0.01
+    logits = torch.tensor([[big, -big, big / 2, 0.0]])
+    row = sampling_probs(logits[0].clone(), p)
+    assert torch.isfinite(row).all() and row[0] == 1.0
+    assert sample(logits, [p], [make_generator(p, 0, 0, CPU)]) == [0]
+
+
+def test_a_fully_masked_row_raises_instead_of_sampling_nan():
+    p = SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[0, 1], seed=1)
+    logits = torch.tensor([[1.0, 2.0, -math.inf]])
+    with pytest.raises(ValueError, match="cannot sample"):
+        sample(logits, [p], [make_generator(p, 0, 0, CPU)], [History([0], [])], (2,))
+
+
+@pytest.mark.parametrize("seed", [0, 2**63 - 1, 2**63, 2**64 - 1])
+def test_every_seed_in_range_makes_a_generator(seed):
+    p = SamplingParams(seed=seed)
+    g = make_generator(p, 0, 0, CPU)
+    assert sample(torch.zeros(1, 50), [p], [g])[0] in range(50)
