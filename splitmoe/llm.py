@@ -307,6 +307,10 @@ class _QueueChannel:
     def send_stats(self, stats: dict) -> None:
         self.out.put(("stats", self.rank, stats))
 
+    def publish(self, counters: dict) -> None:
+        # (quiet: a waiting front end reads them at its next tick, see `_Inboxes.get`)
+        self.out.put(("snapshot", self.rank, counters), ring=False)
+
     def ready(self, topo: Topology) -> None:
         self.out.put(("ready", self.rank, topo.role))
 
@@ -349,7 +353,8 @@ class RelayChannel(_QueueChannel):
     def deliver(self, mail: list) -> None:
         for blob in mail[1:]:
             for msg in pickle.loads(blob) if blob else ():
-                self.out.put(msg, ring=msg[0] != "step" or bool(msg[2][2]))
+                ring = bool(msg[2][2]) if msg[0] == "step" else msg[0] != "snapshot"
+                self.out.put(msg, ring=ring)
 
 
 class RemoteChannel:
@@ -380,6 +385,9 @@ class RemoteChannel:
 
     def send_stats(self, stats: dict) -> None:
         self._out.append(("stats", self.rank, stats))
+
+    def publish(self, counters: dict) -> None:
+        self._out.append(("snapshot", self.rank, counters))
 
     def ready(self, topo: Topology) -> None:
         pass  # (rank 0 is ready only once every rank joined its start-up collectives)
@@ -597,6 +605,9 @@ class LLM:
         self._stops: dict[int, _StopWatch] = {}  # live requests with stop strings
         self._last_step: dict[int, StepRecord] = {}  # each attention rank's latest step
         self._stats: dict[int, dict] = {}
+        # each rank's latest published counters, replaced whole (`latest_stats` reads it from
+        # any thread)
+        self._snapshots: tuple[dict, ...] = ()
         # progress read while `stats` / `rebalance` waited for their answers: the next `poll`
         # returns it (a server asks for stats while requests run)
         self._backlog: list[tuple[RequestOutput, list[int]]] = []
@@ -669,6 +680,9 @@ class LLM:
                     if not fail_on_timeout:
                         raise
                     self._fail(f"no progress from the ranks for too long during {what}")
+                continue
+            if msg[0] == "snapshot":  # (kept, never handed to a caller)
+                self._keep_snapshot(msg[1], msg[2])
                 continue
             if msg[0] == "error":
                 _, rank, role, detail, tb = msg
@@ -968,6 +982,21 @@ class LLM:
         ranks), tokens served
         (expert ranks), and the transport's counters under ``"comm"``."""
         return self._ask("stats", timeout)
+
+    def latest_stats(self) -> list[dict]:
+        """Each rank's latest published counters, in rank order (ranks that have not published
+        yet left out), without asking any rank: `stats`' keys but ``"comm"`` and
+        ``"balancer"``, plus ``"published_at"`` (the rank's ``time.time()`` when it took them).
+        Ranks publish while their counters change, about once a second, and soon (~0.1 s)
+        after a request arrives or is aborted and after the job goes idle
+        (`runtime.STATS_PUBLISH_S`); they arrive while this `LLM` is polled. Safe to call from
+        any thread (a server's event loop) while another one polls."""
+        return list(self._snapshots)
+
+    def _keep_snapshot(self, rank: int, counters: dict) -> None:
+        by_rank = {s["rank"]: s for s in self._snapshots}
+        by_rank[rank] = counters
+        self._snapshots = tuple(by_rank[r] for r in sorted(by_rank))
 
     def trace(self, timeout: float | None = None) -> list[dict]:
         """Every rank's recent timeline (``{"rank", "role", "timeline": [Span]}``, rank order):

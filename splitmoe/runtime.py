@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import resource
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +40,16 @@ logger = logging.getLogger("splitmoe")
 # closing), so this bounds only how often an idle job wakes up: 5 ms made an idle `LLM` cost its
 # host ~2 x 200 process wake-ups a second, and slowed whatever else ran there.
 IDLE_POLL_S = 0.1
+
+# A rank publishes its counters (`rank_counters`) on its own, the front end keeps the latest
+# (`LLM.latest_stats`) and GET /metrics reads that, asking no rank: a scrape used to wait for
+# every rank's answer and paused token delivery meanwhile. While anything changes they go out
+# at most every STATS_PUBLISH_S; a request arriving or aborted, or the job going idle, is told
+# after STATS_EVENT_S at most (so a scrape soon after sees it), which bounds a rank's cost (a
+# /proc read and a small pickle each time) to STATS_EVENT_S's rate however often requests come.
+# An idle job publishes nothing.
+STATS_PUBLISH_S = 1.0
+STATS_EVENT_S = 0.02
 
 
 @dataclass
@@ -73,6 +84,14 @@ class Channel(Protocol):
         """Answer to a stats request."""
 
 
+class PublishingChannel(Channel, Protocol):
+    """A channel whose front end keeps the rank's latest counters (a server's: see
+    `STATS_PUBLISH_S`)."""
+
+    def publish(self, counters: dict) -> None:
+        """This rank's `rank_counters`, sent on its own (not an answer to a request)."""
+
+
 class MailChannel(Channel, Protocol):
     """A channel that reaches its front end through the control plane (a launched server's
     ranks, see `splitmoe.llm.RelayChannel`): what it has to send goes out with the step sync."""
@@ -86,7 +105,19 @@ class MailChannel(Channel, Protocol):
 
 
 def rank_stats(topo: Topology, worker, transport, balance: ExpertBalance | None = None) -> dict:
-    """A JSON-able snapshot of one rank: role, memory, worker state, transport counters."""
+    """A JSON-able snapshot of one rank: role, memory, worker state, transport counters (and the
+    balancer's load statistics)."""
+    out = rank_counters(topo, worker)
+    snapshot = getattr(transport, "stats_snapshot", None)
+    out["comm"] = snapshot() if snapshot else None
+    if balance is not None:
+        out["balancer"] = balance.stats()
+    return out
+
+
+def rank_counters(topo: Topology, worker) -> dict:
+    """`rank_stats` without the transport's and the balancer's per-layer records (which grow
+    with the model): role, memory and worker state, what a rank publishes on its own."""
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -99,11 +130,27 @@ def rank_stats(topo: Topology, worker, transport, balance: ExpertBalance | None 
         "cores": available_cores(),
     }
     out.update(worker.stats())
-    snapshot = getattr(transport, "stats_snapshot", None)
-    out["comm"] = snapshot() if snapshot else None
-    if balance is not None:
-        out["balancer"] = balance.stats()
     return out
+
+
+@dataclass
+class _Publication:
+    """When this rank's counters are due to go out (see `STATS_PUBLISH_S`)."""
+
+    last: float = -float("inf")  # time.monotonic() of the last publication
+    changed: bool = True  # since then (a new rank has not published yet)
+    urgent: bool = True  # a change a scrape should see soon
+
+    def note(self, changed: bool, urgent: bool = False) -> None:
+        self.changed |= changed or urgent
+        self.urgent |= urgent
+
+    def due(self, now: float) -> bool:
+        wait = STATS_EVENT_S if self.urgent else STATS_PUBLISH_S
+        return self.changed and now - self.last >= wait
+
+    def sent(self, now: float) -> None:
+        self.last, self.changed, self.urgent = now, False, False
 
 
 def set_threads(cfg: EngineConfig, topo: Topology) -> bool:
@@ -255,6 +302,7 @@ def _loop(
     rebalance_asked = False  # this rank's channel asked; answered once the switch is done
     answer_pending = False  # a rebalance this rank asked for has begun, not finished
     relays = hasattr(channel, "outgoing")  # (a `MailChannel`)
+    publication = _Publication() if hasattr(channel, "publish") else None  # `PublishingChannel`
     while True:
         idle = topo.is_attention and not (busy or worker.has_work)
         inbox = channel.poll(IDLE_POLL_S if idle else 0.0)
@@ -278,12 +326,24 @@ def _loop(
         ready = balance is None or balance.ready
         mail = channel.outgoing() if relays else None
         blob = b"" if mail is None else pickle.dumps(mail, pickle.HIGHEST_PROTOCOL)
+        due = False
+        if publication is not None:
+            publication.note(False, urgent=bool(inbox.requests or inbox.aborts))
+            due = publication.due(time.monotonic())
         with worker.timeline.span("sync", "wait"):
-            decision = sync.exchange(*row, rebalance_asked, ready, len(blob))
+            decision = sync.exchange(*row, rebalance_asked, ready, len(blob), due)
             if decision.mail:
                 channel.deliver(sync.relay(blob))
         if decision.finished:
             return
+        if publication is not None:
+            if decision.publish:  # (some rank's are due: all go out together)
+                counters = rank_counters(topo, worker)
+                counters["published_at"] = time.time()
+                channel.publish(counters)
+                publication.sent(time.monotonic())
+            # (the step about to run changes them; the job going idle, urgently)
+            publication.note(decision.run, urgent=busy and not decision.run)
         if balance is not None:  # colocated: nothing to rebalance; asks answered at once
             if balance.in_transition and decision.ready:
                 with worker.timeline.span("rebalance", "compute"):

@@ -1,9 +1,11 @@
-"""`LLM.stats()`: a snapshot from every rank."""
+"""`LLM.stats()`: a snapshot from every rank; `LLM.latest_stats()`: the counters the ranks
+publish on their own."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 
 import pytest
 from tiny_models import prompt_ids
@@ -65,3 +67,42 @@ def test_pin_cores_fits_ranks_side_by_side_or_leaves_them():
     assert run(0, 1, n) == (cores, cores)  # one rank with every core
     assert run(0, n + 1, 1) == (None, cores)  # more ranks than cores: left to the OS
     assert run(0, 1, n + 1) == (None, cores)
+
+
+def test_ranks_publish_their_counters_without_being_asked(tiny_ckpt):
+    ckpt = tiny_ckpt("qwen3_moe")
+    with LLM(
+        str(ckpt), attention_ranks=1, expert_ranks=1, device="cpu", num_kv_blocks=64, block_size=4
+    ) as llm:
+        # start-up: each rank published once, unasked
+        deadline = time.monotonic() + 10
+        while len(llm.latest_stats()) < 2:
+            assert time.monotonic() < deadline, llm.latest_stats()
+            llm.poll(timeout=0.1)
+        first = llm.latest_stats()
+        assert [(s["rank"], s["role"]) for s in first] == [(0, "attention"), (1, "expert")]
+        assert first[0]["kv_blocks_used"] == 0 and first[0]["kv_blocks_total"] == 64
+        # a running request is published soon after it arrives, while it runs
+        [rid] = llm.submit([prompt_ids(9, seed=1)], SamplingParams(max_tokens=400, ignore_eos=True))
+        seen = None
+        while seen is None:
+            assert llm.poll(timeout=5), "no step"
+            snap = llm.latest_stats()[0]
+            if snap["published_at"] > first[0]["published_at"] and snap["running"] == 1:
+                seen = snap
+        assert seen["kv_blocks_used"] >= 3  # (9 prompt tokens in blocks of 4)
+        llm.abort([rid])
+        # the job going idle is published too; the expert rank's count of tokens served grew
+        deadline = time.monotonic() + 10
+        while True:
+            llm.poll(timeout=0.1)
+            attn, expert = llm.latest_stats()
+            if attn["kv_blocks_used"] == 0 and attn["running"] == 0:
+                break
+            assert time.monotonic() < deadline, attn
+        assert expert["tokens_served"] > first[1]["tokens_served"]
+        # asked, the ranks still answer with every key (comm and balancer included)
+        asked = llm.stats()
+        for full, published in zip(asked, (attn, expert)):
+            assert set(full) - set(published) == {"comm", "balancer"}
+            assert set(published) - set(full) == {"published_at"}

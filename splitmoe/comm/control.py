@@ -20,13 +20,16 @@ class StepDecision:
     ``rebalance``: some rank asked for an expert rebalance, which every rank then starts before
     this iteration's step; ``ready``: every rank has the weights of the next placement staged
     (a rebalance in progress switches at such a step boundary); ``mail``: some rank has messages
-    to relay (`StepSync.relay` runs on every rank; the job does not end while any is left)."""
+    to relay (`StepSync.relay` runs on every rank; the job does not end while any is left);
+    ``publish``: some rank's counters are due to go out, and every rank sends its own now (so a
+    launched job relays all of them in one exchange, and the snapshots are of one moment)."""
 
     tokens: tuple[int, ...]
     finished: bool
     rebalance: bool = False
     ready: bool = True
     mail: bool = False
+    publish: bool = False
 
     @property
     def run(self) -> bool:
@@ -35,8 +38,8 @@ class StepDecision:
 
 class StepSync:
     """All-gathers ``(tokens this step, done, rebalance wanted, next placement staged, mail
-    bytes)`` from every rank over a CPU collective of the whole world (shared memory on one host,
-    else the gloo group).
+    bytes, counters due)`` from every rank over a CPU collective of the whole world (shared
+    memory on one host, else the gloo group).
 
     Mail is how a launched job's server on rank 0 reaches ranks in other processes (see
     `splitmoe.llm.RelayChannel`): new requests, aborts and commands go out, token progress and
@@ -50,7 +53,7 @@ class StepSync:
         self.group = group
         self.world_size = world_size
         self.objects = objects
-        self._out = torch.zeros(world_size, 5, dtype=torch.int64)
+        self._out = torch.zeros(world_size, 6, dtype=torch.int64)
         self._sizes: list[int] = []
 
     def exchange(
@@ -60,13 +63,18 @@ class StepSync:
         rebalance: bool = False,
         ready: bool = True,
         mail: int = 0,
+        publish: bool = False,
     ) -> StepDecision:
         if self.world_size == 1:  # nothing to agree on
             return StepDecision(
-                tokens=(tokens,), finished=not tokens and done, rebalance=rebalance, ready=ready
+                tokens=(tokens,),
+                finished=not tokens and done,
+                rebalance=rebalance,
+                ready=ready,
+                publish=publish,
             )
         mine = torch.tensor(
-            [tokens, int(done), int(rebalance), int(ready), mail], dtype=torch.int64
+            [tokens, int(done), int(rebalance), int(ready), mail, int(publish)], dtype=torch.int64
         )
         self.group.all_gather_single(self._out.view(-1), mine)
         rows = self._out.tolist()
@@ -79,6 +87,7 @@ class StepSync:
             rebalance=any(r[2] for r in rows),
             ready=all(r[3] for r in rows),
             mail=mail,
+            publish=any(r[5] for r in rows),
         )
 
     def relay(self, blob: bytes) -> list[bytes | None]:

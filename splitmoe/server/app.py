@@ -118,15 +118,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        if state.engine.state == "ready":
-            try:
-                stats = await asyncio.wait_for(
-                    state.engine.stats(asyncio.get_running_loop()), timeout=10
-                )
-                llm = state.engine.llm
-                state.metrics.update_from_stats(stats, llm.num_unfinished if llm else 0)
-            except (EngineError, TimeoutError) as e:
-                logger.warning("metrics: no rank stats (%s)", e)
+        # the counters the ranks published last: no command to the engine thread, no wait on a
+        # rank (asking them waited for their next step and paused token delivery meanwhile)
+        engine = state.engine
+        if engine.state == "ready":
+            llm = engine.llm
+            unfinished = llm.num_unfinished if llm else 0
+            state.metrics.update_from_stats(engine.latest_stats(), unfinished)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

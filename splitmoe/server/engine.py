@@ -138,8 +138,16 @@ class AsyncEngine:
             job.done = True
             self._command(("abort", job))
 
+    def latest_stats(self) -> list[dict]:
+        """Each rank's latest published counters (`LLM.latest_stats`), read without a command
+        to the engine thread and without waiting on any rank: what GET /metrics reads. Empty
+        before the ranks started."""
+        llm = self.llm
+        return [] if llm is None else llm.latest_stats()
+
     def stats(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
-        """Every rank's `LLM.stats` snapshot, answered by the engine thread."""
+        """Every rank's `LLM.stats` snapshot, answered by the engine thread once every rank
+        answered (it waits for their next step: `latest_stats` does not)."""
         fut = loop.create_future()
         if self.state != "ready":
             fut.set_exception(EngineError(self._unavailable()))

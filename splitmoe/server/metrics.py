@@ -2,11 +2,14 @@
 ``splitmoe:`` prefix) so that existing dashboards read them with a prefix change.
 
 Counters and histograms are updated by the engine thread as each request finishes; the gauges
-(running and waiting requests, KV-cache usage, prefix-cache contents, expert-rank load) are read
-from the ranks (`LLM.stats`) when the endpoint is scraped.
+(running and waiting requests, KV-cache usage, prefix-cache contents, expert-rank load) come from
+the counters the ranks publish on their own (`AsyncEngine.latest_stats`), read when the endpoint
+is scraped: a scrape asks no rank and never waits for a step.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -68,6 +71,11 @@ class ServerMetrics:
             "Most loaded expert rank's tokens over the mean (1 = balanced; 0 when colocated)",
         )
         self.preemptions = gauge("num_preemptions", "Preemptions since start-up")
+        self.stats_age = gauge(
+            "rank_stats_age_seconds",
+            "Age of the rank's latest published counters, which the gauges above read",
+            ("rank",),
+        )
         self._queries = self._hits = 0
 
     def finished(self, out: RequestOutput, now: float) -> None:
@@ -91,9 +99,17 @@ class ServerMetrics:
         for gap in m.tbt:
             tbt.observe(gap)
 
-    def update_from_stats(self, stats: list[dict], unfinished: int) -> None:
-        """Sets the gauges from every rank's `LLM.stats` snapshot."""
+    def update_from_stats(
+        self, stats: list[dict], unfinished: int, now: float | None = None
+    ) -> None:
+        """Sets the gauges from the ranks' counters (`LLM.latest_stats`, or `LLM.stats`);
+        ``now``: the ``time.time()`` their ``published_at`` is compared with (default: now)."""
         lab = self._label
+        now = time.time() if now is None else now
+        for s in stats:
+            if "published_at" in s:
+                age = max(0.0, now - s["published_at"])
+                self.stats_age.labels(**lab, rank=str(s["rank"])).set(age)
         attn = [s for s in stats if s.get("role") == "attention"]
         used = sum(s.get("kv_blocks_used", 0) for s in attn)
         total = sum(s.get("kv_blocks_total", 0) for s in attn)
