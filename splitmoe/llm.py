@@ -320,10 +320,12 @@ def _step_message(rank: int, updates, record) -> tuple[tuple, bool]:
 
     As plain lists (`LLM._apply_step` reads them): 128 dataclass objects took ~350 us to pickle
     and as long to unpickle in the front end, against ~45 us for these lists. (A finished
-    request's update, and only that, carries its metrics.)"""
+    request's update, and only that, carries its metrics, and its error if it failed.)"""
     ids = [u.request_id for u in updates]
     tokens = [u.new_token_ids for u in updates]
-    finished = [(i, u.finish_reason, u.metrics) for i, u in enumerate(updates) if u.metrics]
+    finished = [
+        (i, u.finish_reason, u.metrics, u.error) for i, u in enumerate(updates) if u.metrics
+    ]
     logprobs = None
     if any(u.logprobs for u in updates):
         logprobs = [u.logprobs for u in updates]
@@ -529,25 +531,38 @@ class _Detokenizer:
 
 
 class _StopWatch:
-    """Finds a request's stop strings in its decoded output as its tokens arrive."""
+    """Finds a request's stop strings in its decoded output as its tokens arrive.
 
-    def __init__(self, tokenizer, strings: tuple[str, ...]):
+    As vLLM's detokenizer: text that arrives while at most ``min_tokens`` tokens were generated
+    is not searched (a stop string may still begin in it and end later)."""
+
+    def __init__(self, tokenizer, strings: tuple[str, ...], min_tokens: int = 0):
         self.detok = _Detokenizer(tokenizer)
         self.strings = strings
-        self.longest = max(map(len, strings))
+        self.min_tokens = min_tokens
         self.hit: tuple[int, str] | None = None  # (tokens kept, text kept) once one appeared
 
     def check(self, out: RequestOutput) -> bool:
         """Whether a stop string has appeared (now or before); the first occurrence wins."""
         if self.hit is None:
             new = self.detok.delta(out)
-            if new:
+            if new and len(out.token_ids) > self.min_tokens:
                 text = self.detok.text
-                start = max(0, len(text) - len(new) - self.longest + 1)
-                found = [i for i in (text.find(x, start) for x in self.strings) if i >= 0]
+                end = len(text) - len(new)  # (each string is looked for where it could end)
+                found = [
+                    i
+                    for i in (text.find(x, max(0, end - len(x) + 1)) for x in self.strings)
+                    if i >= 0
+                ]
                 if found:
                     self.hit = (len(out.token_ids), text[: min(found)])
         return self.hit is not None
+
+
+def _front_end_fault(request_id: int, stage: str, error: Exception) -> str:
+    """Logs a fault that fails one request alone (with its traceback); returns its error."""
+    logger.error("request %d failed in %s and is ended", request_id, stage, exc_info=error)
+    return f"{stage} failed: {type(error).__name__}: {error}"[:500]
 
 
 class LLM:
@@ -603,6 +618,8 @@ class LLM:
         self._next_id = 0
         self._live: dict[int, RequestOutput] = {}
         self._stops: dict[int, _StopWatch] = {}  # live requests with stop strings
+        # live requests that failed in this front end, each aborted on its rank (id -> error)
+        self._faults: dict[int, str] = {}
         self._last_step: dict[int, StepRecord] = {}  # each attention rank's latest step
         self._stats: dict[int, dict] = {}
         # each rank's latest published counters, replaced whole (`latest_stats` reads it from
@@ -781,7 +798,7 @@ class LLM:
                 logprobs=None if sp.logprobs is None else [],
             )
             if sp.stop:
-                self._stops[rid] = _StopWatch(self.tokenizer, sp.stop)
+                self._stops[rid] = _StopWatch(self.tokenizer, sp.stop, sp.min_tokens)
             rids.append(rid)
         for q, batch in zip(self._to_rank, batches):  # (the attention ranks' queues)
             q.put(("add", batch) if batch else ("wake",))  # idle ranks join the next step now
@@ -862,22 +879,34 @@ class LLM:
                 return
 
     def _apply_step(self, rank, ids, tokens, done, logprobs, record, progress, finished) -> None:
-        """One step's new tokens (`_QueueChannel.emit`'s lists) into the live outputs."""
+        """One step's new tokens (`_QueueChannel.emit`'s lists) into the live outputs.
+
+        An exception in one request's stop-string check or detokenizing fails that request
+        alone: it is aborted on its rank (which frees its blocks) and finishes with
+        ``finish_reason="error"`` once the rank confirms, reporting nothing more until then."""
         if record is not None:  # (None: aborted requests, outside a step)
             self._steps.append(record)
             self._last_step[rank] = record
-        live, stops = self._live, self._stops
-        if stops or logprobs is not None:
+        live, stops, faults = self._live, self._stops, self._faults
+        if stops or logprobs is not None or faults:
             for j, (rid, new) in enumerate(zip(ids, tokens)):
                 out = live[rid]
                 out.token_ids.extend(new)
                 if logprobs is not None and logprobs[j]:
                     out.logprobs.extend(logprobs[j])
+                if rid in faults:
+                    continue
                 watch = stops.get(rid)
-                if watch is not None and watch.check(out):
-                    if watch.hit[0] == len(out.token_ids) and new:  # (it just appeared)
-                        self._to_rank[rank].put(("abort", [rid]))
-                    continue  # (nothing past a stop string is reported)
+                if watch is not None:
+                    try:
+                        hit = watch.check(out)
+                    except Exception as e:
+                        self._request_fault(rank, rid, "stop-string check", e)
+                        continue
+                    if hit:
+                        if watch.hit[0] == len(out.token_ids) and new:  # (it just appeared)
+                            self._to_rank[rank].put(("abort", [rid]))
+                        continue  # (nothing past a stop string is reported)
                 if progress is not None:
                     progress.append((out, new))
         elif progress is None:
@@ -889,11 +918,17 @@ class LLM:
                 out.token_ids.extend(new)
                 progress.append((out, new))
         self._router.add(rank, sum(map(len, tokens)))
-        for i, reason, metrics in done:
-            out = live.pop(ids[i])
+        for i, reason, metrics, error in done:
+            rid = ids[i]
+            out = live.pop(rid)
             self._router.release(rank, len(out.prompt_token_ids) + len(out.token_ids))
-            watch = stops.pop(ids[i], None)
-            if watch is not None and watch.hit is not None:
+            watch = stops.pop(rid, None)
+            fault = faults.pop(rid, None)
+            if fault is not None:  # (whatever the rank says: it failed here first)
+                reason, error = "error", fault
+                if progress is not None:
+                    progress.append((out, []))
+            elif watch is not None and watch.hit is not None:
                 n, out.text = watch.hit
                 del out.token_ids[n:]
                 if out.logprobs is not None:
@@ -902,11 +937,22 @@ class LLM:
                 if progress is not None:
                     progress.append((out, []))
             elif self.tokenizer is not None:
-                out.text = self.tokenizer.decode(out.token_ids)
-            out.finish_reason, out.metrics = reason, metrics
-            if reason != "abort":  # (a request its client gave up on says nothing of speed)
+                try:
+                    out.text = self.tokenizer.decode(out.token_ids)
+                except Exception as e:
+                    reason, error = "error", _front_end_fault(rid, "detokenizing", e)
+            out.finish_reason, out.metrics, out.error = reason, metrics, error
+            # (a request its client gave up on, or that failed, says nothing of speed)
+            if reason != "abort" and reason != "error":
                 self._finished.append(out)
             finished.append(out)
+
+    def _request_fault(self, rank: int, rid: int, stage: str, error: Exception) -> None:
+        """Fails one live request after ``stage`` raised for it here: logged, aborted on its
+        rank, finished with ``"error"`` when the rank's abort comes back."""
+        self._faults[rid] = _front_end_fault(rid, stage, error)
+        self._stops.pop(rid, None)
+        self._to_rank[rank].put(("abort", [rid]))
 
     def stream(
         self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from splitmoe.llm import LLM, LaunchedJob, RankFailure, _Detokenizer
 from splitmoe.outputs import RequestOutput
@@ -263,7 +263,11 @@ class AsyncEngine:
             if job.done or (text is None and not out.finished):
                 continue
             if text is not None:
-                tokens, delta, lps = text.delta(out)
+                try:
+                    tokens, delta, lps = text.delta(out)
+                except Exception as e:  # (fails this sequence alone)
+                    by_job.setdefault(job, []).append(self._sequence_fault(out, index, e, now))
+                    continue
             else:
                 tokens, delta, lps = out.token_ids, out.text or "", out.logprobs
             by_job.setdefault(job, []).append(
@@ -274,6 +278,27 @@ class AsyncEngine:
         if self._finished_since_reset >= _RESET_EVERY:  # (bounds the LLM's metric history)
             self.llm.reset_metrics()
             self._finished_since_reset = 0
+
+    def _sequence_fault(
+        self, out: RequestOutput, index: int, error: Exception, now: float
+    ) -> Delta:
+        """Building one sequence's delta raised: it fails alone (aborted on its rank if it still
+        runs, which frees its blocks), with a final delta of reason ``"error"`` whose output
+        (a copy: the live one changes until the abort lands) carries ``error``."""
+        logger.error("request %d: building its stream delta failed", out.request_id, exc_info=error)
+        failed = replace(
+            out,
+            token_ids=list(out.token_ids),
+            logprobs=None if out.logprobs is None else list(out.logprobs),
+            finish_reason="error",
+            error=f"detokenizing failed: {type(error).__name__}: {error}"[:500],
+        )
+        if not out.finished:
+            self._forget(out.request_id)
+            self.llm.abort([out.request_id])
+            if self.metrics is not None:
+                self.metrics.finished(failed, now)
+        return Delta(index, [], "", None, "error", failed)
 
     def _fail(self, message: str) -> None:
         self.state, self.error = "failed", message
