@@ -23,8 +23,8 @@ Strict mode (xgrammar's default, as in vLLM): an object with ``properties`` allo
 unless ``additionalProperties`` says so; properties come in the schema's order.
 
 Only `tokenizers` reads the vocabulary here; HF `transformers` is not called (xgrammar itself
-imports it, so it must be installed where xgrammar is). xgrammar is imported on first use: it
-costs ~0.7 s of start-up that ranks serving no structured request need not pay.
+imports it, so it must be installed where xgrammar is). xgrammar, transformers with it, is
+imported on first use: start-up time that ranks serving no structured request need not pay.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ if TYPE_CHECKING:
 # response_format {"type": "json_object"}: any JSON object (keys and values free).
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
 
-# Limits on a client's schema, checked before xgrammar sees it. Conversion time grows about
-# cubically with nesting (xgrammar 0.2: depth 128 takes ~0.3 s, depth 500 ~6 s, deeper ones
-# do not finish), so nesting is capped; OpenAI's structured outputs allow 10 levels of objects,
-# each of which is two levels of JSON here ("properties", then the property's schema).
+# Limits on a client's schema, checked before xgrammar sees it. xgrammar 0.2's conversion time
+# grows about cubically with nesting (4x the depth, ~70x the time; a few thousand levels do not
+# finish), so nesting is capped; OpenAI's structured outputs allow 10 levels of objects, each
+# two levels of JSON here ("properties", then the property's schema).
 MAX_SCHEMA_DEPTH = 64  # levels of JSON nesting in the schema document
 MAX_SCHEMA_CHARS = 128 * 1024  # of its canonical text
 
@@ -123,9 +123,10 @@ def check_json_schema(schema: str | dict) -> str:
 
 def _tokenizer_info(
     tokenizer_json: Path, vocab_size: int, stop_token_ids: tuple[int, ...]
-) -> xgrammar.TokenizerInfo:
-    """xgrammar's view of a ``tokenizer.json``, built as ``TokenizerInfo.from_huggingface`` does
-    for a fast tokenizer, from `tokenizers` alone.
+) -> tuple[xgrammar.TokenizerInfo, list[bytes]]:
+    """xgrammar's view of a ``tokenizer.json``, built as ``TokenizerInfo.from_huggingface``
+    does for a fast tokenizer, from `tokenizers` alone, and each token's bytes (b"" where the
+    token is never allowed).
 
     The vocabulary type (raw, byte-fallback, byte-level) and ``add_prefix_space`` come from the
     tokenizer.json's model, decoder and normalizer; where the vocabulary itself says otherwise
@@ -177,10 +178,11 @@ def _tokenizer_info(
     # xgrammar's character classes admit it. The same pair split across two tokens is kept out
     # by `GrammarState` (``_lone_ed``).
     bad = re.compile(rb"[\x00-\x1f]|\xed[\xa0-\xbf]")
-    for i, b in enumerate(info().decoded_vocab):
-        if b and i not in stop_token_ids and bad.search(b):
-            encoded[i] = ""
-    return info()
+    decoded = info().decoded_vocab  # (slow for a large vocabulary: converted once, kept)
+    for i, b in enumerate(decoded):
+        if b and i not in stop_token_ids and (not encoded[i] or bad.search(b)):
+            encoded[i], decoded[i] = "", b""
+    return info(), decoded
 
 
 class GrammarBackend:
@@ -192,6 +194,7 @@ class GrammarBackend:
     def __init__(
         self,
         tokenizer_info: xgrammar.TokenizerInfo,
+        decoded_vocab: list[bytes],
         *,
         max_entries: int = GRAMMAR_CACHE_ENTRIES,
         max_bytes: int = GRAMMAR_CACHE_BYTES,
@@ -214,12 +217,11 @@ class GrammarBackend:
         self._stop_row = _bit_row(self.stop_token_ids, self.vocab_size)  # [ceil(V / 32)] int32
         # After a token ending in the lead byte ED, the next byte must be 80-9F (A0-BF would make
         # a surrogate): the tokens that may follow such a token, and those that end in ED.
-        decoded = tokenizer_info.decoded_vocab
         self._after_ed_row = _bit_row(
-            tuple(i for i, b in enumerate(decoded) if b and not 0xA0 <= b[0] <= 0xBF),
+            tuple(i for i, b in enumerate(decoded_vocab) if b and not 0xA0 <= b[0] <= 0xBF),
             self.vocab_size,
         )
-        self._ends_in_ed = frozenset(i for i, b in enumerate(decoded) if b and b[-1] == 0xED)
+        self._ends_in_ed = frozenset(i for i, b in enumerate(decoded_vocab) if b and b[-1] == 0xED)
 
     @classmethod
     def from_checkpoint(
@@ -240,7 +242,7 @@ class GrammarBackend:
         bad = [t for t in eos if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"EOS token ids {bad} are outside the vocabulary [0, {vocab_size})")
-        return cls(_tokenizer_info(f, vocab_size, eos), **kw)
+        return cls(*_tokenizer_info(f, vocab_size, eos), **kw)
 
     def compile(self, schema: str) -> xgrammar.CompiledGrammar:
         """The compiled grammar of a schema's text (cached). ValueError if xgrammar cannot

@@ -251,12 +251,13 @@ def test_vocabulary_matches_xgrammars_from_huggingface(ckpt, tmp_path, config):
     tiny_models.write_tiny_tokenizer(tmp_path)
     for path, eos in ((ckpt, config["eos_token_id"]), (tmp_path, 2)):
         V = 520 if path == ckpt else tiny_models.VOCAB
-        ours = grammar._tokenizer_info(path / "tokenizer.json", V, (eos,))
+        ours, decoded = grammar._tokenizer_info(path / "tokenizer.json", V, (eos,))
         hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
         ref = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=V, stop_token_ids=[eos])
         assert (ours.vocab_type, ours.add_prefix_space) == (ref.vocab_type, ref.add_prefix_space)
         assert ours.vocab_type == (xgr.VocabType.BYTE_LEVEL if path == ckpt else xgr.VocabType.RAW)
         mine, theirs = ours.decoded_vocab, ref.decoded_vocab
+        assert decoded == mine
         assert len(mine) == len(theirs) == V
         # equal but for the tokens we leave out (empty): control bytes and other special tokens
         differ = [i for i in range(V) if mine[i] != theirs[i]]
