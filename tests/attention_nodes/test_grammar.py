@@ -7,6 +7,7 @@ and checked against xgrammar's own `TokenizerInfo.from_huggingface` (transformer
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -45,6 +46,9 @@ SCHEMA = {
     "required": ["name", "age", "tags", "address", "ok", "kind"],
 }
 MAX_STEPS = 400
+_BPE_TEXT = """Attention ranks own the requests and their caches; expert ranks own the experts.
+The quick brown fox jumps over the lazy dog. {"name": "value", "list": [1, 2, 3], "ok": true}
+Once upon a time, a small model wrote its first words: one, two, three, four, five."""
 
 
 @pytest.fixture(scope="module")
@@ -240,22 +244,70 @@ def test_special_tokens_never_allowed(ckpt, tmp_path, config):
     assert config["eos_token_id"] not in allowed
 
 
+def _write_byte_fallback_tokenizer(out: Path) -> Path:
+    """A SentencePiece-style BPE (Llama, Mistral, Mixtral): "▁" for spaces, a space prepended
+    to the text, the 256 byte pieces <0x00>..<0xFF> for what the merges do not cover."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    meta = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    base = Tokenizer(models.BPE(unk_token="<unk>"))
+    base.pre_tokenizer = meta
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False)
+    base.train_from_iterator([_BPE_TEXT] * 4, trainer)
+    model = json.loads(base.to_str())["model"]
+    vocab = {t: i for i, t in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    for t in sorted(model["vocab"], key=model["vocab"].get):
+        vocab.setdefault(t, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = meta
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok.add_special_tokens(specials)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def test_byte_fallback_walks_validate(tmp_path):
+    path = _write_byte_fallback_tokenizer(tmp_path)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    V = tokenizer.get_vocab_size() + 64
+    backend = GrammarBackend.from_checkpoint(path, V, (tokenizer.token_to_id("</s>"),))
+    for seed in range(5):
+        tokens, _ = _walk(backend, check_json_schema(SCHEMA), seed)
+        jsonschema.validate(json.loads(tokenizer.decode(tokens)), SCHEMA)
+
+
 def test_vocabulary_matches_xgrammars_from_huggingface(ckpt, tmp_path, config):
     """Our TokenizerInfo (tokenizers only) against xgrammar's from_huggingface (transformers):
     same vocabulary type, prefix-space rule and decoded tokens, on the default model's
-    byte-level BPE and on the tiny models' character-level (raw) tokenizer."""
+    byte-level BPE, a SentencePiece-style byte-fallback BPE and the tiny models'
+    character-level (raw) tokenizer."""
     import tiny_models
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
-    tiny_models.write_tiny_tokenizer(tmp_path)
-    for path, eos in ((ckpt, config["eos_token_id"]), (tmp_path, 2)):
-        V = 520 if path == ckpt else tiny_models.VOCAB
+    tiny_models.write_tiny_tokenizer(tmp_path / "raw")
+    byte_fallback = _write_byte_fallback_tokenizer(tmp_path / "bf")
+    cases = [
+        (ckpt, config["eos_token_id"], 520, xgr.VocabType.BYTE_LEVEL, False),
+        (byte_fallback, 2, 704, xgr.VocabType.BYTE_FALLBACK, True),
+        (tmp_path / "raw", 2, tiny_models.VOCAB, xgr.VocabType.RAW, False),
+    ]
+    for path, eos, V, vocab_type, prefix_space in cases:
         ours, decoded = grammar._tokenizer_info(path / "tokenizer.json", V, (eos,))
         hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
         ref = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=V, stop_token_ids=[eos])
-        assert (ours.vocab_type, ours.add_prefix_space) == (ref.vocab_type, ref.add_prefix_space)
-        assert ours.vocab_type == (xgr.VocabType.BYTE_LEVEL if path == ckpt else xgr.VocabType.RAW)
+        assert (ref.vocab_type, ref.add_prefix_space) == (vocab_type, prefix_space), path
+        assert (ours.vocab_type, ours.add_prefix_space) == (vocab_type, prefix_space), path
         mine, theirs = ours.decoded_vocab, ref.decoded_vocab
         assert decoded == mine
         assert len(mine) == len(theirs) == V
