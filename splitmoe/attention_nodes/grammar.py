@@ -245,14 +245,16 @@ class GrammarBackend:
         return cls(*_tokenizer_info(f, vocab_size, eos), **kw)
 
     def compile(self, schema: str) -> xgrammar.CompiledGrammar:
-        """The compiled grammar of a schema's text (cached). ValueError if xgrammar cannot
-        compile it."""
+        """The compiled grammar of a schema's text (cached). ValueError if it is not a schema
+        `check_json_schema` passes (its limits hold here too: a schema from the Python API
+        reaches the rank without the front door) or xgrammar cannot compile it."""
         compiled = self._cache.get(schema)
         if compiled is not None:
             self._cache.move_to_end(schema)
             return compiled
+        text = check_json_schema(schema)
         try:
-            compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
+            compiled = self._compiler.compile_json_schema(text, any_whitespace=False)
         except Exception as e:
             raise ValueError(f"unsupported JSON schema: {_xgr_message(e)}") from None
         self._cache[schema] = compiled
@@ -271,7 +273,7 @@ class GrammarBackend:
     def state(self, schema: str) -> GrammarState:
         """A new request's grammar state for ``schema`` (canonical text from
         `check_json_schema`, or any schema text: it is checked again here, this being another
-        edge). ValueError if it cannot be compiled."""
+        edge). ValueError if it fails the check or cannot be compiled."""
         if not isinstance(schema, str):
             raise ValueError(f"schema must be JSON text, not {type(schema).__name__}")
         return GrammarState(self.compile(schema), self)

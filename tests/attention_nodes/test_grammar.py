@@ -354,6 +354,9 @@ def test_state_checks_the_schema_again(backend):
         backend.state('{"type": "strin"}')
     with pytest.raises(ValueError, match="must be JSON text"):
         backend.state({"type": "object"})
+    deep = '{"type":"array","items":' * 3000 + "{}" + "}" * 3000  # xgrammar would not finish
+    with pytest.raises(ValueError, match="deeper than"):
+        backend.state(deep)
 
 
 def test_compiled_grammar_cache_is_bounded(ckpt, config):
