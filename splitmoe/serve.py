@@ -43,6 +43,8 @@ from splitmoe.runtime import available_cores, run_rank
 from splitmoe.server.app import ServerState, build_app
 from splitmoe.server.engine import AsyncEngine
 from splitmoe.server.metrics import ServerMetrics
+from splitmoe.server.protocol import MAX_N, Limits
+from splitmoe.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 from splitmoe.tokenizer import Tokenizer
 
 logger = logging.getLogger("splitmoe")
@@ -60,8 +62,58 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--api-key",
-        default=os.environ.get("SPLITMOE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $SPLITMOE_API_KEY, else none)",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1; repeat for several keys (default: "
+        "$SPLITMOE_API_KEY, else none)",
+    )
+    ap.add_argument(
+        "--api-key-file",
+        default=None,
+        help="a file of API keys, one per line (blank lines and '#' comments skipped); adds to "
+        "--api-key",
+    )
+    limits = Limits()
+    ap.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=limits.max_request_bytes,
+        help="largest request body; a larger one is a 413",
+    )
+    ap.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=limits.max_prompts_per_request,
+        help="prompts one /v1/completions request may batch",
+    )
+    ap.add_argument(
+        "--max-n",
+        type=int,
+        default=limits.max_n,
+        help=f"completions per prompt ('n', 'best_of'; at most {MAX_N})",
+    )
+    ap.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=limits.max_stop_strings,
+        help="stop strings per request",
+    )
+    ap.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=limits.max_stop_string_chars,
+        help="characters per stop string",
+    )
+    ap.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file (or the template itself) used instead of the checkpoint's",
+    )
+    ap.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="parse tool calls out of chat outputs into 'tool_calls': one of "
+        + ", ".join(sorted(TOOL_PARSERS)),
     )
     ap.add_argument(
         "--max-queued-requests",
@@ -114,7 +166,21 @@ def main(argv: list[str] | None = None) -> int:
             config = engine_config(args.model, **options)
         CheckpointReader(args.model)
         tokenizer = Tokenizer.from_checkpoint(args.model)
-        chat_template = ChatTemplate.from_checkpoint(args.model)
+        if args.chat_template is not None:
+            chat_template = ChatTemplate.from_file(args.chat_template, args.model)
+        else:
+            chat_template = ChatTemplate.from_checkpoint(args.model)
+        tool_parser = (
+            None if args.tool_call_parser is None else get_tool_parser(args.tool_call_parser)
+        )
+        limits = Limits(
+            args.max_request_bytes,
+            args.max_prompts_per_request,
+            args.max_n,
+            args.max_stop_strings,
+            args.max_stop_string_chars,
+        )
+        api_keys = _api_keys(args)
         if launched and env.world_size < 2:
             raise ValueError("started by a launcher with one process: run it directly instead")
     except (ValueError, TypeError, OSError) as e:
@@ -134,9 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=tokenizer,
         chat_template=chat_template,
         served_model_name=name,
-        api_key=args.api_key or None,
+        api_keys=api_keys,
         max_queued_requests=args.max_queued_requests,
         metrics=metrics,
+        limits=limits,
+        tool_parser=tool_parser,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -162,6 +230,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"splitmoe.serve: error: {state.engine.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _api_keys(args) -> tuple[str, ...]:
+    """The keys of --api-key, --api-key-file and $SPLITMOE_API_KEY (none: no key needed)."""
+    keys = list(args.api_key or ())
+    if not keys and os.environ.get("SPLITMOE_API_KEY"):
+        keys.append(os.environ["SPLITMOE_API_KEY"])
+    if args.api_key_file is not None:
+        with open(args.api_key_file) as f:
+            for line in f:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    keys.append(line)
+        if not keys:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
+    for key in keys:
+        if not key or any(c.isspace() for c in key):
+            raise ValueError("an API key must be non-empty, without spaces")
+    return tuple(dict.fromkeys(keys))
 
 
 def _work(config, env, init_method: str) -> int:

@@ -1,15 +1,21 @@
 """The OpenAI-compatible HTTP API on FastAPI: ``/v1/completions``, ``/v1/chat/completions``
 (both with server-sent-event streaming), ``/v1/models``, ``/health`` and ``/metrics``.
 
-Handlers check a request completely (fields, prompt length against the context, the model name,
-the queue) before the engine sees it, so a bad request is a 400/404/503 in OpenAI's error shape
-and costs the ranks nothing. A client that disconnects, streaming or not, aborts its sequences:
-their KV blocks are freed on their attention ranks at once.
+Every request is checked completely at the door (its body's size, its JSON against the pydantic
+schema of `splitmoe.server.protocol`, the limits, the prompt against the context, the model
+name, the queue) before the engine sees it, so a bad request is a 4xx in OpenAI's error shape
+that names the field, and costs the ranks nothing. Every response carries an ``X-Request-Id``;
+a 5xx says what failed in one line and gives that id, and the traceback goes to the server log
+under it: a client never sees a traceback, a path or rank internals. A fault while serving one
+request (its sampling, its stop strings, its detokenizing) fails that request alone. A client
+that disconnects, streaming or not, aborts its sequences: their KV blocks are freed on their
+attention ranks at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -17,9 +23,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from splitmoe.attention_nodes.grammar import JSON_OBJECT_SCHEMA, check_json_schema
 from splitmoe.chat import ChatTemplate, ChatTemplateError
 from splitmoe.config import EngineConfig
 from splitmoe.inputs import check_request
@@ -28,17 +37,23 @@ from splitmoe.server.engine import AsyncEngine, EngineError, Job
 from splitmoe.server.metrics import ServerMetrics
 from splitmoe.server.protocol import (
     BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Limits,
     LogprobsFormat,
     Sampling,
+    chat_messages,
     error_body,
     finish_reason,
     new_id,
     now,
-    parse_messages,
-    parse_prompts,
-    parse_sampling,
+    param_of,
+    prompts_of,
+    sampling,
     usage,
+    validation_error,
 )
+from splitmoe.server.tool_parsers import ToolCallStream, ToolParser
 from splitmoe.tokenizer import Tokenizer
 
 logger = logging.getLogger("splitmoe")
@@ -53,6 +68,11 @@ class HTTPError(Exception):
         self.status, self.kind, self.param = status, kind, param
 
 
+class RequestFailed(Exception):
+    """Generating one request failed (its own fault, e.g. in its sampling): a 500 for it
+    alone; the details were logged under its request id."""
+
+
 @dataclass
 class ServerState:
     engine: AsyncEngine
@@ -60,9 +80,11 @@ class ServerState:
     tokenizer: Tokenizer | None
     chat_template: ChatTemplate | None
     served_model_name: str
-    api_key: str | None
+    api_keys: tuple[str, ...]  # empty: no key needed
     max_queued_requests: int | None
     metrics: ServerMetrics
+    limits: Limits = Limits()
+    tool_parser: ToolParser | None = None
     inflight: int = 0  # sequences accepted and not finished (event-loop thread only)
 
     @property
@@ -80,6 +102,56 @@ class ServerState:
         return self.config.scheduler.max_num_seqs * self.config.parallel.attention_ranks
 
 
+class _BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is a 413, whether its
+    Content-Length says so or it streams in chunks: the body is read here (at most ``limit``
+    bytes are held) and handed on whole."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        too_big = length is not None and length.isdigit() and int(length) > self.limit
+        chunks, seen, more = [], 0, not too_big
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # (the client left)
+                return
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            more = message.get("more_body", False)
+            if seen > self.limit:
+                too_big = True
+                break
+        if too_big:
+            response = JSONResponse(
+                error_body(
+                    f"the request body is larger than {self.limit} bytes (--max-request-bytes)",
+                    "invalid_request_error",
+                    413,
+                ),
+                status_code=413,
+            )
+            return await response(scope, receive, send)
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # (then only a disconnect comes)
+
+        if scope["method"] == "POST":  # (every body here is JSON, whatever a client labels it:
+            # `curl -d` says form-urlencoded)
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, replay, send)
+
+
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -90,21 +162,59 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="splitmoe", lifespan=lifespan)
     app.state.server = state
 
+    @app.middleware("http")
+    async def request_id(request: Request, call_next):
+        request.state.request_id = rid = new_id("req")
+        try:
+            if request.url.path.startswith("/v1/"):  # (before the body is even parsed)
+                _authorize(request, state)
+            response = await call_next(request)
+        except HTTPError as e:  # (a wrong key)
+            response = JSONResponse(
+                error_body(str(e), e.kind, e.status, request_id=rid), status_code=e.status
+            )
+        except Exception:  # (what no handler turned into a response: never a traceback out)
+            logger.exception("request %s failed", rid)
+            response = _internal(rid)
+        response.headers["X-Request-Id"] = rid
+        return response
+
+    app.add_middleware(_BodyLimit, limit=state.limits.max_request_bytes)
+
+    def _json_error(request: Request, message, kind, status, param=None) -> JSONResponse:
+        rid = getattr(request.state, "request_id", None)
+        return JSONResponse(error_body(message, kind, status, param, rid), status_code=status)
+
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError):
-        return JSONResponse(
-            error_body(str(exc), exc.kind, exc.status, exc.param), status_code=exc.status
+        return _json_error(request, str(exc), exc.kind, exc.status, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        message = {404: "no such endpoint", 405: "method not allowed here"}.get(
+            exc.status_code, str(exc.detail)
+        )
+        return _json_error(
+            request, f"{message}: {request.method} {request.url.path}", kind, exc.status_code
         )
 
     @app.exception_handler(BadRequest)
     async def _bad_request(request: Request, exc: BadRequest):
-        return JSONResponse(
-            error_body(str(exc), "invalid_request_error", 400, exc.param), status_code=400
-        )
+        return _json_error(request, str(exc), "invalid_request_error", 400, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        err = validation_error(exc.errors())
+        return _json_error(request, str(err), "invalid_request_error", 400, err.param)
 
     @app.exception_handler(EngineError)
     async def _unavailable(request: Request, exc: EngineError):
-        return JSONResponse(error_body(str(exc), "service_unavailable", 503), status_code=503)
+        return _json_error(request, str(exc), "service_unavailable", 503)
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(request: Request, exc: RequestFailed):
+        return _json_error(request, str(exc), "internal_error", 500)
 
     @app.get("/health")
     async def health():
@@ -112,8 +222,8 @@ def build_app(state: ServerState) -> FastAPI:
         if engine.state == "ready":
             return JSONResponse({"status": "ok"})
         body = {"status": engine.state}
-        if engine.error:
-            body["error"] = engine.error
+        if engine.public_error:
+            body["error"] = engine.public_error
         return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
@@ -128,8 +238,7 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        _authorize(request, state)
+    async def models():
         return {
             "object": "list",
             "data": [
@@ -145,67 +254,72 @@ def build_app(state: ServerState) -> FastAPI:
         }
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await _read_body(request, state)
-        sampling = parse_sampling(body, chat=False, default_max_tokens=_DEFAULT_MAX_TOKENS)
-        prompts = [_tokens(p, state) for p in parse_prompts(body)]
-        return await _generate(request, state, prompts, sampling, chat=False)
+    async def completions(request: Request, body: CompletionRequest):
+        _check_model(body.model, state)
+        s = sampling(body, state.limits, _DEFAULT_MAX_TOKENS, _json_schema(body))
+        texts = prompts_of(body, state.limits)
+        prompts = [_tokens(p, state) for p in texts]
+        echo = None
+        if s.echo:
+            echo = [p if isinstance(p, str) else _decode(p, state) for p in texts]
+        return await _generate(request, state, prompts, s, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await _read_body(request, state)
-        sampling = parse_sampling(body, chat=True, default_max_tokens=_default_chat_max(state))
-        messages = parse_messages(body)
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        _check_model(body.model, state)
+        s = sampling(body, state.limits, _default_chat_max(state), _json_schema(body))
         if state.chat_template is None or state.tokenizer is None:
             raise BadRequest(
                 f"the model {state.served_model_name!r} has no chat template (no 'chat_template' "
-                "in its tokenizer_config.json, no chat_template.jinja) or no tokenizer.json; add "
-                "one or use /v1/completions",
+                "in its tokenizer_config.json, no chat_template.jinja, no --chat-template) or no "
+                "tokenizer.json; add one or use /v1/completions",
                 "messages",
             )
+        if body.add_generation_prompt and body.continue_final_message:
+            raise BadRequest(
+                "'add_generation_prompt' and 'continue_final_message' cannot both be true",
+                "continue_final_message",
+            )
+        tools = None
+        if body.tools and body.tool_choice != "none":
+            tools = [t.model_dump(exclude_none=True) for t in body.tools]
         try:
-            text = state.chat_template.render(
-                messages, add_generation_prompt=bool(body.get("add_generation_prompt", True))
+            prompt = state.chat_template.prompt_ids(
+                state.tokenizer,
+                chat_messages(body),
+                add_generation_prompt=(
+                    not body.continue_final_message
+                    if body.add_generation_prompt is None
+                    else body.add_generation_prompt
+                ),
+                continue_final_message=bool(body.continue_final_message),
+                tools=tools,
+                chat_template_kwargs=body.chat_template_kwargs,
             )
         except ChatTemplateError as e:
             raise BadRequest(str(e), "messages") from None
-        prompt = state.tokenizer.encode(text)
         if not prompt:
             raise BadRequest("the rendered chat prompt is empty", "messages")
-        return await _generate(request, state, [prompt], sampling, chat=True)
+        calls = _ToolCalls(state.tool_parser, tools) if tools and state.tool_parser else None
+        return await _generate(request, state, [prompt], s, chat=True, tools=calls)
 
     return app
 
 
-def _default_chat_max(state: ServerState) -> int:
-    # (what is left of the context: a request stops at max_model_len whatever its max_tokens)
-    return state.config.max_model_len
+def _internal(rid: str) -> JSONResponse:
+    return JSONResponse(
+        error_body(
+            f"internal error while serving this request; the server log has the details under "
+            f"request id {rid}",
+            "internal_error",
+            500,
+            request_id=rid,
+        ),
+        status_code=500,
+    )
 
 
-def _authorize(request: Request, state: ServerState) -> None:
-    if state.api_key is None:
-        return
-    header = request.headers.get("authorization", "")
-    if header != f"Bearer {state.api_key}":
-        raise HTTPError(
-            401,
-            "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
-            if header
-            else "missing API key: send the header 'Authorization: Bearer <key>'",
-            "authentication_error",
-        )
-
-
-async def _read_body(request: Request, state: ServerState) -> dict:
-    _authorize(request, state)
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    model = body.get("model")
+def _check_model(model: str | None, state: ServerState) -> None:
     if model is not None and model != state.served_model_name:
         raise HTTPError(
             404,
@@ -214,7 +328,44 @@ async def _read_body(request: Request, state: ServerState) -> dict:
             "invalid_request_error",
             "model",
         )
-    return body
+
+
+def _json_schema(body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The grammar a ``response_format`` asks for, checked (a 400 for a schema it cannot be)."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    try:
+        return check_json_schema(fmt.json_schema.schema_)
+    except ValueError as e:
+        raise BadRequest(f"'response_format.json_schema.schema': {e}", "response_format") from None
+
+
+def _default_chat_max(state: ServerState) -> int:
+    # (what is left of the context: a request stops at max_model_len whatever its max_tokens)
+    return state.config.max_model_len
+
+
+def _authorize(request: Request, state: ServerState) -> None:
+    if not state.api_keys:
+        return
+    header = request.headers.get("authorization", "")
+    given = header.removeprefix("Bearer ").encode()
+    # every key compared in constant time, all of them whatever matched: no timing tells how
+    # much of a key was right, or which key
+    ok = False
+    for key in state.api_keys:
+        ok |= hmac.compare_digest(given, key.encode())
+    if not (ok and header.startswith("Bearer ")):
+        raise HTTPError(
+            401,
+            "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
+            if header
+            else "missing API key: send the header 'Authorization: Bearer <key>'",
+            "authentication_error",
+        )
 
 
 def _tokens(prompt, state: ServerState) -> list[int]:
@@ -230,8 +381,18 @@ def _tokens(prompt, state: ServerState) -> list[int]:
     return ids
 
 
+def _decode(ids: list[int], state: ServerState) -> str:
+    return state.tokenizer.decode(ids) if state.tokenizer is not None else ""
+
+
 async def _generate(
-    request: Request, state: ServerState, prompts: list[list[int]], s: Sampling, chat: bool
+    request: Request,
+    state: ServerState,
+    prompts: list[list[int]],
+    s: Sampling,
+    chat: bool,
+    echo: list[str] | None = None,
+    tools: _ToolCalls | None = None,
 ):
     seqs, params = [], []
     for i, p in enumerate(prompts):
@@ -241,7 +402,7 @@ async def _generate(
             try:
                 check_request(i, p, sp, state.config)
             except ValueError as e:
-                raise BadRequest(str(e), "prompt" if "prompt" in str(e) else None) from None
+                raise BadRequest(str(e), param_of(str(e))) from None
             seqs.append(p)
             params.append(sp)
     if state.max_queued_requests is not None:
@@ -256,17 +417,17 @@ async def _generate(
     job = Job(seqs, params, s.stream, asyncio.get_running_loop())
     state.engine.submit(job)
     state.inflight += len(seqs)
+    rid = request.state.request_id
+    reply = _Reply(state, prompts, s, chat, rid, echo, tools)
     if s.stream:
-        return StreamingResponse(
-            _stream(request, state, job, prompts, s, chat), media_type="text/event-stream"
-        )
+        return StreamingResponse(reply.stream(request, job), media_type="text/event-stream")
     try:
         outputs = await _collect(request, state, job)
     finally:
         state.inflight -= len(seqs)
     if outputs is None:  # (the client left)
         return Response(status_code=499)
-    return _response(state, job, prompts, s, chat, outputs)
+    return reply.whole(outputs)
 
 
 async def _collect(request: Request, state: ServerState, job: Job) -> list[RequestOutput] | None:
@@ -281,7 +442,7 @@ async def _collect(request: Request, state: ServerState, job: Job) -> list[Reque
                     return None
                 continue
             if isinstance(items, Exception):
-                raise _as_http(items)
+                raise _as_http(items, request.state.request_id)
             for d in items:
                 if d.output is not None:
                     outputs[d.index] = d.output
@@ -292,12 +453,24 @@ async def _collect(request: Request, state: ServerState, job: Job) -> list[Reque
         state.engine.abort(job)  # (nothing when it finished)
 
 
-def _as_http(exc: Exception) -> Exception:
-    if isinstance(exc, EngineError):
+def _as_http(exc: Exception, rid: str) -> Exception:
+    if isinstance(exc, (EngineError, BadRequest, HTTPError)):
         return exc
-    if isinstance(exc, (ValueError, TypeError)):
+    if isinstance(exc, (ValueError, TypeError)):  # (the engine's own check of a request)
         return BadRequest(str(exc))
-    return HTTPError(500, f"{type(exc).__name__}: {exc}", "internal_error")
+    logger.error("request %s failed: %s: %s", rid, type(exc).__name__, exc)
+    return RequestFailed(
+        f"internal error while serving this request; the server log has the details under "
+        f"request id {rid}"
+    )
+
+
+def _failed_output(out: RequestOutput, rid: str, k: int) -> RequestFailed:
+    logger.error("request %s, choice %d failed: %s", rid, k, out.error)
+    return RequestFailed(
+        f"generating choice {k} of this request failed; the server log has the details under "
+        f"request id {rid}"
+    )
 
 
 def _prompt_usage(outputs: list[RequestOutput], n: int, prompts: list[list[int]]) -> dict:
@@ -308,125 +481,192 @@ def _prompt_usage(outputs: list[RequestOutput], n: int, prompts: list[list[int]]
     return usage([len(p) for p in prompts], cached, outputs)
 
 
-def _response(state, job: Job, prompts, s: Sampling, chat: bool, outputs) -> dict:
-    lp = LogprobsFormat(state.tokenizer, chat) if s.logprobs is not None else None
-    choices = []
-    for k, out in enumerate(outputs):
-        logprobs = lp.format(out.token_ids, out.logprobs) if lp else None
-        reason = finish_reason(out.finish_reason)
-        if chat:
-            choices.append(
-                {
-                    "index": k,
-                    "message": {"role": "assistant", "content": out.text or ""},
-                    "logprobs": logprobs,
-                    "finish_reason": reason,
-                }
-            )
-        else:
-            choices.append(
-                {"index": k, "text": out.text or "", "logprobs": logprobs, "finish_reason": reason}
-            )
-        if s.return_token_ids:
-            choices[-1]["token_ids"] = list(out.token_ids)
-    return {
-        "id": new_id("chatcmpl" if chat else "cmpl"),
-        "object": "chat.completion" if chat else "text_completion",
-        "created": now(),
-        "model": state.served_model_name,
-        "choices": choices,
-        "usage": _prompt_usage(outputs, s.n, prompts),
-    }
-
-
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _stream(
-    request: Request, state: ServerState, job: Job, prompts, s: Sampling, chat: bool
-) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per sequence and step, a usage chunk at the end when asked,
-    then ``data: [DONE]``. A failure mid-stream is an error event (OpenAI's error shape)."""
-    rid, created, name = new_id("chatcmpl" if chat else "cmpl"), now(), state.served_model_name
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    lp = LogprobsFormat(state.tokenizer, chat) if s.logprobs is not None else None
-    n = len(job.prompts)
-    outputs: list[RequestOutput | None] = [None] * n
-    offsets = [0] * n  # text sent per sequence (completions' logprobs text_offset)
-    left = n
+class _Reply:
+    """A request's response: one JSON body, or a stream of server-sent events."""
 
-    def chunk(choices: list[dict]) -> str:
+    def __init__(self, state, prompts, s: Sampling, chat: bool, rid: str, echo, tools):
+        self.state, self.prompts, self.s, self.chat = state, prompts, s, chat
+        self.rid, self.echo, self.tools = rid, echo, tools
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = now()
+        self.lp = LogprobsFormat(state.tokenizer, chat) if s.logprobs is not None else None
+
+    def _echo(self, k: int) -> str:
+        return self.echo[k // self.s.n] if self.echo else ""
+
+    def whole(self, outputs: list[RequestOutput]) -> dict:
+        choices = []
+        for k, out in enumerate(outputs):
+            if out.finish_reason == "error":
+                raise _failed_output(out, self.rid, k)
+            logprobs = self.lp.format(out.token_ids, out.logprobs) if self.lp else None
+            reason = finish_reason(out.finish_reason)
+            text = out.text or ""
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                if self.tools is not None:
+                    parsed = self.tools.parser.parse(text, self.tools.tools)
+                    if parsed.tool_calls:
+                        message["content"] = parsed.content
+                        message["tool_calls"] = parsed.tool_calls
+                        reason = "tool_calls" if reason == "stop" else reason
+                choice = {
+                    "index": k,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                }
+            else:
+                choice = {
+                    "index": k,
+                    "text": self._echo(k) + text,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                }
+            if self.s.return_token_ids:
+                choice["token_ids"] = list(out.token_ids)
+            choices.append(choice)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.state.served_model_name,
+            "choices": choices,
+            "usage": _prompt_usage(outputs, self.s.n, self.prompts),
+        }
+
+    def _chunk(self, choices: list[dict], **extra) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
         return _sse(
-            {"id": rid, "object": kind, "created": created, "model": name, "choices": choices}
+            {
+                "id": self.id,
+                "object": kind,
+                "created": self.created,
+                "model": self.state.served_model_name,
+                "choices": choices,
+                **extra,
+            }
         )
 
-    try:
-        if chat:  # the role first, as OpenAI sends it
-            yield "".join(
-                chunk(
-                    [
-                        {
-                            "index": k,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
+    def _choice(self, k: int, text: str, reason, logprobs=None, token_ids=None, **delta) -> dict:
+        if self.chat:
+            d = {"content": text} if text or not reason else {}
+            choice = {"index": k, "delta": {**d, **delta}}
+        else:
+            choice = {"index": k, "text": text}
+        choice.update(logprobs=logprobs, finish_reason=reason)
+        if self.s.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        return choice
+
+    async def stream(self, request: Request, job: Job) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per sequence and step, a usage chunk at the end when
+        asked, then ``data: [DONE]``. A failure mid-stream is an error event (OpenAI's error
+        shape, with the request id), and the stream ends."""
+        state, s = self.state, self.s
+        n = len(job.prompts)
+        outputs: list[RequestOutput | None] = [None] * n
+        offsets = [0] * n  # text sent per sequence (completions' logprobs text_offset)
+        calls = [self.tools.stream() for _ in range(n)] if self.tools else None
+        left = n
+        try:
+            if self.chat:  # the role first, as OpenAI sends it
+                yield "".join(
+                    self._chunk([self._choice(k, "", None, role="assistant")]) for k in range(n)
                 )
-                for k in range(n)
-            )
-        while left:
-            items = await job.queue.get()
-            if isinstance(items, Exception):
-                err = _as_http(items)
-                if isinstance(err, EngineError):
-                    body = error_body(str(err), "service_unavailable", 503)
-                else:
-                    body = error_body(
-                        str(err),
-                        getattr(err, "kind", "invalid_request_error"),
-                        getattr(err, "status", 400),
+            elif self.echo:
+                yield "".join(self._chunk([self._choice(k, self._echo(k), None)]) for k in range(n))
+            while left:
+                items = await job.queue.get()
+                if isinstance(items, Exception):
+                    raise _as_http(items, self.rid)
+                parts = []
+                for d in items:
+                    if d.output is not None:
+                        outputs[d.index] = d.output
+                        left -= 1
+                        if d.finish_reason == "error":
+                            raise _failed_output(d.output, self.rid, d.index)
+                    if not (d.text or d.finish_reason or d.token_ids):
+                        continue
+                    logprobs = None
+                    if self.lp and d.token_ids and d.logprobs:
+                        logprobs = self.lp.format(d.token_ids, d.logprobs, offsets[d.index])
+                    offsets[d.index] += len(d.text)
+                    reason = finish_reason(d.finish_reason)
+                    text, extra = d.text, {}
+                    if calls is not None:
+                        text, extra, reason = _tool_delta(calls[d.index], text, reason)
+                    parts.append(
+                        self._chunk(
+                            [self._choice(d.index, text, reason, logprobs, d.token_ids, **extra)]
+                        )
                     )
-                yield _sse(body)
-                job.done = True
-                return
-            parts = []
-            for d in items:
-                if d.output is not None:
-                    outputs[d.index] = d.output
-                    left -= 1
-                if not (d.text or d.finish_reason or d.token_ids):
-                    continue
-                logprobs = None
-                if lp and d.token_ids and d.logprobs:
-                    logprobs = lp.format(d.token_ids, d.logprobs, offsets[d.index])
-                offsets[d.index] += len(d.text)
-                reason = finish_reason(d.finish_reason)
-                if chat:
-                    delta = {"content": d.text} if d.text or not reason else {}
-                    choice = {"index": d.index, "delta": delta}
-                else:
-                    choice = {"index": d.index, "text": d.text}
-                choice.update(logprobs=logprobs, finish_reason=reason)
-                if s.return_token_ids:
-                    choice["token_ids"] = d.token_ids
-                parts.append(chunk([choice]))
-            if parts:
-                yield "".join(parts)
-        job.done = True
-        if s.include_usage:
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": kind,
-                    "created": created,
-                    "model": name,
-                    "choices": [],
-                    "usage": _prompt_usage(outputs, s.n, prompts),
-                }
+                if parts:
+                    yield "".join(parts)
+            job.done = True
+            if s.include_usage:
+                yield self._chunk([], usage=_prompt_usage(outputs, s.n, self.prompts))
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # (never a traceback: an error event, details in the log)
+            err = (
+                exc
+                if isinstance(exc, (HTTPError, BadRequest, EngineError, RequestFailed))
+                else None
             )
-        yield "data: [DONE]\n\n"
-    finally:
-        state.engine.abort(job)  # (nothing when it finished)
-        state.inflight -= n
+            if err is None:
+                logger.exception("request %s failed while streaming", self.rid)
+                err = RequestFailed(str(_internal_message(self.rid)))
+            status, kind = _status_of(err)
+            yield _sse(error_body(str(err), kind, status, getattr(err, "param", None), self.rid))
+            job.done = True
+        finally:
+            state.engine.abort(job)  # (nothing when it finished)
+            state.inflight -= n
+
+
+@dataclass(frozen=True)
+class _ToolCalls:
+    """A chat request's tools and the server's parser for the calls in its output."""
+
+    parser: ToolParser
+    tools: list[dict]
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self.parser, self.tools)
+
+
+def _tool_delta(calls: ToolCallStream, text: str, reason):
+    """A streamed choice's text with a tool-call parser: content passes as it comes, text from
+    where a call may begin is held back; at the end what was held is content and
+    ``tool_calls``."""
+    out = calls.feed(text)
+    if reason is None:
+        return out, {}, reason
+    parsed = calls.finish()
+    out += parsed.content or ""
+    if not parsed.tool_calls:
+        return out, {}, reason
+    extra = {"tool_calls": [{"index": i, **c} for i, c in enumerate(parsed.tool_calls)]}
+    return out, extra, "tool_calls" if reason == "stop" else reason
+
+
+def _internal_message(rid: str) -> str:
+    return (
+        f"internal error while serving this request; the server log has the details under "
+        f"request id {rid}"
+    )
+
+
+def _status_of(err: Exception) -> tuple[int, str]:
+    if isinstance(err, EngineError):
+        return 503, "service_unavailable"
+    if isinstance(err, HTTPError):
+        return err.status, err.kind
+    if isinstance(err, BadRequest):
+        return 400, "invalid_request_error"
+    return 500, "internal_error"

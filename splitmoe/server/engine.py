@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -111,7 +112,8 @@ class AsyncEngine:
         self.launched = launched
         self.metrics = metrics
         self.state = "starting"
-        self.error: str | None = None
+        self.error: str | None = None  # how it failed, whole (for the log)
+        self.public_error: str | None = None  # the same in one line, for clients
         self.llm: LLM | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[int, tuple[Job, int, _TextStream | None]] = {}
@@ -171,7 +173,7 @@ class AsyncEngine:
         if self.state == "starting":
             return "the model is still loading; retry when GET /health answers 200"
         if self.state == "failed":
-            return f"the engine failed and serves no more requests: {self.error}"
+            return f"the engine failed and serves no more requests: {self.public_error}"
         return "the server is shutting down"
 
     # ---- the engine thread --------------------------------------------------------------------
@@ -302,8 +304,9 @@ class AsyncEngine:
 
     def _fail(self, message: str) -> None:
         self.state, self.error = "failed", message
+        self.public_error = public_failure(message)
         logger.error("engine failed: %s", message)
-        self._fail_all(f"the engine failed: {message}")
+        self._fail_all(f"the engine failed: {self.public_error}; the server log has the details")
 
     def _fail_all(self, message: str) -> None:
         jobs = {job for job, _, _ in self._seqs.values()}
@@ -321,6 +324,20 @@ class AsyncEngine:
         for job in jobs:
             job.done = True
             job.send(EngineError(message))
+
+
+_RANK_FATE = re.compile(r"rank \d+ \((?:attention|expert)\) (?:failed|died(?: \([^)]*\))?)")
+
+
+def public_failure(message: str) -> str:
+    """What a client may read of a job's failure: which ranks failed or died, never a
+    traceback, a path or an exception's text (the log has those)."""
+    fates = list(dict.fromkeys(_RANK_FATE.findall(message)))
+    if fates:
+        return "; ".join(fates)
+    if message.startswith("start-up failed"):
+        return "start-up failed"
+    return "internal error"
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

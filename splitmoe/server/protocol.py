@@ -1,18 +1,36 @@
-"""OpenAI's request and response shapes for ``/v1/completions`` and ``/v1/chat/completions``:
-request bodies checked field by field into `SamplingParams` (every problem a `BadRequest` that
-names the field), and the JSON of responses and stream chunks."""
+"""OpenAI's request and response shapes for ``/v1/completions`` and ``/v1/chat/completions``.
+
+Request bodies are pydantic models (strict: a string is not a number, a bool not an integer;
+an unknown field is an error), so FastAPI publishes them in ``/openapi.json`` with every range
+a client can rely on, and property-based fuzzers (schemathesis) build requests from them.
+`sampling` turns a checked body into `SamplingParams`, which check the same ranges again for
+the Python API. Every problem is a `BadRequest` that names the field; `validation_error`
+words pydantic's errors the same way.
+"""
 
 from __future__ import annotations
 
-import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from splitmoe.outputs import RequestOutput
 from splitmoe.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # (OpenAI's limit for chat; 5 for completions, allowed up to this here)
+MAX_N = 128  # completions per prompt
+MAX_SEED = 2**64 - 1
 
 
 class BadRequest(ValueError):
@@ -23,49 +41,248 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def error_body(
+    message: str, kind: str, code: int, param: str | None = None, request_id: str | None = None
+) -> dict:
+    """OpenAI's error shape (plus the request id that the server log files details under)."""
+    err = {"message": message, "type": kind, "param": param, "code": code}
+    if request_id is not None:
+        err["request_id"] = request_id
+    return {"error": err}
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (server flags): over a limit is a 400 (413 for the body)
+    that names the limit, before any rank sees the request."""
+
+    max_request_bytes: int = 16 << 20
+    max_prompts_per_request: int = 256
+    max_n: int = MAX_N
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_n > MAX_N:
+            raise ValueError(f"--max-n must be <= {MAX_N}")
 
 
-def _is_number(x) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+# ---- request bodies ------------------------------------------------------------------------------
+_Strict = ConfigDict(strict=True, extra="forbid")
 
 
-class _Fields:
-    """Typed reads of a request body's fields."""
-
-    def __init__(self, body: dict):
-        self.body = body
-
-    def get(self, name: str, check, what: str, default=None):
-        value = self.body.get(name)
-        if value is None:
-            return default
-        if not check(value):
-            raise BadRequest(f"'{name}' must be {what}; got {value!r}", name)
-        return value
-
-    def int(self, name, default=None, lo=None, hi=None):
-        value = self.get(name, _is_int, "an integer", default)
-        if value is not None:
-            if lo is not None and value < lo:
-                raise BadRequest(f"'{name}' must be >= {lo}; got {value}", name)
-            if hi is not None and value > hi:
-                raise BadRequest(f"'{name}' must be <= {hi}; got {value}", name)
-        return value
-
-    def number(self, name, default=None):
-        return self.get(name, _is_number, "a number", default)
-
-    def bool(self, name, default=False):
-        return self.get(name, lambda v: isinstance(v, bool), "true or false", default)
+def _integral(v):
+    """JSON Schema's integers include 2.0: taken as 2 (strict mode refuses other floats)."""
+    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**63 else v
 
 
+Int = Annotated[int, BeforeValidator(_integral)]
+Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+TokenId = Annotated[Int, Field(ge=0)]
+Text = Annotated[str, Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = _Strict
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _Strict
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self) -> ResponseFormat:
+        schema = self.json_schema.schema_ if self.json_schema else None
+        if self.type == "json_schema" and not schema:
+            raise ValueError("type 'json_schema' needs json_schema.schema")
+        return self
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints share (OpenAI's, then vLLM's extensions)."""
+
+    model_config = _Strict
+    model: str | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None
+    seed: Annotated[Int, Field(ge=0, le=MAX_SEED)] | None = None
+    stop: Text | list[Text] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
+    user: str | None = None  # (OpenAI's end-user id: accepted, not used)
+    response_format: ResponseFormat | None = None
+    # vLLM's extensions
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
+    min_p: Probability | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    min_tokens: Annotated[Int, Field(ge=0)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    return_token_ids: bool | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool | None = None
+    best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None
+
+
+class TextPart(BaseModel):
+    model_config = _Strict
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
+    model_config = _Strict
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = _Strict
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = _Strict
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = _Strict
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _Strict
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat extensions
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+_WHAT = {  # fields whose type is a union: one message for all of pydantic's per-branch errors
+    "prompt": "a non-empty string, a list of strings, a list of token ids (integers >= 0) or a "
+    "list of lists of token ids",
+    "stop": "a non-empty string or a list of them",
+    "content": "a string, a list of text parts or null",
+}
+_NUMBER = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def validation_error(exc: ValidationError | list[dict]) -> BadRequest:
+    """pydantic's (or FastAPI's) errors as one 400 that names the first field at fault."""
+    errors = exc.errors() if isinstance(exc, ValidationError) else list(exc)
+    first = errors[0]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return BadRequest(f"the request body is not valid JSON: {first.get('msg')}")
+    loc = _path(first)
+    if not loc:
+        return BadRequest("the request body must be a JSON object")
+    field, where = loc[0], ".".join(loc)
+    if kind == "extra_forbidden":
+        return BadRequest(f"unknown field '{where}'; docs/serving.md lists the fields", field)
+    if kind == "missing":
+        return BadRequest(f"'{where}' is required", field)
+    union = [e for e in errors if _path(e)[:1] == [field]]
+    what = _WHAT.get(field) or _WHAT.get(loc[-1])
+    if len(union) > 1 and what:
+        return BadRequest(f"'{where}' must be {what}", field)
+    return BadRequest(f"'{where}' {_wording(first)}", field)
+
+
+def _path(e: dict) -> list[str]:
+    """An error's location without FastAPI's "body" and pydantic's union branch names
+    (``list[int]``, ``str``)."""
+    return [
+        str(x)
+        for x in e.get("loc", ())
+        if x != "body" and (isinstance(x, int) or (x.isidentifier() and x not in _BRANCHES))
+    ]
+
+
+_BRANCHES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _wording(e: dict) -> str:
+    kind, ctx, got = e.get("type", ""), e.get("ctx") or {}, e.get("input")
+    shown = repr(got)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    for key, op in _NUMBER.items():
+        if key in ctx and kind.startswith(("greater", "less")):
+            return f"must be {op} {ctx[key]}; got {shown}"
+    words = {
+        "int_type": "must be an integer",
+        "float_type": "must be a number",
+        "finite_number": "must be a finite number",
+        "bool_type": "must be true or false",
+        "string_type": "must be a string",
+        "list_type": "must be a list",
+        "dict_type": "must be an object",
+        "model_type": "must be an object",
+        "model_attributes_type": "must be an object",
+        "literal_error": f"must be one of {ctx.get('expected')}",
+        "too_short": f"must have at least {ctx.get('min_length')} item(s) or character(s)",
+        "too_long": f"must have at most {ctx.get('max_length')} item(s) or character(s)",
+        "string_too_short": f"must have at least {ctx.get('min_length')} character(s)",
+        "string_too_long": f"must have at most {ctx.get('max_length')} character(s)",
+        "value_error": str(e.get("msg", "")).removeprefix("Value error, "),
+    }
+    return f"{words.get(kind, e.get('msg', 'is invalid'))}; got {shown}"
+
+
+# ---- checked body -> SamplingParams --------------------------------------------------------------
 @dataclass(frozen=True)
 class Sampling:
     """What both endpoints share: the sequences' params, ``n`` copies of each prompt, streaming."""
@@ -77,134 +294,148 @@ class Sampling:
     logprobs: int | None
     max_tokens_given: bool
     return_token_ids: bool  # (vLLM's extension: each choice's token ids)
+    echo: bool = False
 
 
-def parse_sampling(body: dict, chat: bool, default_max_tokens: int) -> Sampling:
-    f = _Fields(body)
-    max_tokens = f.int("max_tokens", lo=1)
-    if chat:
-        max_tokens = f.int("max_completion_tokens", max_tokens, lo=1)
+_PARAM = re.compile(r"^(\w+)")
+
+
+def param_of(message: str) -> str | None:
+    """The request field a check's message is about: its first word where that is a sampling
+    field (`SamplingParams` messages begin so), else ``prompt`` for the prompt checks."""
+    m = _PARAM.match(message)
+    if m and m.group(1) in SamplingParams.__dataclass_fields__:
+        return m.group(1)
+    return "prompt" if "prompt" in message else None
+
+
+def sampling(
+    req: CompletionRequest | ChatCompletionRequest,
+    limits: Limits,
+    default_max_tokens: int,
+    json_schema: str | None = None,
+) -> Sampling:
+    """The request's `SamplingParams` (``json_schema``: the checked schema of its
+    ``response_format``, if any), after the limits that are server flags."""
+    chat = isinstance(req, ChatCompletionRequest)
+    max_tokens = req.max_completion_tokens if chat else None
+    max_tokens = max_tokens if max_tokens is not None else req.max_tokens
     given = max_tokens is not None
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    temperature = f.number("temperature", 1.0)
-    if temperature < 0:
-        raise BadRequest(f"'temperature' must be >= 0; got {temperature}", "temperature")
-    top_p = f.number("top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"'top_p' must be in (0, 1]; got {top_p}", "top_p")
-    top_k = f.int("top_k", -1)
-    if top_k == 0 or top_k < -1:
-        raise BadRequest(f"'top_k' must be -1 (off) or >= 1; got {top_k}", "top_k")
-    seed = f.int("seed", lo=0)
-    n = f.int("n", 1, lo=1, hi=128)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (
-        not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
-    ):
-        raise BadRequest("'stop' must be a non-empty string or a list of them", "stop")
-    stop_ids = f.get(
-        "stop_token_ids",
-        lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
-        "a list of non-negative integers",
-        [],
-    )
-    ignore_eos = f.bool("ignore_eos")
-    stream = f.bool("stream")
-    opts = f.get("stream_options", lambda v: isinstance(v, dict), "an object", {})
-    include_usage = opts.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise BadRequest("'stream_options.include_usage' must be true or false", "stream_options")
-    if chat:
-        want = f.bool("logprobs")
-        top = f.int("top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-        if top is not None and not want:
-            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        logprobs = (top or 0) if want else None
-    else:
-        logprobs = f.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if f.number(name, 0.0) != 0:
-            raise BadRequest(f"'{name}' is not supported; leave it 0", name)
-    if f.bool("echo"):
-        raise BadRequest("'echo' is not supported", "echo")
-    if body.get("best_of") not in (None, 1, n):
-        raise BadRequest("'best_of' is not supported", "best_of")
-    params = [
-        SamplingParams(
-            max_tokens=max_tokens,
-            temperature=float(temperature),
-            top_k=top_k,
-            top_p=float(top_p),
-            seed=None if seed is None else seed + i,
-            stop_token_ids=tuple(stop_ids),
-            ignore_eos=ignore_eos,
-            stop=tuple(stop or ()),
-            logprobs=logprobs,
-        )
-        for i in range(n)
-    ]
-    return Sampling(params, n, stream, include_usage, logprobs, given, f.bool("return_token_ids"))
-
-
-def parse_prompts(body: dict) -> list[str | list[int]]:
-    """A completion's ``prompt``: a string, a list of strings, token ids, or lists of them."""
-    p = body.get("prompt")
-    if p is None:
-        raise BadRequest("'prompt' is required", "prompt")
-    if isinstance(p, str):
-        p = [p]
-    elif isinstance(p, list) and p and all(_is_int(t) for t in p):
-        p = [p]
-    if not isinstance(p, list) or not p:
+    n = req.n or 1
+    if n > limits.max_n:
+        raise BadRequest(f"'n' is {n}; at most {limits.max_n} is allowed (--max-n)", "n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    if len(stop) > limits.max_stop_strings:
         raise BadRequest(
-            "'prompt' must be a non-empty string, a list of strings, a list of token ids or a "
-            "list of lists of token ids",
+            f"'stop' has {len(stop)} strings; at most {limits.max_stop_strings} are allowed "
+            "(--max-stop-strings)",
+            "stop",
+        )
+    for s in stop:
+        if not s:
+            raise BadRequest("'stop' strings must not be empty", "stop")
+        if len(s) > limits.max_stop_string_chars:
+            raise BadRequest(
+                f"a 'stop' string has {len(s)} characters; at most "
+                f"{limits.max_stop_string_chars} are allowed (--max-stop-string-chars)",
+                "stop",
+            )
+    if chat:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+        if req.best_of not in (None, 1, n):
+            raise BadRequest("'best_of' other than 1 or n is not supported", "best_of")
+        if req.echo and logprobs is not None:
+            raise BadRequest(
+                "'echo' with 'logprobs' would need the prompt's log-probabilities, which this "
+                "server does not compute; drop one of them",
+                "echo",
+            )
+    bias = None
+    if req.logit_bias:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            if not key.isdigit():
+                raise BadRequest(
+                    f"'logit_bias' keys must be token ids (decimal strings); got {key!r}",
+                    "logit_bias",
+                )
+            bias[int(key)] = value
+    top_k = req.top_k if req.top_k not in (None, 0) else -1  # (0, as -1: no top-k)
+    opts = dict(
+        max_tokens=max_tokens if given else default_max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=top_k,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=bool(req.ignore_eos),
+        stop=tuple(stop),
+        logprobs=logprobs,
+    )
+    optional = dict(
+        min_p=req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=bias,
+        min_tokens=req.min_tokens,
+        cache_salt=req.cache_salt,
+        json_schema=json_schema,
+    )
+    opts.update({k: v for k, v in optional.items() if v is not None})
+    try:
+        params = [
+            SamplingParams(**opts, seed=None if req.seed is None else (req.seed + i) % 2**64)
+            for i in range(n)
+        ]
+    except ValueError as e:
+        raise BadRequest(str(e), param_of(str(e))) from None
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Sampling(
+        params,
+        n,
+        bool(req.stream),
+        include_usage,
+        logprobs,
+        given,
+        bool(req.return_token_ids),
+        echo=bool(getattr(req, "echo", False)),
+    )
+
+
+def prompts_of(req: CompletionRequest, limits: Limits) -> list[str | list[int]]:
+    """A completion's ``prompt`` as a list of prompts (strings or token-id lists)."""
+    p = req.prompt
+    if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+        p = [p]
+    if not p:
+        raise BadRequest(f"'prompt' must be {_WHAT['prompt']}", "prompt")
+    if len(p) > limits.max_prompts_per_request:
+        raise BadRequest(
+            f"'prompt' has {len(p)} prompts; at most {limits.max_prompts_per_request} are "
+            "allowed per request (--max-prompts-per-request)",
             "prompt",
         )
     for i, x in enumerate(p):
-        if isinstance(x, str):
-            if not x:
-                raise BadRequest(f"prompt {i} is empty; every prompt needs text", "prompt")
-        elif isinstance(x, list):
-            if not x:
-                raise BadRequest(f"prompt {i} is empty; every prompt needs tokens", "prompt")
-            if not all(_is_int(t) for t in x):
-                raise BadRequest(f"prompt {i} has non-integer token ids", "prompt")
-        else:
-            raise BadRequest(
-                f"prompt {i} is a {type(x).__name__}; use a string or a list of token ids",
-                "prompt",
-            )
-    return p
+        if not x:
+            raise BadRequest(f"prompt {i} is empty; every prompt needs text or tokens", "prompt")
+    return list(p)
 
 
-def parse_messages(body: dict) -> list[dict]:
-    """Chat ``messages`` with their content as plain text (text parts joined)."""
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("'messages' must be a non-empty list of messages", "messages")
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The messages as the chat template sees them (text parts joined; `ChatTemplate` drops
+    what is None and reads tool calls' JSON arguments, as HF does)."""
     out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"message {i} must be an object with a string 'role'", "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"):
-                    raise BadRequest(
-                        f"message {i}: only text content parts are supported", "messages"
-                    )
-                parts.append(str(part.get("text", "")))
-            content = "".join(parts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise BadRequest(f"message {i}: 'content' must be a string or a list", "messages")
-        out.append({**m, "content": content})
+    for m in req.messages:
+        d = m.model_dump()
+        if isinstance(m.content, list):
+            d["content"] = "".join(part.text for part in m.content)
+        elif m.content is None and not m.tool_calls:  # (templates read every message's content)
+            d["content"] = ""
+        out.append(d)
     return out
 
 

@@ -37,7 +37,14 @@ def children(pid: int) -> list[int]:
 
 
 class Server:
-    def __init__(self, ckpt, *args: str, api_key: str | None = None, start_timeout: float = 120):
+    def __init__(
+        self,
+        ckpt,
+        *args: str,
+        api_key: str | None = None,
+        start_timeout: float = 120,
+        env: dict[str, str] | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -45,7 +52,9 @@ class Server:
         cmd += ["--port", str(self.port), "--device", "cpu", "--dtype", "float32", *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        paths = [*(env or {}).get("PYTHONPATH", "").split(os.pathsep), str(REPO)]
+        paths.append(os.environ.get("PYTHONPATH", ""))
+        env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         self.log = open(
             Path(os.environ.get("TMPDIR", "/tmp")) / f"splitmoe-server-{self.port}.log", "w+"
         )

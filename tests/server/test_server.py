@@ -310,7 +310,7 @@ def test_auth_models_health_chat_errors(server, client):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
-    with pytest.raises(openai.BadRequestError, match="'messages' must be"):
+    with pytest.raises(openai.BadRequestError, match="'messages' must have at least 1"):
         client.chat.completions.create(model=MODEL, messages=[])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}])
