@@ -23,10 +23,22 @@ setup(
         "prometheus_client>=0.20",
         "jinja2>=3.1.6",
         "matplotlib",
+        "pydantic>=2.7",
+        "xgrammar>=0.1.25",  # structured output (response_format, SamplingParams.json_schema)
     ],
     entry_points={"console_scripts": ["splitmoe=splitmoe.cli:main"]},
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.51", "triton>=3.0", "ruff", "openai>=1.0", "httpx"],
+        "test": [
+            "pytest>=7",
+            "transformers>=4.51",
+            "triton>=3.0",
+            "ruff",
+            "openai>=1.0",
+            "httpx",
+            "hypothesis",
+            "schemathesis>=4",
+            "jsonschema",
+        ],
         "mpi": ["mpi4py>=3.1", "openmpi"],
         "triton": ["triton>=3.0"],
     },

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from splitmoe.config import EngineConfig
 from splitmoe.sampling_params import SamplingParams
@@ -60,6 +61,17 @@ def check_request(i: int, ids: list[int], params: SamplingParams, cfg: EngineCon
             f"at most {limit - 1} tokens"
         )
     params.check_vocab(vocab)
+    if params.json_schema is not None:
+        from splitmoe.attention_nodes.grammar import check_json_schema  # (xgrammar: when used)
+
+        if not (Path(cfg.model.path) / "tokenizer.json").is_file():
+            raise ValueError(
+                "json_schema (structured output) needs the checkpoint's tokenizer.json"
+            )
+        try:
+            check_json_schema(params.json_schema)
+        except ValueError as e:
+            raise ValueError(f"json_schema: {e}") from None
     blocks = cfg.cache.resolve_num_blocks(
         cfg.model,
         cfg.torch_dtype,

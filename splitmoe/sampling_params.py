@@ -7,6 +7,7 @@ reaches a rank process: a seed beyond 64 bits or a temperature of 1e-40 used to 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -74,6 +75,10 @@ class SamplingParams:
     top-p) and those of the ``logprobs`` most likely tokens (0: only the chosen one's).
     cache_salt: requests reuse each other's cached prompt blocks only when their salts are
     equal (or both None), so a tenant that sets its own salt never shares KV with another.
+    json_schema: structured output: a JSON schema (a dict, or its JSON text; stored as canonical
+    text) that the output must be an instance of: each step only the tokens the schema's
+    grammar allows can be chosen (xgrammar, `splitmoe.attention_nodes.grammar`), and the request
+    ends with ``finish_reason="stop"`` once the JSON is complete.
     """
 
     max_tokens: int = 16
@@ -92,6 +97,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     cache_salt: str | None = None
+    json_schema: str | None = None
     # derived: whether logits processors or penalties apply before the token is chosen (they
     # change a greedy request's argmax too). Stored, not a property: the sampler reads it for
     # every row of every step (~30 ns a row against ~100 for a property).
@@ -158,8 +164,10 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs={_show(self.logprobs)} must be None or an integer in [0, 20]"
             )
+        put(self, "json_schema", _json_schema(self.json_schema))
         adjusts = bool(
-            self.min_tokens
+            self.json_schema is not None
+            or self.min_tokens
             or self.logit_bias
             or self.repetition_penalty != 1.0
             or self.presence_penalty
@@ -196,6 +204,24 @@ class SamplingParams:
                 f"{where}unknown sampling field(s) {sorted(unknown)}; known: {sorted(fields)}"
             )
         return cls(**{k: v for k, v in d.items() if k in fields})
+
+
+def _json_schema(value) -> str | None:
+    """A schema (dict or JSON text) as canonical JSON text; whether a grammar can be built from
+    it is checked where the request enters (`grammar.check_json_schema`)."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, str):
+            value = json.loads(value)
+        if not isinstance(value, Mapping):
+            raise ValueError(f"json_schema={_show(value)} must be a JSON object (a schema)")
+        # (key order kept: the grammar writes an object's properties in the schema's order)
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except RecursionError:
+        raise ValueError("json_schema is nested too deeply") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"json_schema is not a JSON object: {e}") from None
 
 
 def _logit_bias(value) -> tuple[tuple[int, float], ...]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from splitmoe.attention_nodes.grammar import GrammarBackend, GrammarState, apply_grammar_masks
 from splitmoe.attention_nodes.kv_cache import GroupedKVCache, PagedKVCache
 from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
 from splitmoe.attention_nodes.sampler import make_generator, sample, token_logprobs
@@ -170,6 +171,11 @@ class AttentionWorker:
         # requests that failed on arrival (their generator could not be made): they fail at
         # their first sampling, where the step reports them (request id -> error)
         self._arrival_faults: dict[int, str] = {}
+        # structured output: each such request's grammar state; the backend (the tokenizer's
+        # vocabulary for xgrammar) is built when the first such request arrives
+        self.grammars: dict[int, GrammarState] = {}
+        self._grammar_backend: GrammarBackend | None = None
+        self._model = m
         self._batch = ScheduledBatch()
         self._step_record: StepRecord | None = None
 
@@ -215,6 +221,22 @@ class AttentionWorker:
             self._arrival_faults[spec.request_id] = _fault(self.rank, spec.request_id, "seed", e)
             gen = None
         self.generators[spec.request_id] = gen
+        schema = spec.params.json_schema
+        if schema is not None and spec.request_id not in self._arrival_faults:
+            try:
+                self.grammars[spec.request_id] = self._grammars().state(schema)
+            except Exception as e:
+                self._arrival_faults[spec.request_id] = _fault(
+                    self.rank, spec.request_id, "grammar", e
+                )
+
+    def _grammars(self) -> GrammarBackend:
+        if self._grammar_backend is None:
+            m = self._model
+            self._grammar_backend = GrammarBackend.from_checkpoint(
+                m.path, m.vocab_size, tuple(m.eos_token_ids)
+            )
+        return self._grammar_backend
 
     def abort(self, request_ids: list[int]) -> list[RequestUpdate]:
         """Drops these requests at once, blocks freed; an update (``"abort"``) for each that was
@@ -225,6 +247,7 @@ class AttentionWorker:
             if req is not None:
                 self.generators.pop(rid, None)
                 self._arrival_faults.pop(rid, None)
+                self.grammars.pop(rid, None)
                 updates.append(RequestUpdate(rid, [], "abort", req.metrics()))
         return updates
 
@@ -417,19 +440,35 @@ class AttentionWorker:
                 updates.append(self._fail(req, faults[i]))
                 continue
             req.append_token(tok, now)
+            grammar = self.grammars.get(req.request_id)
+            if grammar is not None:
+                try:
+                    grammar.accept(tok)
+                except Exception as e:
+                    updates.append(self._fail(req, _fault(self.rank, req.request_id, "grammar", e)))
+                    continue
+                if grammar.terminated and req.finish_reason is None:
+                    req.finish_reason = "stop"  # (the JSON is complete)
             update = RequestUpdate(req.spec.request_id, [tok])
             if lps is not None and lps[i] is not None:
                 update.logprobs = [lps[i]]
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
                 del self.generators[req.request_id]
+                self.grammars.pop(req.request_id, None)
                 update.finish_reason = req.finish_reason
                 update.metrics = req.metrics()
             updates.append(update)
         return updates
 
     def _choose(self, logits: torch.Tensor, to_sample: list) -> list[int]:
-        """Next tokens of ``to_sample`` from their rows of ``logits [B, V]``."""
+        """Next tokens of ``to_sample`` from their rows of ``logits [B, V]`` (which stay as they
+        are: logprobs are the model's)."""
+        if self.grammars:
+            states = [self.grammars.get(r.request_id) for r in to_sample]
+            if any(st is not None for st in states):
+                logits = logits.clone()
+                apply_grammar_masks(logits, states)  # (-inf where the grammar forbids)
         return sample(
             logits,
             [r.params for r in to_sample],
@@ -443,6 +482,7 @@ class AttentionWorker:
         self.scheduler.abort(req.request_id)
         req.finish_reason = "error"
         self.generators.pop(req.request_id, None)
+        self.grammars.pop(req.request_id, None)
         return RequestUpdate(req.request_id, [], "error", req.metrics(), error=error)
 
 
