@@ -117,11 +117,19 @@ def adjust_logits(
             seen = counts > 0  # [V]
             prompt = torch.tensor(seq.prompt_token_ids, dtype=torch.int64, device=row.device)
             seen[prompt[prompt < vocab]] = True
-            row = torch.where(seen, torch.where(row > 0, row / rep, row * rep), row)
+            # (in float64, back within float32's range: a penalty such as 1e-300 is 0 in
+            # float32, and -inf * 0 is NaN; masked tokens stay masked)
+            big = torch.finfo(row.dtype).max
+            r64 = row.double()
+            scaled = torch.where(r64 > 0, r64 / rep, r64 * rep).clamp(-big, big).to(row.dtype)
+            row = torch.where(seen & torch.isfinite(row), scaled, row)
         if freq:
             row -= freq * counts
         if pres:
             row -= pres * (counts > 0).to(row.dtype)
+        # (a tiny repetition_penalty divides a positive logit past float32's range: +inf would
+        # make the row's softmax NaN; the largest finite value keeps the order)
+        row = row.clamp_(max=torch.finfo(row.dtype).max)
     return row
 
 
@@ -137,7 +145,8 @@ def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
             f"cannot sample: the row's largest logit is {float(top)} (every token masked, or "
             "the model gave inf/nan)"
         )
-    row = (row - top) / p.temperature  # [V], <= 0
+    # (a temperature past float32's range would be inf, and -inf / inf is NaN)
+    row = (row - top) / min(p.temperature, torch.finfo(row.dtype).max)  # [V], <= 0
     if p.min_p > 0.0:
         probs = row.softmax(-1)
         row = row.masked_fill(probs < p.min_p * probs.max(), _NEG_INF)
@@ -149,6 +158,7 @@ def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = sorted_logits.softmax(-1)
         # drop a token once the tokens before it already reach top_p (the first always stays)
         drop = probs.cumsum(-1) - probs >= p.top_p
+        drop[0] = False  # (a top_p below float32's smallest value compares as 0)
         row = row.scatter(0, order[drop], _NEG_INF)
     return row.softmax(-1)
 

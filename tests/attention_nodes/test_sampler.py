@@ -258,3 +258,47 @@ def test_every_seed_in_range_makes_a_generator(seed):
     p = SamplingParams(seed=seed)
     g = make_generator(p, 0, 0, CPU)
     assert sample(torch.zeros(1, 50), [p], [g])[0] in range(50)
+
+
+_finite = st.floats  # (bounds given per field)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(
+    t=st.one_of(st.just(0.0), _finite(0, 1e300)),
+    top_p=st.one_of(st.just(1.0), _finite(1e-300, 1)),
+    min_p=_finite(0, 1),
+    top_k=st.one_of(st.just(-1), st.integers(1, 40)),
+    rep=st.one_of(st.just(1.0), _finite(1e-300, 1e300)),
+    pres=_finite(-2, 2),
+    freq=_finite(-2, 2),
+    bias=st.dictionaries(st.integers(0, 31), _finite(-1e300, 1e300), max_size=4),
+    out=st.lists(st.integers(0, 31), max_size=6),
+    min_tokens=st.integers(0, 3),
+    seed=st.integers(0, 100),
+)
+def test_any_params_in_range_sample_a_token(
+    t, top_p, min_p, top_k, rep, pres, freq, bias, out, min_tokens, seed
+):
+    """Whatever the fields hold within their ranges (extremes included: a top_p or penalty
+    below float32's smallest value, a temperature past its largest), a row of ordinary logits
+    gives a token of the vocabulary, never an exception (the fuzzer of the HTTP API found
+    three such cases)."""
+    logits = torch.randn(1, 32, generator=torch.Generator().manual_seed(seed)) * 3
+    p = SamplingParams(
+        max_tokens=4,
+        temperature=t,
+        top_p=top_p,
+        min_p=min_p,
+        top_k=top_k,
+        repetition_penalty=rep,
+        presence_penalty=pres,
+        frequency_penalty=freq,
+        logit_bias=bias,
+        min_tokens=min_tokens,
+    )
+    g = torch.Generator().manual_seed(1)
+    (token,) = sample(logits, [p], [g], [History([1, 2], out)], (0,))
+    assert 0 <= token < 32
+    if min_tokens > len(out):
+        assert token != 0  # (EOS is masked until min_tokens)
