@@ -308,14 +308,15 @@ def build_app(state: ServerState) -> FastAPI:
 
 def _internal(rid: str) -> JSONResponse:
     return JSONResponse(
-        error_body(
-            f"internal error while serving this request; the server log has the details under "
-            f"request id {rid}",
-            "internal_error",
-            500,
-            request_id=rid,
-        ),
+        error_body(str(_internal_error(rid)), "internal_error", 500, request_id=rid),
         status_code=500,
+    )
+
+
+def _internal_error(rid: str) -> RequestFailed:
+    return RequestFailed(
+        "internal error while serving this request; the server log has the details under "
+        f"request id {rid}"
     )
 
 
@@ -459,10 +460,7 @@ def _as_http(exc: Exception, rid: str) -> Exception:
     if isinstance(exc, (ValueError, TypeError)):  # (the engine's own check of a request)
         return BadRequest(str(exc))
     logger.error("request %s failed: %s: %s", rid, type(exc).__name__, exc)
-    return RequestFailed(
-        f"internal error while serving this request; the server log has the details under "
-        f"request id {rid}"
-    )
+    return _internal_error(rid)
 
 
 def _failed_output(out: RequestOutput, rid: str, k: int) -> RequestFailed:
@@ -620,7 +618,7 @@ class _Reply:
             )
             if err is None:
                 logger.exception("request %s failed while streaming", self.rid)
-                err = RequestFailed(str(_internal_message(self.rid)))
+                err = _internal_error(self.rid)
             status, kind = _status_of(err)
             yield _sse(error_body(str(err), kind, status, getattr(err, "param", None), self.rid))
             job.done = True
@@ -653,13 +651,6 @@ def _tool_delta(calls: ToolCallStream, text: str, reason):
         return out, {}, reason
     extra = {"tool_calls": [{"index": i, **c} for i, c in enumerate(parsed.tool_calls)]}
     return out, extra, "tool_calls" if reason == "stop" else reason
-
-
-def _internal_message(rid: str) -> str:
-    return (
-        f"internal error while serving this request; the server log has the details under "
-        f"request id {rid}"
-    )
 
 
 def _status_of(err: Exception) -> tuple[int, str]:

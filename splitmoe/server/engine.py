@@ -147,16 +147,6 @@ class AsyncEngine:
         llm = self.llm
         return [] if llm is None else llm.latest_stats()
 
-    def stats(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
-        """Every rank's `LLM.stats` snapshot, answered by the engine thread once every rank
-        answered (it waits for their next step: `latest_stats` does not)."""
-        fut = loop.create_future()
-        if self.state != "ready":
-            fut.set_exception(EngineError(self._unavailable()))
-        else:
-            self._command(("stats", fut, loop))
-        return fut
-
     def stop(self, timeout: float = 30.0) -> None:
         """Fails what still runs, stops every rank and joins the thread."""
         self._command(("stop",))
@@ -215,16 +205,6 @@ class AsyncEngine:
                 self._submit(cmd[1])
             elif cmd[0] == "abort":  # (its sequences come back finished, "abort", unsent)
                 self.llm.abort(cmd[1].request_ids)
-            elif cmd[0] == "stats":
-                _, fut, loop = cmd
-                try:
-                    result = self.llm.stats(timeout=10.0)
-                except RankFailure:
-                    raise
-                except Exception as e:
-                    loop.call_soon_threadsafe(_set_exception, fut, e)
-                else:
-                    loop.call_soon_threadsafe(_set_result, fut, result)
             elif cmd[0] == "stop":
                 return False
 
@@ -312,15 +292,13 @@ class AsyncEngine:
         jobs = {job for job, _, _ in self._seqs.values()}
         self._seqs.clear()
         self._streaming = 0
-        while True:  # (jobs not submitted yet, and stats waiting for an answer)
+        while True:  # (jobs not submitted yet)
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 break
             if cmd[0] == "submit":
                 jobs.add(cmd[1])
-            elif cmd[0] == "stats":
-                cmd[2].call_soon_threadsafe(_set_exception, cmd[1], EngineError(message))
         for job in jobs:
             job.done = True
             job.send(EngineError(message))
@@ -338,13 +316,3 @@ def public_failure(message: str) -> str:
     if message.startswith("start-up failed"):
         return "start-up failed"
     return "internal error"
-
-
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
