@@ -3,22 +3,29 @@
     python scripts/bench_cpu_kernels.py             # default and realistic presets, 1 and 2 threads
     python scripts/bench_cpu_kernels.py --smoke     # tiny sizes, a few seconds
     python scripts/bench_cpu_kernels.py --threads 2 --only moe
+    python scripts/bench_cpu_kernels.py --fresh     # measure every kernel choice again
 
 Routed experts: `fused_moe` (``"torch"``, on CPU `fused_moe_cpu`) against `fused_moe_ref`, and
-each GEMM path `cpu_moe_path` chooses among (W-left grouped, one oneDNN GEMM per expert, x-left
-grouped) forced, for a decode or prefill step of N tokens: ms per step through all of the
-preset's layers, each layer its own weights, as in a model step (the realistic preset's 288 MB
-of experts stream from memory; the default model's stay in cache). Decode attention: the torch
-path of `paged_attention` over a paged cache with scattered blocks against dense SDPA on
-contiguous K/V (the same math without the paging gather), us per layer. Each figure is the
-median of interleaved rounds, each round warmed up by an untimed call; memory is kept for reuse
-as in a rank (`runtime.keep_freed_memory`).
+each GEMM layout `fused_moe_cpu` chooses among (one oneDNN / MKL GEMM per expert, W-left grouped,
+x-left grouped) forced, for a decode or prefill step of N tokens: ms per step through all of
+the preset's layers, each layer its own weights, as in a model step (the realistic preset's
+288 MB of experts stream from memory; the default model's stay in cache). Each row says which
+layout the shape got and why: the per-layer timings its first call measured (``timed``), or
+those stored in the cache file of kernel choices by an earlier process (``cache file``;
+`splitmoe.kernels.cpu_choice`). Dense projections: which of oneDNN / MKL `linear` chose for
+each of the preset's weights at each row count, and the timings that decided it. Decode
+attention: the torch path of `paged_attention` over a paged cache with scattered blocks against
+dense SDPA on contiguous K/V (the same math without the paging gather), us per layer. Each
+figure is the median of interleaved rounds, each round warmed up by an untimed call; memory is
+kept for reuse as in a rank (`runtime.keep_freed_memory`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -26,12 +33,14 @@ import torch.nn.functional as F
 
 import splitmoe.kernels.fused_moe as fm
 from splitmoe.kernels.attention_metadata import AttentionMetadata
+from splitmoe.kernels.cpu_choice import Decision, pow2_bucket
 from splitmoe.kernels.fused_moe import fused_moe, fused_moe_ref
+from splitmoe.kernels.linear import CPU_LINEAR, linear
 from splitmoe.kernels.paged_attention import paged_attention
 from splitmoe.models.default_model import PRESETS
 from splitmoe.runtime import keep_freed_memory
 
-PATHS = ("wleft", "per_expert", "xleft")
+PATHS = fm.CPU_MOE_PATHS
 
 
 def timed(fns: dict, rounds: int) -> dict[str, float]:
@@ -59,6 +68,14 @@ def moe_weights(cfg: dict, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tens
     ]
 
 
+def why(decision: Decision | None) -> str:
+    """``name (source: candidate ms, ...)``: a choice and the timings that decided it."""
+    if decision is None:
+        return "-"
+    ms = ", ".join(f"{n} {t:.3f}" for n, t in sorted(decision.ms.items(), key=lambda i: i[1]))
+    return f"{decision.choice} ({decision.source}: {ms} ms)"
+
+
 def moe_row(name: str, cfg: dict, layers, N: int, rounds: int) -> str:
     E, H, k = cfg["num_experts"], cfg["hidden_size"], cfg["num_experts_per_tok"]
     g = torch.Generator().manual_seed(N)
@@ -66,38 +83,28 @@ def moe_row(name: str, cfg: dict, layers, N: int, rounds: int) -> str:
     ids = torch.randn(N, E, generator=g).topk(k, dim=1).indices.to(torch.int32)
     w = torch.rand(N, k, generator=g).softmax(-1)
     w13, w2 = layers[0]
+    # the first call of the shape class measures the layouts (or reads the cache file)
     err = (fused_moe(x, w13, w2, ids, w, "torch") - fused_moe_ref(x, w13, w2, ids, w)).abs().max()
     rows = N * k / len(ids.unique())
-    chosen = fm.cpu_moe_path(rows, w13[0].numel() + w2[0].numel())
+    decision = fm.cpu_moe_decision(x, w13, ids)
 
     def step(fn):
         return lambda: [fn(x, w13, w2, ids, w) for w13, w2 in layers]
 
-    def forced(path):
-        def run():
-            fm.cpu_moe_path = lambda rows, elems: path
-            try:
-                step(fm.fused_moe_cpu)()
-            finally:
-                fm.cpu_moe_path = choose
-
-        return run
-
-    choose = fm.cpu_moe_path
     fns = {"torch": step(lambda *a: fused_moe(*a, "torch")), "ref": step(fused_moe_ref)}
-    fns.update({path: forced(path) for path in PATHS})
+    fns.update({p: step(lambda *a, p=p: fm.fused_moe_cpu(*a, path=p)) for p in PATHS})
     t = timed(fns, rounds)
     cells = "".join(f"{t[n] * 1e3:>11.2f}" for n in ("torch", "ref", *PATHS))
     speedup = t["ref"] / t["torch"]
-    return f"{name:<10}{N:>6}{rows:>7.1f}  {chosen:<11}{cells}{speedup:>8.2f}x{err:>9.1e}"
+    return f"{name:<10}{N:>6}{rows:>7.1f}{cells}{speedup:>8.2f}x{err:>9.1e}  {why(decision)}"
 
 
 def bench_moe(args) -> None:
     print("routed experts, ms per step (every layer, each its own weights)")
     print(
-        f"{'preset':<10}{'tokens':>6}{'rows':>7}  {'path':<11}{'torch':>11}{'ref':>11}"
+        f"{'preset':<10}{'tokens':>6}{'rows':>7}{'torch':>11}{'ref':>11}"
         + "".join(f"{p:>11}" for p in PATHS)
-        + f"{'speedup':>9}{'max err':>9}"
+        + f"{'speedup':>9}{'max err':>9}  chosen layout (why: ms per layer, first call)"
     )
     tokens = [1, 32] if args.smoke else [1, 8, 32, 64, 128, 512, 2048]
     for name in args.presets:
@@ -107,6 +114,32 @@ def bench_moe(args) -> None:
         layers = moe_weights(cfg)
         for N in tokens:
             print(moe_row(name, cfg, layers, N, args.rounds if N <= 512 else 3))
+
+
+def bench_linear(args) -> None:
+    print("\ndense projections (`linear`): oneDNN or MKL, as chosen, and why (ms per call)")
+    print(f"{'preset':<10}{'weight':<8}{'[N, K]':>12}{'rows':>6}  chosen (why)")
+    tokens = [1, 32] if args.smoke else [1, 8, 32, 128, 512]
+    for name in args.presets:
+        cfg = PRESETS[name]
+        H, d = cfg["hidden_size"], cfg["head_dim"]
+        nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        weights = {
+            "qkv": ((nh + 2 * nkv) * d, H),
+            "o_proj": (H, nh * d),
+            "lm_head": (cfg["vocab_size"], H),
+            "expert13": (2 * cfg["moe_intermediate_size"], H),
+            "expert2": (H, cfg["moe_intermediate_size"]),
+        }
+        g = torch.Generator().manual_seed(0)
+        for wname, shape in weights.items():
+            w = torch.randn(*shape, generator=g)
+            for T in tokens:
+                x = torch.randn(T, shape[1], generator=g)
+                linear(x, w)
+                decision = CPU_LINEAR.decision((pow2_bucket(T), *shape, False), x.dtype)
+                label = f"[{shape[0]}, {shape[1]}]"
+                print(f"{name:<10}{wname:<8}{label:>12}{T:>6}  {why(decision)}")
 
 
 def decode_case(cfg: dict, B: int, ctx: int, block_size: int = 16):
@@ -191,21 +224,30 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one layer")
     ap.add_argument("--presets", default="default,realistic", help="comma-separated presets")
     ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
-    ap.add_argument("--only", choices=("moe", "decode"), default=None)
+    ap.add_argument("--only", choices=("moe", "linear", "decode"), default=None)
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="measure every kernel choice again (a throwaway cache file, not the machine's)",
+    )
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per figure")
     args = ap.parse_args()
     args.presets = args.presets.split(",")
     unknown = sorted(set(args.presets) - set(PRESETS))
     if unknown:
         ap.error(f"unknown presets {unknown}; use some of {sorted(PRESETS)}")
+    if args.fresh:
+        os.environ["SPLITMOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="splitmoe-bench-")
     keep_freed_memory()  # as a rank does: freed temporaries are reused, not faulted in again
     with torch.inference_mode():
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
             print(f"\n=== {threads} thread{'s' if threads > 1 else ''} ===")
-            if args.only != "decode":
+            if args.only in (None, "moe"):
                 bench_moe(args)
-            if args.only != "moe":
+            if args.only in (None, "linear"):
+                bench_linear(args)
+            if args.only in (None, "decode"):
                 bench_decode(args)
 
 

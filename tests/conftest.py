@@ -66,6 +66,19 @@ CHECKPOINT_SPECS = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_choice_cache(tmp_path_factory):
+    """The CPU kernel choices tests measure (`splitmoe.kernels.cpu_choice`) go to a file of
+    this session, not the user's ``~/.cache/splitmoe``; rank processes inherit the variable."""
+    old = os.environ.get("SPLITMOE_CACHE_DIR")
+    os.environ["SPLITMOE_CACHE_DIR"] = str(tmp_path_factory.mktemp("splitmoe-cache"))
+    yield Path(os.environ["SPLITMOE_CACHE_DIR"])
+    if old is None:
+        del os.environ["SPLITMOE_CACHE_DIR"]
+    else:
+        os.environ["SPLITMOE_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """``tiny_ckpt(name, **extra)`` -> Path of a checkpoint, built once per session.

@@ -4,8 +4,9 @@ Given tokens ``x [N, H]``, the experts each token uses *here* (``expert_ids [N, 
 -1 for a slot served elsewhere) and their router weights, computes for every token
 ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over its local experts ``e = expert_ids[:, j]``.
 
-Backends: ``"torch"`` runs `fused_moe_cpu` on CPU (grouped MKL GEMMs at decode sizes, oneDNN
-GEMMs per expert above) and `fused_moe_ref` elsewhere. ``"triton"`` runs the fused Triton
+Backends: ``"torch"`` runs `fused_moe_cpu` on CPU (grouped MKL GEMMs or one oneDNN GEMM per
+expert, whichever layout measured fastest on this machine for the shape) and `fused_moe_ref`
+elsewhere. ``"triton"`` runs the fused Triton
 grouped GEMMs (`splitmoe.kernels.moe_gemm`); on CUDA it also measures ``torch._grouped_mm``
 (CUTLASS grouped GEMM, where this torch build and GPU have it) once per (device, dtype, shapes,
 batch-size bucket) and keeps whichever is faster, provided both agree with each other.
@@ -13,12 +14,15 @@ batch-size bucket) and keeps whichever is faster, provided both agree with each 
 
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from splitmoe.kernels.cpu_choice import Decision, KernelChoice, pow2_bucket
 from splitmoe.kernels.expert_sort import check_moe_inputs, check_moe_shapes, count_keys
 from splitmoe.kernels.linear import linear
 
@@ -122,34 +126,8 @@ def _grouped_ffn(
     return y if bias is None else y.add_(bias[1])
 
 
-def cpu_moe_path(rows: float, expert_elems: int) -> str:
-    """Which GEMMs `fused_moe_cpu` runs, from the mean ``rows`` (token, expert pairs) per expert
-    in use and the elements of one expert's weights (``3 H I``):
-
-    * ``"per_expert"``: one oneDNN GEMM per expert and projection, once a call has work enough
-      (rows x elements) to pay for its ~20 us of Python and dispatch, and more so when the
-      groups are wide, where MKL's grouped GEMM slows down;
-    * ``"wleft"``: one ``torch._grouped_mm`` per projection, weights on the left
-      (`_grouped_ffn_wleft`), for up to 8 rows per expert of weights that stream from memory;
-    * ``"xleft"``: one ``torch._grouped_mm`` per projection, tokens on the left (`_grouped_ffn`),
-      for experts small enough to stay in cache.
-
-    ms on 1 / 2 threads, W-left | per expert | x-left (scripts/bench_cpu_kernels.py; the last
-    two shapes timed the same way): realistic preset (32 experts top-4, H 512, I 256, 6 layers),
-    32 tokens (4 rows) 17.6 / 12.8 | 32.1 / 25.6 | 29.9 / 29.6; 64 tokens 33.0 / 20.7 | 33.6 /
-    26.9 | 36.6 / 34.8; 128 tokens 73.2 / 44.1 | 38.9 / 30.7 | 48.8 / 43.7; 2048 tokens 462 /
-    283 | 205 / 130 | 407 / 238. Default model (16 experts top-4, H 128, I 64, 4 layers): 32
-    tokens 1.04 / 1.41 | 2.56 / 3.29 | 0.71 / 1.29; 2048 tokens 25.0 / 26.4 | 11.3 / 10.9 |
-    19.6 / 13.1. 64 experts top-8 of H 1024, I 384 (4 layers): 32 tokens 75 / 43 | 84 / 53 |
-    105 / 94; 64 tokens 162 / 88 | 95 / 59 | 132 / 96. Qwen3-30B-A3B's experts (128 top-8,
-    H 2048, I 768, 2 layers): 8 tokens 101 / 62 | 88 / 65 | 113 / 116; 64 tokens 459 / 243 |
-    257 / 173 | 439 / 386."""
-    work = rows * expert_elems
-    if work >= 1 << 23 or (rows > 8 and work >= 1 << 21):
-        return "per_expert"
-    if rows <= 8 and expert_elems >= 1 << 16:
-        return "wleft"
-    return "xleft"
+# `fused_moe_cpu`'s GEMM layouts, chosen per shape class by timing them (`cpu_choice`).
+CPU_MOE_GEMMS = KernelChoice("moe_gemm")
 
 
 def fused_moe_cpu(
@@ -158,14 +136,26 @@ def fused_moe_cpu(
     w2: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
+    path: str | None = None,
     **ffn,
 ) -> torch.Tensor:
     """The torch path on CPU: pairs sorted by expert on the host (numpy's radix argsort of
     16-bit keys; slots served elsewhere are cut off), rows gathered with ``index_select``, the
-    expert FFN of each expert's rows by `cpu_moe_path`'s GEMMs, weighted, and added into their
-    tokens with ``index_add_``. GPT-OSS's expert biases and clamped SwiGLU (``ffn``: ``b13``,
-    ``b2``, ``swiglu_limit``, ``swiglu_alpha``) ride along: each row's biases are gathered by
-    its expert, the down bias added before the router weight."""
+    expert FFN of each expert's rows by one of three GEMM layouts, weighted, and added into
+    their tokens with ``index_add_``:
+
+    * ``"per_expert"``: one oneDNN (or MKL, `linear`) GEMM per expert and projection;
+    * ``"wleft"``: one ``torch._grouped_mm`` per projection, weights on the left
+      (`_grouped_ffn_wleft`: each weight row read once for a group's few columns);
+    * ``"xleft"``: one ``torch._grouped_mm`` per projection, tokens on the left (`_grouped_ffn`,
+      the GPU's form).
+
+    ``path`` None: the layout `CPU_MOE_GEMMS` measured fastest on this machine for the shape
+    class (expert shape, pairs rounded up to a power of two, GPT-OSS options, dtype, threads);
+    the grouped layouts only where ``torch._grouped_mm`` takes the sizes. A name forces one
+    (tests, benchmarks). GPT-OSS's expert biases and clamped SwiGLU (``ffn``: ``b13``, ``b2``,
+    ``swiglu_limit``, ``swiglu_alpha``) ride along: each row's biases are gathered by its
+    expert, the down bias added before the router weight."""
     b13, b2 = ffn.pop("b13", None), ffn.pop("b2", None)
     act = {k: v for k, v in ffn.items() if v is not None}
     E, k = w13.shape[0], expert_ids.shape[1]
@@ -173,18 +163,69 @@ def fused_moe_cpu(
     key = np.where(flat >= 0, flat, E).astype(np.uint16 if E < 1 << 16 else np.int64)
     counts = np.bincount(key, minlength=E + 1)[:E]  # [E] pairs per expert
     pairs = int(counts.sum())
-    out = torch.zeros_like(x)
     if pairs == 0:
-        return out
+        return torch.zeros_like(x)
     order = np.argsort(key, kind="stable")[:pairs]  # [P] pair index, grouped by expert
-    path = "per_expert"
-    if _grouped_mm_fits(x, w13, w2):
-        path = cpu_moe_path(pairs / np.count_nonzero(counts), w13[0].numel() + w2[0].numel())
-    if path == "wleft":
+    rows = _SortedPairs(k, key, order, counts)
+    paths = CPU_MOE_PATHS if _grouped_mm_fits(x, w13, w2) else ("per_expert",)
+    if path is not None:
+        if path not in CPU_MOE_PATHS:
+            raise ValueError(f"fused_moe_cpu: path {path!r} is not one of {CPU_MOE_PATHS}")
+        paths = (path,) if path in paths else paths
+    calls = {
+        name: functools.partial(_MOE_LAYOUTS[name], x, w13, w2, weights, rows, b13, b2, act)
+        for name in paths
+    }
+    return CPU_MOE_GEMMS.run(_moe_shape_class(w13, pairs, b13, act), x.dtype, calls)
+
+
+# the first is the reference the others must agree with (`KernelChoice.measure`)
+CPU_MOE_PATHS = ("per_expert", "wleft", "xleft")
+
+
+@dataclass(frozen=True)
+class _SortedPairs:
+    """The (token, expert) pairs of a call, sorted by expert: ``key [N*k]`` each pair's expert
+    (E: served elsewhere), ``order [P]`` the kept pairs' indices grouped by expert, ``counts
+    [E]`` pairs per expert; ``k`` the slots per token."""
+
+    k: int
+    key: np.ndarray
+    order: np.ndarray
+    counts: np.ndarray
+
+
+def _moe_shape_class(w13: torch.Tensor, pairs: int, b13, act: dict) -> tuple:
+    return (*w13.shape, pow2_bucket(pairs), b13 is not None, "swiglu_limit" in act)
+
+
+def cpu_moe_decision(
+    x: torch.Tensor, w13: torch.Tensor, expert_ids: torch.Tensor, **ffn
+) -> Decision | None:
+    """The layout `fused_moe_cpu` keeps for these inputs' shape class and the timings that
+    decided it, or None before its first call (`scripts/bench_cpu_kernels.py` prints it)."""
+    act = {k: v for k, v in ffn.items() if v is not None and k not in ("b13", "b2")}
+    pairs = int((expert_ids >= 0).sum())
+    return CPU_MOE_GEMMS.decision(_moe_shape_class(w13, pairs, ffn.get("b13"), act), x.dtype)
+
+
+def _moe_per_expert(x, w13, w2, weights, rows: _SortedPairs, b13, b2, act) -> torch.Tensor:
+    order = rows.order
+    tokens = torch.from_numpy(order // rows.k)  # [P]
+    ws = weights.reshape(-1).index_select(0, torch.from_numpy(order)).to(x.dtype)  # [P]
+    spare = tokens[:1].expand(ROW_ALIGN - 1)  # any real row: finite, and never kept
+    xs = x.index_select(0, torch.cat([tokens, spare]))  # [P + ROW_ALIGN - 1, H]
+    ws = torch.cat([ws, ws[:1].expand(ROW_ALIGN - 1)])
+    y = _per_expert_ffn(xs, ws, w13, w2, rows.counts, b13, b2, **act)[: len(tokens)]
+    return torch.zeros_like(x).index_add_(0, tokens, y)
+
+
+def _moe_grouped(x, w13, w2, weights, rows: _SortedPairs, b13, b2, act, wleft: bool):
+    order, counts, pairs = rows.order, rows.counts, len(rows.order)
+    if wleft:
         # An expert's single row goes twice (the copy weighted 0): MKL runs a one-column GEMM
-        # as a GEMV at ~half the speed of two columns (68 vs 32 us per 512 x 512 weight, 2
-        # threads).
-        rep = np.where(counts[key[order]] == 1, 2, 1)  # [P]
+        # as a GEMV, at about half the speed of two columns.
+        rep = np.where(counts[rows.key[order]] == 1, 2, 1)  # [P]
         order = np.repeat(order, rep)  # [P'], each single row doubled
         ws = weights.reshape(-1).index_select(0, torch.from_numpy(order))  # [P']
         if len(order) > pairs:
@@ -192,23 +233,23 @@ def fused_moe_cpu(
         counts = counts + (counts == 1)
     else:
         ws = weights.reshape(-1).index_select(0, torch.from_numpy(order))  # [P]
-    tokens = torch.from_numpy(order // k)  # [P]
-    ws = ws.to(x.dtype)
-    if path == "per_expert":
-        spare = tokens[:1].expand(ROW_ALIGN - 1)  # any real row: finite, and never kept
-        xs = x.index_select(0, torch.cat([tokens, spare]))  # [P + ROW_ALIGN - 1, H]
-        ws = torch.cat([ws, ws[:1].expand(ROW_ALIGN - 1)])
-        y = _per_expert_ffn(xs, ws, w13, w2, counts, b13, b2, **act)[: len(tokens)]
-    else:
-        xs = x.index_select(0, tokens)  # [P, H] grouped by expert
-        ends = torch.from_numpy(counts.cumsum().astype(np.int32))  # [E]
-        bias = None
-        if b13 is not None:
-            rows = torch.from_numpy(key[order].astype(np.int64))  # [P] each row's expert
-            bias = (b13.index_select(0, rows), b2.index_select(0, rows))
-        ffn = _grouped_ffn_wleft if path == "wleft" else _grouped_ffn
-        y = ffn(xs, w13, w2, ends, bias, **act).mul_(ws[:, None])  # [P, H]
-    return out.index_add_(0, tokens, y)
+    tokens = torch.from_numpy(order // rows.k)  # [P]
+    xs = x.index_select(0, tokens)  # [P, H] grouped by expert
+    ends = torch.from_numpy(counts.cumsum().astype(np.int32))  # [E]
+    bias = None
+    if b13 is not None:
+        experts = torch.from_numpy(rows.key[order].astype(np.int64))  # [P] each row's expert
+        bias = (b13.index_select(0, experts), b2.index_select(0, experts))
+    ffn = _grouped_ffn_wleft if wleft else _grouped_ffn
+    y = ffn(xs, w13, w2, ends, bias, **act).mul_(ws.to(x.dtype)[:, None])  # [P, H]
+    return torch.zeros_like(x).index_add_(0, tokens, y)
+
+
+_MOE_LAYOUTS = {
+    "per_expert": _moe_per_expert,
+    "wleft": functools.partial(_moe_grouped, wleft=True),
+    "xleft": functools.partial(_moe_grouped, wleft=False),
+}
 
 
 def _grouped_ffn_wleft(
@@ -222,8 +263,8 @@ def _grouped_ffn_wleft(
     """The expert FFN of rows ``xs [P, H]`` grouped by expert (expert ``e``'s end at ``ends[e]``)
     as two ``torch._grouped_mm`` with the weights on the left: ``h^T = W13_e x^T``. On CPU each
     group is an MKL GEMM, and weight-on-the-left reads each weight row once for the group's few
-    columns: at 4 rows per expert ~1.7x faster than ``x W^T`` (`_grouped_ffn`, the GPU's form),
-    17.6 vs 29.9 ms for the realistic preset's 6 layers at 32 tokens on one thread."""
+    columns, which can beat ``x W^T`` (`_grouped_ffn`, the GPU's form) at a few rows per
+    expert whose weights stream from memory; `CPU_MOE_GEMMS` measures which."""
     I = w2.shape[2]
     h = torch._grouped_mm(w13, xs.t(), offs=ends)  # [2I, P]
     if bias is not None:  # (`_grouped_ffn`'s arguments)
@@ -231,7 +272,7 @@ def _grouped_ffn_wleft(
         a = swiglu(h, I, **act).contiguous()  # [P, I]
     else:
         # a [P, I] row-major, passed transposed: a column-major [I, P] operand slices its
-        # groups into strided column blocks, which MKL reads ~4x slower
+        # groups into strided column blocks, which MKL reads several times slower
         a = (F.silu(h[:I]) * h[I:]).t().contiguous()  # [P, I]
     y = torch._grouped_mm(w2, a.t(), offs=ends)  # [H, P]
     y = y.t().contiguous()  # [P, H]
@@ -239,8 +280,8 @@ def _grouped_ffn_wleft(
 
 
 # `_per_expert_ffn` runs each expert's GEMMs on a multiple of this many rows: oneDNN builds a
-# kernel for each new GEMM shape (~0.3 ms; the default model's 2048-token prefill took 60 ms
-# instead of 35 with every expert's row count new), so the shapes must come from a small set.
+# kernel for each new GEMM shape (a fraction of a ms, then cached), and `linear` measures each
+# new row bucket, so the shapes must come from a small set.
 ROW_ALIGN = 16
 
 
@@ -256,11 +297,10 @@ def _per_expert_ffn(
 ) -> torch.Tensor:
     """The expert FFN of rows ``xs [P + ROW_ALIGN - 1, H]`` grouped by expert (``counts [E]``
     rows each; spare rows at the end), each row weighted by ``ws [P + ROW_ALIGN - 1]``, one GEMM
-    per expert and projection: oneDNN's, where it takes the dtype, else ``F.linear`` (MKL). On
-    the dev box's AMD EPYC (AVX-512), oneDNN runs a 256-row GEMM at ~250 GFLOP/s per core, MKL's
-    sgemm at ~110. Each expert computes its rows rounded up to `ROW_ALIGN` (the next expert's,
-    read before they are written, or the spare ones) and keeps its own: ``xs[:P]`` becomes the
-    result."""
+    per expert and projection through `linear` (oneDNN's or MKL's GEMM, whichever it measured
+    faster for the shape). Each expert computes its rows rounded up to `ROW_ALIGN` (the next
+    expert's, read before they are written, or the spare ones) and keeps its own: ``xs[:P]``
+    becomes the result."""
     I = w2.shape[2]
     start = 0
     for e in np.flatnonzero(counts).tolist():

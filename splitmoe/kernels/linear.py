@@ -1,17 +1,21 @@
-"""Dense projections: ``F.linear``, through oneDNN's inner product on CPU.
+"""Dense projections: ``F.linear``, on CPU through oneDNN's inner product or MKL's GEMM,
+whichever measured faster on this machine for the shape.
 
-On the 2-core dev host (AMD EPYC, AVX-512) MKL's sgemm, which ``F.linear`` reaches on CPU, runs
-its AVX2 path at ~110 GFLOP/s per core where oneDNN's inner product (the op Inductor's CPU
-freezing emits) reaches ~250. Realistic preset, 32 rows, 2 threads, per call: qkv 0.31 -> 0.13
-ms, o_proj 0.19 -> 0.09, lm_head 1.66 -> 0.60; a colocated decode step 19.0 -> 16.4 ms.
-oneDNN builds a kernel for each new row count (~0.3 ms, then cached), which a decode batch
-meets once.
+``F.linear`` reaches MKL's sgemm on CPU; oneDNN's inner product (the op Inductor's CPU freezing
+emits) is a second kernel for the same math. Which one is faster depends on the CPU (its
+vector width and matrix units, which code path each library takes on it), the weight's size
+(oneDNN's fixed cost per call is higher) and the rows: `CPU_LINEAR` times both at the first
+call of each (rows rounded up to a power of two, weight shape, bias, dtype, threads) and keeps
+the faster (`splitmoe.kernels.cpu_choice`). oneDNN builds a kernel for each new row count
+(then cached), which a decode batch meets once.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from splitmoe.kernels.cpu_choice import KernelChoice, pow2_bucket
 
 
 def _onednn_linear_op():
@@ -24,15 +28,19 @@ def _onednn_linear_op():
 
 
 _ONEDNN_LINEAR = _onednn_linear_op()
-# Below this many weight elements oneDNN's fixed cost (~7 us a call against ~3 for MKL, one
-# thread) outweighs its faster GEMM: a 128 x 128 weight at 16 rows took 14 us against 7.
-ONEDNN_MIN_WEIGHT = 1 << 16
 # float16 needs AVX512-FP16, which oneDNN does not find on most CPUs
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
+# oneDNN or MKL per shape class, chosen by timing both (the first is the reference)
+CPU_LINEAR = KernelChoice("linear")
+# (rows bucket, out features, in features, bias, dtype, threads) -> "onednn" | "mkl": the
+# decisions of `CPU_LINEAR` in the form the hot path looks up without building a key string
+_CHOSEN: dict[tuple, str] = {}
+
 
 def onednn_takes(x: torch.Tensor) -> bool:
-    """Whether `linear` runs ``x`` on oneDNN: a contiguous CPU matrix in float32 / bfloat16."""
+    """Whether `linear` may run ``x`` on oneDNN: a contiguous CPU matrix in float32 /
+    bfloat16."""
     return (
         _ONEDNN_LINEAR is not None
         and x.device.type == "cpu"
@@ -43,14 +51,23 @@ def onednn_takes(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x [T, K], w [N, K], b [N])`` -> ``[T, N]``: oneDNN's inner product where
-    `onednn_takes` ``x`` and the weight is large enough to pay for it (used as it is: no
-    prepacked copy), else ``F.linear``."""
-    if (
-        w.numel() >= ONEDNN_MIN_WEIGHT
-        and onednn_takes(x)
-        and w.dtype == x.dtype
-        and w.is_contiguous()
-    ):
+    """``F.linear(x [T, K], w [N, K], b [N])`` -> ``[T, N]``. Where `onednn_takes` ``x`` (and
+    the weight is contiguous, in x's dtype), oneDNN's inner product (used as it is: no
+    prepacked copy) or ``F.linear``, as `CPU_LINEAR` measured for the shape; else
+    ``F.linear``."""
+    if not (onednn_takes(x) and w.dtype == x.dtype and w.is_contiguous()):
+        return F.linear(x, w, b)
+    rows = pow2_bucket(x.shape[0])
+    fast_key = (rows, *w.shape, b is not None, x.dtype, torch.get_num_threads())
+    path = _CHOSEN.get(fast_key)
+    if path == "onednn":
         return _ONEDNN_LINEAR(x, w, b, "none", [], "")
-    return F.linear(x, w, b)
+    if path == "mkl":
+        return F.linear(x, w, b)
+    calls = {
+        "mkl": lambda: F.linear(x, w, b),
+        "onednn": lambda: _ONEDNN_LINEAR(x, w, b, "none", [], ""),
+    }
+    out = CPU_LINEAR.run((rows, *w.shape, b is not None), x.dtype, calls)
+    _CHOSEN[fast_key] = CPU_LINEAR.decision((rows, *w.shape, b is not None), x.dtype).choice
+    return out

@@ -4,6 +4,7 @@ interleaved layout converted as the loader converts it)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -50,7 +51,8 @@ if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
 def test_matches_transformers_experts(backend, monkeypatch):
     if backend.startswith("torch-"):
         backend, path = backend.split("-", 1)
-        monkeypatch.setattr(fm, "cpu_moe_path", lambda rows, elems: path)
+        forced = functools.partial(fm.fused_moe_cpu, path=path)
+        monkeypatch.setitem(fm.MOE_KERNELS, "torch", forced)
     m = _hf_experts()
     g = torch.Generator().manual_seed(1)
     x = 2.0 * torch.randn(N, H, generator=g)

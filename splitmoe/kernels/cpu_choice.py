@@ -1,0 +1,262 @@
+"""Kernel choice on CPU by measurement: the first call of a shape class times the candidates.
+
+Where the CPU path has several kernels for one op (`fused_moe_cpu`'s GEMM layouts, oneDNN or
+MKL in `linear`), which one is fastest depends on the CPU's vendor, vector width, matrix units,
+caches and thread count: a rule tuned on one machine picked the slowest of three MoE layouts on
+another. So nothing here is a constant. A `KernelChoice` is one op's decision per *shape class*
+(a tuple the caller buckets, e.g. rows rounded up to a power of two and the weight's shape, plus
+the dtype and torch's thread count): the first call of a class runs every candidate on the real
+tensors in a few interleaved rounds, keeps the fastest and returns its output, and every later
+call of the class runs the winner alone.
+
+Decisions are kept in memory and in a JSON file shared by all ops and processes,
+``$SPLITMOE_CACHE_DIR/cpu_kernels.json`` (default ``~/.cache/splitmoe/``; the variable moves the
+file and switches nothing else), keyed by the CPU model, torch version, thread count, dtype, op
+and shape class (`choice_key`): a later process on the same machine measures nothing. Each rank
+decides on its own. The file is written atomically (a temporary file renamed over it); a
+corrupt or unwritable file is ignored with one warning. Delete it to measure again.
+
+The candidates must compute the same math. In float32 they agree to rounding, not bit for bit
+(a GEMM's summation order differs between MKL's and oneDNN's kernels and between operand
+layouts: ~1e-6 relative); a candidate whose output differs from the first candidate's by more
+than a rounding tolerance (1e-4 of the output's scale in float32, 5e-2 in 16 bits) is dropped
+with a warning. Once a shape class is decided the choice is stable, so a machine's outputs do
+not change from one call (or process) to the next.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CACHE_FILE_NAME = "cpu_kernels.json"
+
+
+def cpu_model() -> str:
+    """The CPU's model name: ``/proc/cpuinfo``'s "model name", else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def cache_dir() -> Path:
+    """``$SPLITMOE_CACHE_DIR``, else ``~/.cache/splitmoe``."""
+    env = os.environ.get("SPLITMOE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "splitmoe"
+
+
+def choice_key(
+    op: str, shape: tuple, dtype: torch.dtype, threads: int, cpu: str, torch_version: str
+) -> str:
+    """The cache file's key of one decision: everything a kernel's speed depends on here."""
+    dt = str(dtype).removeprefix("torch.")
+    shape_s = ",".join(str(s) for s in shape)
+    return f"cpu={cpu}|torch={torch_version}|threads={threads}|dtype={dt}|op={op}|shape={shape_s}"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The kernel kept for one shape class, and why: ``ms`` is each candidate's best time in
+    milliseconds (a candidate dropped for disagreeing is missing); ``source`` is ``"timed"``
+    (measured by this process) or ``"cache file"``."""
+
+    choice: str
+    ms: dict[str, float]
+    source: str
+
+
+class ChoiceFile:
+    """The JSON file of decisions, ``{choice_key: {"choice": name, "ms": {name: ms}}}``.
+
+    Read once, at the first lookup; each new decision re-reads it (another rank may have
+    added some), adds its own and writes it back atomically. Any failure to read or write
+    leaves the in-memory decisions in charge and warns once."""
+
+    def __init__(self, path: Path | None = None):
+        self._path = path
+        self._entries: dict[str, Any] | None = None
+        self._warned = False
+
+    @property
+    def path(self) -> Path:
+        return self._path if self._path is not None else cache_dir() / CACHE_FILE_NAME
+
+    def _warn(self, what: str, err: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("kernel choice cache %s %s (%s); choices are kept in memory", self.path,
+                        what, err)  # fmt: skip
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            self._warn("is unreadable", e)
+            return {}
+        try:
+            entries = json.loads(text)
+            if not isinstance(entries, dict):
+                raise ValueError(f"a JSON {type(entries).__name__}, not an object")
+        except ValueError as e:
+            self._warn("is corrupt and ignored", e)
+            return {}
+        return entries
+
+    def get(self, key: str) -> Decision | None:
+        if self._entries is None:
+            self._entries = self._read()
+        entry = self._entries.get(key)
+        try:
+            ms = {str(k): float(v) for k, v in entry["ms"].items()}
+            return Decision(str(entry["choice"]), ms, "cache file")
+        except (TypeError, KeyError, AttributeError, ValueError):
+            return None  # absent, or an entry of another shape: measured again
+
+    def put(self, key: str, decision: Decision) -> None:
+        entries = self._read()
+        entries[key] = {"choice": decision.choice, "ms": decision.ms}
+        self._entries = entries
+        path = self.path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(entries, f, indent=1, sort_keys=True)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as e:
+            self._warn("is unwritable", e)
+
+
+# The file every `KernelChoice` shares unless given another.
+DEFAULT_FILE = ChoiceFile()
+
+
+def outputs_agree(a: Any, b: Any) -> bool:
+    """Whether two candidates' tensors are equal to rounding: within 1e-4 (float32) or 5e-2
+    (16-bit) of the output's scale (an element-wise rtol trips on outputs near zero)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    tol = 1e-4 if a.dtype in (torch.float32, torch.float64) else 5e-2
+    scale = a.float().abs().max().clamp(min=1.0)
+    return bool((a.float() - b.float()).abs().max() <= tol * scale)
+
+
+@dataclass
+class KernelChoice:
+    """One op's measured choice among interchangeable kernels, per shape class.
+
+    op: the op's name in the cache file's keys;
+    rounds: timed rounds per candidate after one untimed warm-up round (oneDNN builds its
+        kernel, the OpenMP threads wake up); the rounds are interleaved, so on a shared
+        machine every candidate meets the same load, and each candidate's best round counts;
+    budget_s: more rounds, up to `max_rounds`, while the timed rounds took less than this in
+        all: kernels of microseconds get enough samples to see past a scheduler hiccup, while
+        kernels of milliseconds are timed `rounds` times;
+    timer: seconds, ``time.perf_counter`` (tests pass a fake clock);
+    file: where decisions persist (`DEFAULT_FILE`).
+    """
+
+    op: str
+    rounds: int = 3
+    budget_s: float = 0.01
+    max_rounds: int = 20
+    timer: Callable[[], float] = time.perf_counter
+    file: ChoiceFile = field(default_factory=lambda: DEFAULT_FILE)
+
+    def __post_init__(self):
+        if self.rounds < 1:
+            raise ValueError(f"KernelChoice {self.op!r}: rounds must be >= 1, got {self.rounds}")
+        self._memory: dict[tuple, Decision] = {}
+        self._cpu = cpu_model()
+
+    def key(self, shape: tuple, dtype: torch.dtype, threads: int | None = None) -> str:
+        """The cache file's key of ``shape`` in ``dtype`` at ``threads`` (torch's now)."""
+        threads = torch.get_num_threads() if threads is None else threads
+        return choice_key(self.op, shape, dtype, threads, self._cpu, torch.__version__)
+
+    def decision(self, shape: tuple, dtype: torch.dtype) -> Decision | None:
+        """The kept decision of this shape class (memory, then the file), or None."""
+        mem_key = (shape, dtype, torch.get_num_threads())
+        got = self._memory.get(mem_key)
+        if got is None:
+            got = self.file.get(self.key(shape, dtype))
+            if got is not None:
+                self._memory[mem_key] = got
+        return got
+
+    def run(
+        self, shape: tuple, dtype: torch.dtype, candidates: Mapping[str, Callable[[], Any]]
+    ) -> Any:
+        """Runs the chosen candidate of ``shape`` (in ``dtype``) and returns its output;
+        on the first call of the class, times all of them first (`measure`). ``candidates``:
+        name -> a call with no arguments, the first the reference the others must agree
+        with. A decision naming a kernel not among ``candidates`` is measured again."""
+        got = self._memory.get((shape, dtype, torch.get_num_threads()))
+        if got is None:
+            got = self.decision(shape, dtype)
+        if got is not None and got.choice in candidates:
+            return candidates[got.choice]()
+        if len(candidates) == 1:
+            return next(iter(candidates.values()))()
+        return self.measure(shape, dtype, candidates)
+
+    def measure(
+        self, shape: tuple, dtype: torch.dtype, candidates: Mapping[str, Callable[[], Any]]
+    ) -> Any:
+        """Times ``candidates`` (one warm-up round, then interleaved timed rounds), keeps
+        the fastest of those that agree with the first, records the decision and returns
+        the winner's output of its last round."""
+        names = list(candidates)
+        outputs = {name: candidates[name]() for name in names}  # warm-up round
+        ref = outputs[names[0]]
+        for name in names[1:]:
+            if not outputs_agree(ref, outputs[name]):
+                log.warning("%s %s: kernel %r disagrees with %r; not used", self.op, shape, name,
+                            names[0])  # fmt: skip
+                names.remove(name)
+        best = {name: float("inf") for name in names}
+        spent, rounds = 0.0, 0
+        while rounds < self.rounds or (spent < self.budget_s and rounds < self.max_rounds):
+            for name in names:
+                t = self.timer()
+                outputs[name] = candidates[name]()
+                took = self.timer() - t
+                best[name] = min(best[name], took)
+                spent += took
+            rounds += 1
+        choice = min(names, key=lambda name: best[name])
+        decision = Decision(choice, {n: round(s * 1e3, 4) for n, s in best.items()}, "timed")
+        self._memory[(shape, dtype, torch.get_num_threads())] = decision
+        self.file.put(self.key(shape, dtype), decision)
+        log.info("%s %s %s: %s -> %s", self.op, shape, dtype, decision.ms, choice)
+        return outputs[choice]
+
+
+def pow2_bucket(n: int) -> int:
+    """``n`` rounded up to a power of two (0 stays 0): the size part of a shape class."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()

@@ -1,0 +1,190 @@
+"""The CPU kernel chooser (`splitmoe.kernels.cpu_choice`) on a fake clock: it keeps the fastest
+candidate, times each shape class once, persists its decisions, survives a broken cache file,
+and keys them by everything a kernel's speed depends on. And no kernel choice in `splitmoe/`
+is a constant again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitmoe.kernels.cpu_choice import ChoiceFile, KernelChoice, choice_key, pow2_bucket
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FakeClock:
+    """A clock that only moves when a candidate runs: each call of ``kernel(name)`` advances it
+    by that candidate's cost, and counts the call."""
+
+    def __init__(self, costs: dict[str, float]):
+        self.costs, self.now, self.calls = costs, 0.0, dict.fromkeys(costs, 0)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def candidates(self, value: torch.Tensor | None = None) -> dict:
+        def kernel(name):
+            def run():
+                self.now += self.costs[name]
+                self.calls[name] += 1
+                return torch.ones(3) if value is None else value[name]
+
+            return run
+
+        return {name: kernel(name) for name in self.costs}
+
+
+def _chooser(tmp_path, clock, op="op", rounds=2, budget_s=0.0):
+    file = ChoiceFile(tmp_path / "c.json")
+    return KernelChoice(op, rounds=rounds, budget_s=budget_s, timer=clock, file=file)
+
+
+def test_picks_the_fastest_and_times_once(tmp_path):
+    clock = FakeClock({"a": 3e-3, "b": 1e-3, "c": 2e-3})
+    choice = _chooser(tmp_path, clock)
+    choice.run((8, 64), torch.float32, clock.candidates())
+    # one warm-up round and two timed rounds of each
+    assert clock.calls == {"a": 3, "b": 3, "c": 3}
+    decision = choice.decision((8, 64), torch.float32)
+    assert decision.choice == "b" and decision.source == "timed"
+    assert decision.ms == {"a": 3.0, "b": 1.0, "c": 2.0}
+    for _ in range(3):  # decided: the winner runs alone
+        choice.run((8, 64), torch.float32, clock.candidates())
+    assert clock.calls == {"a": 3, "b": 6, "c": 3}
+    choice.run((16, 64), torch.float32, clock.candidates())  # a new shape class is timed
+    assert clock.calls == {"a": 6, "b": 9, "c": 6}
+
+
+def test_short_kernels_get_more_rounds(tmp_path):
+    clock = FakeClock({"a": 3e-3, "b": 1e-3})  # 4 ms a round
+    _chooser(tmp_path, clock, budget_s=0.01).run((8,), torch.float32, clock.candidates())
+    assert clock.calls == {"a": 4, "b": 4}  # warm-up, then rounds until 12 ms >= 10 ms
+    clock = FakeClock({"a": 3e-3, "b": 1e-3})
+    choice = KernelChoice("op", timer=clock, budget_s=1.0, max_rounds=5)
+    choice.file = ChoiceFile(tmp_path / "d.json")
+    choice.run((8,), torch.float32, clock.candidates())
+    assert clock.calls == {"a": 6, "b": 6}  # capped at max_rounds
+
+
+def test_returns_the_winners_output(tmp_path):
+    clock = FakeClock({"slow": 2e-3, "fast": 1e-3})
+    outs = {"slow": torch.tensor([1.0, 2.0]), "fast": torch.tensor([1.0, 2.0 + 1e-7])}
+    got = _chooser(tmp_path, clock).run((1,), torch.float32, clock.candidates(outs))
+    assert got is outs["fast"]
+
+
+def test_a_disagreeing_candidate_is_never_chosen(tmp_path, caplog):
+    clock = FakeClock({"ref": 2e-3, "wrong": 1e-3})
+    outs = {"ref": torch.tensor([1.0, 2.0]), "wrong": torch.tensor([1.0, 2.5])}
+    choice = _chooser(tmp_path, clock)
+    with caplog.at_level(logging.WARNING):
+        got = choice.run((1,), torch.float32, clock.candidates(outs))
+    assert got is outs["ref"] and "disagrees" in caplog.text
+    assert choice.decision((1,), torch.float32).choice == "ref"
+
+
+def test_the_cache_file_round_trips(tmp_path):
+    clock = FakeClock({"a": 3e-3, "b": 1e-3})
+    _chooser(tmp_path, clock).run((4,), torch.float32, clock.candidates())
+    entries = json.loads((tmp_path / "c.json").read_text())
+    assert [e["choice"] for e in entries.values()] == ["b"]
+    # a new process on the same machine: decided from the file, nothing timed
+    clock2 = FakeClock({"a": 1e-3, "b": 3e-3})
+    later = _chooser(tmp_path, clock2)
+    later.run((4,), torch.float32, clock2.candidates())
+    assert clock2.calls == {"a": 0, "b": 1}
+    decision = later.decision((4,), torch.float32)
+    assert decision.choice == "b" and decision.source == "cache file"
+    assert decision.ms == {"a": 3.0, "b": 1.0}
+    # another op in the same file keeps the first one's entries
+    _chooser(tmp_path, clock2, op="other").run((4,), torch.float32, clock2.candidates())
+    assert len(json.loads((tmp_path / "c.json").read_text())) == 2
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"k": 3}', ""])
+def test_a_corrupt_cache_file_is_ignored_with_one_warning(tmp_path, caplog, text):
+    (tmp_path / "c.json").write_text(text)
+    clock = FakeClock({"a": 3e-3, "b": 1e-3})
+    choice = _chooser(tmp_path, clock)
+    with caplog.at_level(logging.WARNING):
+        choice.run((4,), torch.float32, clock.candidates())
+        choice.run((8,), torch.float32, clock.candidates())
+    assert choice.decision((4,), torch.float32).choice == "b"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == (0 if text == '{"k": 3}' else 1)  # a stray entry is only skipped
+    assert len(json.loads((tmp_path / "c.json").read_text())) >= 2  # rewritten whole
+
+
+def test_an_unwritable_cache_dir_is_ignored_with_one_warning(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the directory should be
+    clock = FakeClock({"a": 3e-3, "b": 1e-3})
+    choice = KernelChoice(
+        "op", budget_s=0, timer=clock, file=ChoiceFile(blocker / "sub" / "c.json")
+    )
+    with caplog.at_level(logging.WARNING):
+        for rows in (1, 2, 4):
+            choice.run((rows,), torch.float32, clock.candidates())
+    assert choice.decision((4,), torch.float32).choice == "b"
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+def test_the_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLITMOE_CACHE_DIR", str(tmp_path / "moved"))
+    clock = FakeClock({"a": 3e-3, "b": 1e-3})
+    choice = KernelChoice("op", budget_s=0, timer=clock, file=ChoiceFile())
+    choice.run((4,), torch.float32, clock.candidates())
+    assert (tmp_path / "moved" / "cpu_kernels.json").exists()
+
+
+def test_keys_differ_by_everything_speed_depends_on():
+    base = dict(op="moe", shape=(8, 64), dtype=torch.float32, threads=2, cpu="A", torch_version="2")
+    key = choice_key(**base)
+    for change in (
+        {"cpu": "B"},
+        {"dtype": torch.bfloat16},
+        {"threads": 1},
+        {"torch_version": "3"},
+        {"op": "linear"},
+        {"shape": (16, 64)},
+    ):
+        assert choice_key(**{**base, **change}) != key, change
+
+
+def test_a_different_thread_count_is_timed_again(tmp_path):
+    clock = FakeClock({"a": 3e-3, "b": 1e-3})
+    choice = _chooser(tmp_path, clock)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        choice.run((4,), torch.float32, clock.candidates())
+        torch.set_num_threads(2)
+        choice.run((4,), torch.float32, clock.candidates())
+    finally:
+        torch.set_num_threads(threads)
+    assert clock.calls == {"a": 6, "b": 6}
+    assert len(json.loads((tmp_path / "c.json").read_text())) == 2
+
+
+def test_pow2_bucket():
+    got = [pow2_bucket(n) for n in (0, 1, 2, 3, 4, 5, 31, 32, 33)]
+    assert got == [0, 1, 2, 4, 4, 8, 32, 32, 64]
+
+
+def test_no_kernel_choice_by_constants():
+    """The CPU MoE layout and the oneDNN / MKL choice were thresholds tuned on one machine
+    (`cpu_moe_path(rows, expert_elems)`, `ONEDNN_MIN_WEIGHT`); they are measured now."""
+    pattern = re.compile(r"cpu_moe_path|ONEDNN_MIN_WEIGHT")
+    hits = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in sorted((REPO / "splitmoe").rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert hits == []
