@@ -315,8 +315,9 @@ def _loop(
             )
         if topo.is_attention:
             with worker.timeline.span("schedule", "compute"):
-                for spec in inbox.requests:
-                    worker.add_request(spec)
+                refused = [u for spec in inbox.requests if (u := worker.add_request(spec))]
+                if refused:  # (requests whose admission raised: they fail alone)
+                    channel.emit(refused, None)
                 if inbox.aborts:
                     channel.emit(worker.abort(inbox.aborts), None)
                 tokens = worker.plan()

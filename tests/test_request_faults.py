@@ -41,6 +41,7 @@ FAULTS = {
     "greedy row": FaultyParams(max_tokens=8, temperature=0.0, fault_on="adjusts_logits"),
     "logprobs": FaultyParams(max_tokens=8, temperature=0.0, logprobs=1, fault_on="logprobs"),
     "generator": FaultyParams(max_tokens=8, temperature=0.7, seed=9, fault_on="seed"),
+    "admission": FaultyParams(max_tokens=8, temperature=0.0, fault_on="ignore_eos"),
 }
 
 

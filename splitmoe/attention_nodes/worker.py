@@ -213,8 +213,16 @@ class AttentionWorker:
             "kv_window_blocks_total": w.num_blocks - 1,
         }
 
-    def add_request(self, spec: RequestSpec) -> None:
-        self.scheduler.add(spec)
+    def add_request(self, spec: RequestSpec) -> RequestUpdate | None:
+        """Queues a request; a request that cannot be admitted fails alone: its update
+        (``"error"``) is returned to be sent at once."""
+        try:
+            self.scheduler.add(spec)
+        except Exception as e:
+            error = _fault(self.rank, spec.request_id, "admission", e)
+            t = spec.arrival_time
+            metrics = RequestMetrics(t, 0.0, 0.0, 0.0, 0.0, len(spec.prompt_token_ids), 0)
+            return RequestUpdate(spec.request_id, [], "error", metrics, error=error)
         try:
             gen = make_generator(spec.params, spec.request_id, self.seed, self.device)
         except Exception as e:
@@ -229,6 +237,7 @@ class AttentionWorker:
                 self._arrival_faults[spec.request_id] = _fault(
                     self.rank, spec.request_id, "grammar", e
                 )
+        return None
 
     def _grammars(self) -> GrammarBackend:
         if self._grammar_backend is None:
