@@ -156,7 +156,13 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine.start()
+        # (the first schema check imports xgrammar, ~1 s: here, off the event loop, rather than
+        # in the first structured request's handler, which would stall every client meanwhile)
+        warm = asyncio.get_running_loop().run_in_executor(
+            None, check_json_schema, JSON_OBJECT_SCHEMA
+        )
         yield
+        await warm
         await asyncio.get_running_loop().run_in_executor(None, state.engine.stop)
 
     app = FastAPI(title="splitmoe", lifespan=lifespan)
