@@ -1,6 +1,7 @@
 """A:E planner: the best disaggregated deployments of a model on a GPU budget under a TPOT target.
 
     python scripts/plan.py --reproduce                 # published AF / EP results, simulated
+    python scripts/plan.py --reproduce --sensitivity   # ... and each hardware constant x0.5, x2
     python scripts/plan.py --model qwen3-235b-a22b --hardware h100 --gpus 64 --tpot-slo 50ms
     python scripts/plan.py --model deepseek-v3 --hardware h800 --gpus 64 --tpot-slo 50ms \\
         --verdict --crossover bandwidth=0.25,0.5,1,2,4,8 --plot out/plan
@@ -76,6 +77,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reproduce", action="store_true",
                     help="simulate the published deployments in splitmoe/sim/cases/")  # fmt: skip
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="with --reproduce: each hardware constant x0.5 and x2")  # fmt: skip
     ap.add_argument("--model")
     ap.add_argument("--hardware", default="h100")
     ap.add_argument("--expert-hardware", default=None, help="expert ranks' GPU (heterogeneous)")
@@ -90,6 +93,8 @@ def parse_args(argv=None):
     ap.add_argument("--crossover", type=crossover_arg, default=None, metavar="PARAM=v1,v2,...")
     ap.add_argument("--plot", default=None, metavar="DIR", help="write the planner's figures")
     args = ap.parse_args(argv)
+    if args.sensitivity and not args.reproduce:
+        ap.error("--sensitivity goes with --reproduce")
     if not args.reproduce and not (args.model and args.gpus and args.tpot_slo):
         ap.error("--model, --gpus and --tpot-slo are required (or --reproduce)")
     return args
@@ -98,12 +103,16 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.reproduce:
-        from splitmoe.sim.reproduce import reproduce
+        from splitmoe.sim.reproduce import count, reproduce, sensitivity, sensitivity_table
         from splitmoe.sim.reproduce import table as reproduce_table
 
         rows = reproduce()
         print(reproduce_table(rows))
-        return 0 if all(r.within for r in rows) else 1
+        if args.sensitivity:
+            print()
+            print(sensitivity_table(*sensitivity()))
+        c = count(rows)
+        return 0 if c.cases_within == c.cases else 1
     model = ModelShape.from_config(args.model)
     hw = load_profile(args.hardware)
     ehw = load_profile(args.expert_hardware) if args.expert_hardware else None
