@@ -1,4 +1,4 @@
-"""Simulator predictions for measured runs, and the ±25 % check.
+"""Simulator predictions for measured runs, and the ±15 % check (``TOLERANCE``).
 
 A measured run is a row of the scaling study's CSV (``scripts/scaling_study.py``): a closed batch
 of ``num_requests`` prompts of ``prompt_len`` tokens, each generating ``max_tokens``, on one
@@ -155,6 +155,17 @@ class Check:
     @property
     def passed(self) -> bool:
         return self.total > 0 and self.within == self.total
+
+    def verdict(self) -> str:
+        """One line saying whether the check passed; a check without validation runs fails
+        (nothing was tested)."""
+        if self.total == 0:
+            return "validation FAILED: no validation runs to check (only calibration runs)"
+        word = "passed" if self.passed else "FAILED"
+        return (
+            f"validation {word}: {self.within} of {self.total} validation runs within "
+            f"±{TOLERANCE:.0%} on both decode-step time and output tokens/s"
+        )
 
     def table(self) -> str:
         head = (

@@ -119,3 +119,42 @@ def test_noise_accounting_of_the_check():
     assert not noisy(row) and not miss_inside_range(row)  # quiet point, model miss
     wide = {**row, "step_max_ms": 2.8, "output_tok_s_min": 70.0}
     assert noisy(wide) and miss_inside_range(wide)  # the repeats reach the prediction
+
+
+def test_check_failure_is_the_exit_status(study, tmp_path, capsys):
+    """Saved rows whose measurements are the shipped CPU profile's own predictions pass the
+    check; the same rows against a deliberately wrong profile (GEMMs 20x slower, overheads 5x)
+    fail it, and the study says so and exits 1. No run: ``--from-csv`` with ``--profile``."""
+    from dataclasses import replace
+
+    from splitmoe.sim.hardware import load_profile
+    from splitmoe.sim.model import ModelShape
+    from splitmoe.sim.simulator import Simulator
+    from splitmoe.sim.validate import Check, predict_row
+
+    model = write_small_model(tmp_path / "model")
+    good = load_profile("cpu")
+    sim = Simulator(ModelShape.from_config(model), good)
+    rows = []
+    for a, e, n in ((1, 0, 1), (1, 1, 16), (2, 1, 16)):
+        r = _row(a, e, n, 100.0, 2.0)
+        pred = predict_row(sim, r)
+        r["output_tok_s"], r["tbt_p50_ms"] = pred["pred_output_tok_s"], pred["pred_tbt_ms"]
+        rows.append(r)
+    study.write_csv(rows, tmp_path / "saved.csv")
+    good.to_file(tmp_path / "good.json")
+    slow = replace(good.overheads, step_s=good.overheads.step_s * 5 + 1e-3,
+                   attn_layer_s=good.overheads.attn_layer_s * 5 + 1e-4)  # fmt: skip
+    replace(good, peak_flops=good.peak_flops / 20, overheads=slow).to_file(tmp_path / "bad.json")
+
+    def run(profile: str) -> int:
+        return study.main(["--from-csv", str(tmp_path / "saved.csv"), "--profile",
+                           str(tmp_path / profile), "--model", str(model), "--out",
+                           str(tmp_path / profile.split(".")[0])])  # fmt: skip
+
+    assert run("good.json") == 0
+    assert "validation passed: 3 of 3" in capsys.readouterr().out
+    assert run("bad.json") == 1
+    assert "validation FAILED: 0 of 3" in capsys.readouterr().out
+    assert study.exit_code(None) == 0  # no check asked for: nothing failed
+    assert study.exit_code(Check(rows=[])) == 1  # a check with nothing to validate fails
