@@ -8,6 +8,8 @@
     python scripts/plan.py --model path/to/config.json --hardware h200 --gpus 32 --tpot-slo 30ms \\
         --context 8192 --skew 0.5
 
+``--reproduce`` exits 1 when a counted case misses (see `splitmoe.sim.reproduce`).
+
 ``--model``: a ``config.json`` (any supported family, DeepSeek-V2/V3, Step-3, or any MoE config
 with the common Hugging Face keys), a checkpoint directory, or a shipped config name
 (``splitmoe/sim/configs/``). ``--hardware``: a profile name (``splitmoe/sim/profiles/``: h100,

@@ -133,6 +133,12 @@ def _check_case(case: dict, p: Path) -> None:
                 f"{p}: source.{key} missing: a case cites the table or figure ('where'), the "
                 "number as printed ('figure') and how far it was checked ('checked')"
             )
+    slo = case.get("tpot_slo_ms")
+    if slo is not None and not isinstance(slo, (int, float)):
+        if slo != "baseline" or case["kind"] != "ratio":
+            raise ValueError(
+                f"{p}: tpot_slo_ms={slo!r}: milliseconds, or 'baseline' in a ratio case"
+            )
     role = case.setdefault("role", "prediction")
     if role not in ROLES:
         raise ValueError(f"{p}: role {role!r} must be one of {ROLES}")

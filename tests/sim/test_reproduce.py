@@ -100,6 +100,9 @@ def test_a_case_may_not_take_what_the_simulator_predicts(tmp_path):
                 from_source={"baseline_max_batch": "engine default"})  # fmt: skip
     with pytest.raises(ValueError, match="ratio case may not fix 'baseline_max_batch'"):
         load_cases(tmp_path)
+    _write_case(tmp_path, tpot_slo_ms="baseline")  # only a ratio has a baseline to match
+    with pytest.raises(ValueError, match="'baseline' in a ratio case"):
+        load_cases(tmp_path)
     for key in ("where", "figure", "checked"):
         _write_case(tmp_path, source={"title": "t", "url": "https://example.org", "where": "T1",
                                       "figure": "1", "checked": "y", key: ""})  # fmt: skip
