@@ -264,7 +264,8 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(body.model, state)
         s = sampling(body, state.limits, _DEFAULT_MAX_TOKENS, _json_schema(body))
         texts = prompts_of(body, state.limits)
-        prompts = [_tokens(p, state) for p in texts]
+        # (tokenizing up to --max-request-bytes of text takes a while: off the event loop)
+        prompts = await asyncio.to_thread(lambda: [_tokens(p, state) for p in texts])
         echo = None
         if s.echo:
             echo = [p if isinstance(p, str) else _decode(p, state) for p in texts]
@@ -290,7 +291,8 @@ def build_app(state: ServerState) -> FastAPI:
         if body.tools and body.tool_choice != "none":
             tools = [t.model_dump(exclude_none=True) for t in body.tools]
         try:
-            prompt = state.chat_template.prompt_ids(
+            prompt = await asyncio.to_thread(
+                state.chat_template.prompt_ids,
                 state.tokenizer,
                 chat_messages(body),
                 add_generation_prompt=(
@@ -303,7 +305,8 @@ def build_app(state: ServerState) -> FastAPI:
                 chat_template_kwargs=body.chat_template_kwargs,
             )
         except ChatTemplateError as e:
-            raise BadRequest(str(e), "messages") from None
+            field = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+            raise BadRequest(str(e), field) from None
         if not prompt:
             raise BadRequest("the rendered chat prompt is empty", "messages")
         calls = _ToolCalls(state.tool_parser, tools) if tools and state.tool_parser else None
