@@ -5,6 +5,7 @@
     python scripts/plan.py --model qwen3-235b-a22b --hardware h100 --gpus 64 --tpot-slo 50ms
     python scripts/plan.py --model deepseek-v3 --hardware h800 --gpus 64 --tpot-slo 50ms \\
         --verdict --crossover bandwidth=0.25,0.5,1,2,4,8 --plot out/plan
+    python scripts/plan.py --verdict-matrix            # AF vs colocated: 3 models x 4 GPUs
     python scripts/plan.py --model path/to/config.json --hardware h200 --gpus 32 --tpot-slo 30ms \\
         --context 8192 --skew 0.5
 
@@ -22,6 +23,10 @@ MoE layer for a whole step (all micro-batches); ``ovlp`` is the share of the ser
 by the ping-pong overlap.
 
 ``--verdict``: whether AF beats colocated under the target and what binds each side;
+``--verdict-matrix``: that verdict for DeepSeek-V3 (fine experts), Qwen3-235B and
+Mixtral-8x22B (coarse) on H100, H200, H800 and GB200 (``--gpus``, default 64; ``--tpot-slo``,
+default 50 ms; ``--context``), with AF / colocated as the NIC's bandwidth is halved and doubled
+and against a colocated baseline held to EP4, EP16 and EP64 (a few minutes);
 ``--crossover PARAM=v1,v2,...``: that verdict as ``bandwidth`` (network bytes/s scale),
 ``context`` (mean tokens) or ``sparsity`` (top-k / experts at the same expert parameters) varies;
 ``--plot DIR``: throughput per GPU against TPOT (Pareto fronts, AF and colocated), the A:E ratio
@@ -81,6 +86,8 @@ def parse_args(argv=None):
                     help="simulate the published deployments in splitmoe/sim/cases/")  # fmt: skip
     ap.add_argument("--sensitivity", action="store_true",
                     help="with --reproduce: each hardware constant x0.5 and x2")  # fmt: skip
+    ap.add_argument("--verdict-matrix", action="store_true",
+                    help="AF vs colocated for three models on four GPUs")  # fmt: skip
     ap.add_argument("--model")
     ap.add_argument("--hardware", default="h100")
     ap.add_argument("--expert-hardware", default=None, help="expert ranks' GPU (heterogeneous)")
@@ -97,6 +104,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.sensitivity and not args.reproduce:
         ap.error("--sensitivity goes with --reproduce")
+    if args.verdict_matrix:
+        return args
     if not args.reproduce and not (args.model and args.gpus and args.tpot_slo):
         ap.error("--model, --gpus and --tpot-slo are required (or --reproduce)")
     return args
@@ -115,6 +124,15 @@ def main(argv=None) -> int:
             print(sensitivity_table(*sensitivity()))
         c = count(rows)
         return 0 if c.cases_within == c.cases else 1
+    if args.verdict_matrix:
+        from splitmoe.sim.planner import matrix_table, verdict_matrix
+
+        gpus, slo = args.gpus or 64, args.tpot_slo or 0.05
+        print(f"{gpus} GPUs, TPOT <= {slo * 1e3:.0f} ms, mean context {args.context:.0f}, routing "
+              f"skew {args.skew}; tok/s per GPU; AF/co: best AF over best colocated")  # fmt: skip
+        print(matrix_table(verdict_matrix(gpus=gpus, tpot_slo=slo, context=args.context,
+                                          skew=args.skew)))  # fmt: skip
+        return 0
     model = ModelShape.from_config(args.model)
     hw = load_profile(args.hardware)
     ehw = load_profile(args.expert_hardware) if args.expert_hardware else None

@@ -168,13 +168,16 @@ def sweep_points(
 @dataclass(frozen=True)
 class CompareSpace:
     """A small space for verdicts and sweeps (hundreds of simulator calls, not thousands): AF
-    instances of ``A + E`` GPUs, colocated EP instances, both with GPU-initiated all-to-all and
-    the ping-pong / two-micro-batch overlap."""
+    instances of ``A + E`` GPUs, colocated EP instances with one or two micro-batches, both with
+    GPU-initiated all-to-all."""
 
     attention_ranks: tuple[int, ...] = (4, 8, 12, 16, 24, 32, 48)
     expert_ranks: tuple[int, ...] = (4, 8, 16, 32)
     micro_batches: tuple[int, ...] = (2, 3)
     colocated_sizes: tuple[int, ...] = (8, 16, 32, 64)
+    # one micro-batch or two: two re-read every expert's weights per step, which loses where
+    # weight reads bind (Mixtral-8x22B on H100: EP8 m=2 328 tok/s/GPU, EP16 m=1 834)
+    colocated_micro_batches: tuple[int, ...] = (1, 2)
     transport: str = "gpu_a2a"
     batches: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384,
                                 448, 512, 640, 768, 896, 1024)  # fmt: skip
@@ -205,8 +208,9 @@ def af_deployments(sim: Simulator, gpus: int, space: CompareSpace) -> list[Deplo
 
 def colocated_deployments(gpus: int, space: CompareSpace) -> list[Deployment]:
     return [
-        Deployment(n, 0, 2, space.transport, replicas=gpus // n, expert_parallel=n)
+        Deployment(n, 0, m, space.transport, replicas=gpus // n, expert_parallel=n)
         for n in space.colocated_sizes
+        for m in space.colocated_micro_batches
         if n <= gpus
     ]
 
@@ -350,3 +354,94 @@ def crossover(
         s, ctx = vary(sim, param, v, context)
         out.append((v, verdict(s, gpus, tpot_slo, ctx, space)))
     return out
+
+
+# ---- where AF wins, across models and GPUs ----------------------------------------------------
+MATRIX_MODELS = ("deepseek-v3", "qwen3-235b-a22b", "mixtral-8x22b")  # fine, mid, coarse experts
+MATRIX_HARDWARE = ("h100", "h200", "h800", "gb200")
+NIC_SCALES = (0.5, 1.0, 2.0)
+EP_WIDTHS = (4, 16, 64)
+
+
+@dataclass(frozen=True)
+class MatrixCell:
+    """One model on one GPU: the verdict, AF / colocated as the NIC's bandwidth is scaled
+    (``by_nic``: (scale, gain)), and the same AF plan over a colocated baseline held to one EP
+    width (``by_ep``: (width, gain); 0 where the width has no plan)."""
+
+    model: str
+    hardware: str
+    verdict: Verdict
+    af_bound: str  # what stops the AF plan's batch from growing (`binding`)
+    colocated_bound: str
+    by_nic: tuple[tuple[float, float], ...]
+    by_ep: tuple[tuple[int, float], ...]
+
+
+def verdict_matrix(
+    models: Iterable[str] = MATRIX_MODELS,
+    hardware: Iterable[str] = MATRIX_HARDWARE,
+    gpus: int = 64,
+    tpot_slo: float = 0.05,
+    context: float = 4096,
+    skew: float = 0.3,
+    nic_scales: Iterable[float] = NIC_SCALES,
+    ep_widths: Iterable[int] = EP_WIDTHS,
+    space: CompareSpace = CompareSpace(),
+) -> list[MatrixCell]:
+    """`verdict` for every model on every GPU, with its NIC-bandwidth and EP-width sweeps."""
+    from dataclasses import replace
+
+    from splitmoe.sim.hardware import load_profile
+    from splitmoe.sim.model import ModelShape
+
+    cells = []
+    for name in models:
+        shape = ModelShape.from_config(name)
+        for hw in hardware:
+            sim = Simulator(shape, load_profile(hw), skew=skew)
+            v = verdict(sim, gpus, tpot_slo, context, space)
+            by_nic = tuple(
+                (k, v.gain if k == 1 else verdict(vary(sim, "bandwidth", k, context)[0], gpus,
+                                                  tpot_slo, context, space).gain)
+                for k in nic_scales
+            )  # fmt: skip
+            by_ep = []
+            for w in ep_widths:
+                narrow = replace(space, colocated_sizes=(w,))
+                co = best_of(sim, colocated_deployments(gpus, narrow), tpot_slo, context, gpus,
+                             space.batches)  # fmt: skip
+                by_ep.append((w, Verdict(v.af, co).gain if co is not None else 0.0))
+            ab = binding(sim, v.af.prediction) if v.af else "-"
+            cb = binding(sim, v.colocated.prediction) if v.colocated else "-"
+            cells.append(MatrixCell(name, hw, v, ab, cb, by_nic, tuple(by_ep)))
+    return cells
+
+
+def matrix_table(cells: list[MatrixCell]) -> str:
+    """One line per (model, GPU): both sides' tokens/s per GPU, the gain, what binds AF, and the
+    gain under each NIC scale and each colocated EP width."""
+    if not cells:
+        return ""
+    nic = "".join(f"{f'NIC x{k:g}':>10}" for k, _ in cells[0].by_nic)
+    ep = "".join(f"{f'vs EP{w}':>9}" for w, _ in cells[0].by_ep)
+    head = (
+        f"{'model':<18}{'GPU':<7}{'AF':>7}{'coloc':>7}{'AF/co':>7}  {'AF bound by':<15}"
+        f"{'coloc bound by':<15}{nic}{ep}"
+    )
+    lines = [head]
+
+    def gain(g: float, width: int) -> str:
+        return f"{g:>{width}.2f}" if g > 0 else f"{'-':>{width}}"
+
+    for c in cells:
+        v = c.verdict
+        af = v.af.per_gpu if v.af else 0.0
+        co = v.colocated.per_gpu if v.colocated else 0.0
+        lines.append(
+            f"{c.model:<18}{c.hardware:<7}{af:>7.0f}{co:>7.0f}{gain(v.gain, 7)}  "
+            f"{c.af_bound:<15}{c.colocated_bound:<15}"
+            + "".join(gain(g, 10) for _, g in c.by_nic)
+            + "".join(gain(g, 9) for _, g in c.by_ep)
+        )
+    return "\n".join(lines)
