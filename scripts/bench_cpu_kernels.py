@@ -10,10 +10,11 @@ each GEMM layout `fused_moe_cpu` chooses among (one oneDNN / MKL GEMM per expert
 x-left grouped) forced, for a decode or prefill step of N tokens: ms per step through all of
 the preset's layers, each layer its own weights, as in a model step (the realistic preset's
 288 MB of experts stream from memory; the default model's stay in cache). Each row says which
-layout the shape got and why: the per-layer timings its first call measured (``timed``), or
-those stored in the cache file of kernel choices by an earlier process (``cache file``;
-`splitmoe.kernels.cpu_choice`). Dense projections: which of oneDNN / MKL `linear` chose for
-each of the preset's weights at each row count, and the timings that decided it. Decode
+layout the shape got and why: each layout's best per-layer time over the first calls, timed in
+place (``timed``), or those an earlier process stored in the cache file of kernel choices
+(``cache file``; `splitmoe.kernels.cpu_choice`). Dense projections: which of oneDNN / MKL
+`linear` chose for each of the preset's weights at each row count, and the timings that
+decided it. Decode
 attention: the torch path of `paged_attention` over a paged cache with scattered blocks against
 dense SDPA on contiguous K/V (the same math without the paging gather), us per layer. Each
 figure is the median of interleaved rounds, each round warmed up by an untimed call; memory is
@@ -71,7 +72,7 @@ def moe_weights(cfg: dict, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tens
 def why(decision: Decision | None) -> str:
     """``name (source: candidate ms, ...)``: a choice and the timings that decided it."""
     if decision is None:
-        return "-"
+        return "still on trial (too few calls yet)"
     ms = ", ".join(f"{n} {t:.3f}" for n, t in sorted(decision.ms.items(), key=lambda i: i[1]))
     return f"{decision.choice} ({decision.source}: {ms} ms)"
 
@@ -83,17 +84,16 @@ def moe_row(name: str, cfg: dict, layers, N: int, rounds: int) -> str:
     ids = torch.randn(N, E, generator=g).topk(k, dim=1).indices.to(torch.int32)
     w = torch.rand(N, k, generator=g).softmax(-1)
     w13, w2 = layers[0]
-    # the first call of the shape class measures the layouts (or reads the cache file)
     err = (fused_moe(x, w13, w2, ids, w, "torch") - fused_moe_ref(x, w13, w2, ids, w)).abs().max()
     rows = N * k / len(ids.unique())
-    decision = fm.cpu_moe_decision(x, w13, ids)
 
     def step(fn):
         return lambda: [fn(x, w13, w2, ids, w) for w13, w2 in layers]
 
     fns = {"torch": step(lambda *a: fused_moe(*a, "torch")), "ref": step(fused_moe_ref)}
     fns.update({p: step(lambda *a, p=p: fm.fused_moe_cpu(*a, path=p)) for p in PATHS})
-    t = timed(fns, rounds)
+    t = timed(fns, rounds)  # the "torch" calls time the layouts as a model step would
+    decision = fm.cpu_moe_decision(x, w13, ids)
     cells = "".join(f"{t[n] * 1e3:>11.2f}" for n in ("torch", "ref", *PATHS))
     speedup = t["ref"] / t["torch"]
     return f"{name:<10}{N:>6}{rows:>7.1f}{cells}{speedup:>8.2f}x{err:>9.1e}  {why(decision)}"
@@ -104,7 +104,7 @@ def bench_moe(args) -> None:
     print(
         f"{'preset':<10}{'tokens':>6}{'rows':>7}{'torch':>11}{'ref':>11}"
         + "".join(f"{p:>11}" for p in PATHS)
-        + f"{'speedup':>9}{'max err':>9}  chosen layout (why: ms per layer, first call)"
+        + f"{'speedup':>9}{'max err':>9}  chosen layout (why: best ms per layer)"
     )
     tokens = [1, 32] if args.smoke else [1, 8, 32, 64, 128, 512, 2048]
     for name in args.presets:
@@ -136,8 +136,12 @@ def bench_linear(args) -> None:
             w = torch.randn(*shape, generator=g)
             for T in tokens:
                 x = torch.randn(T, shape[1], generator=g)
-                linear(x, w)
-                decision = CPU_LINEAR.decision((pow2_bucket(T), *shape, False), x.dtype)
+                key = (pow2_bucket(T), *shape, False)
+                for _ in range(2 * CPU_LINEAR.max_rounds + 1):  # until decided
+                    if CPU_LINEAR.decision(key, x.dtype) is not None:
+                        break
+                    linear(x, w)
+                decision = CPU_LINEAR.decision(key, x.dtype)
                 label = f"[{shape[0]}, {shape[1]}]"
                 print(f"{name:<10}{wname:<8}{label:>12}{T:>6}  {why(decision)}")
 

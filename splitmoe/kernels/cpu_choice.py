@@ -1,13 +1,14 @@
-"""Kernel choice on CPU by measurement: the first call of a shape class times the candidates.
+"""Kernel choice on CPU by measurement: the first calls of a shape class time the candidates.
 
 Where the CPU path has several kernels for one op (`fused_moe_cpu`'s GEMM layouts, oneDNN or
 MKL in `linear`), which one is fastest depends on the CPU's vendor, vector width, matrix units,
 caches and thread count: a rule tuned on one machine picked the slowest of three MoE layouts on
 another. So nothing here is a constant. A `KernelChoice` is one op's decision per *shape class*
 (a tuple the caller buckets, e.g. rows rounded up to a power of two and the weight's shape, plus
-the dtype and torch's thread count): the first call of a class runs every candidate on the real
-tensors in a few interleaved rounds, keeps the fastest and returns its output, and every later
-call of the class runs the winner alone.
+the dtype and torch's thread count). The first call of a class runs every candidate on the real
+tensors (a warm-up, and a check that they agree); the next calls each run one candidate in turn
+in place of the kernel, timed where it runs in the model step; once each has a few timings the
+fastest is kept, and every later call of the class runs it alone.
 
 Decisions are kept in memory and in a JSON file shared by all ops and processes,
 ``$SPLITMOE_CACHE_DIR/cpu_kernels.json`` (default ``~/.cache/splitmoe/``; the variable moves the
@@ -20,8 +21,9 @@ The candidates must compute the same math. In float32 they agree to rounding, no
 (a GEMM's summation order differs between MKL's and oneDNN's kernels and between operand
 layouts: ~1e-6 relative); a candidate whose output differs from the first candidate's by more
 than a rounding tolerance (1e-4 of the output's scale in float32, 5e-2 in 16 bits) is dropped
-with a warning. Once a shape class is decided the choice is stable, so a machine's outputs do
-not change from one call (or process) to the next.
+with a warning. While a class is on trial (its first few calls in the first process on a
+machine) its calls run different candidates; once it is decided the choice is stable, so a
+machine's outputs do not change from one call (or process) to the next.
 """
 
 from __future__ import annotations
@@ -171,14 +173,12 @@ class KernelChoice:
     """One op's measured choice among interchangeable kernels, per shape class.
 
     op: the op's name in the cache file's keys;
-    rounds: timed rounds per candidate after one untimed warm-up round (oneDNN builds its
-        kernel, the OpenMP threads wake up); the rounds are interleaved, so on a shared
-        machine every candidate meets the same load, and each candidate's best round counts;
-    budget_s: more rounds, up to `max_rounds`, while the timed rounds took less than this in
-        all. On a shared machine a thread that loses its core stalls a multi-threaded GEMM for
-        a scheduler tick (4 ms at 250 Hz), longer than a decode-sized kernel: a best-of-many
-        over tens of ms finds rounds without a stall, where a best-of-3 picked a 2.6x slower
-        MoE layout on the 2-core dev host under load;
+    rounds: timings of each candidate at least, after the untimed first call of a class;
+    budget_s: more timings, up to `max_rounds` of each, while they add up to less than this.
+        On a shared machine a thread that loses its core stalls a multi-threaded GEMM for a
+        scheduler tick (4 ms at 250 Hz), longer than a decode-sized kernel: a best of many
+        over tens of ms finds calls without a stall, where a best of 3 taken under load on
+        the 2-core dev host picked a 2.6x slower MoE layout;
     timer: seconds, ``time.perf_counter`` (tests pass a fake clock);
     file: where decisions persist (`DEFAULT_FILE`).
     """
@@ -194,6 +194,8 @@ class KernelChoice:
         if self.rounds < 1:
             raise ValueError(f"KernelChoice {self.op!r}: rounds must be >= 1, got {self.rounds}")
         self._memory: dict[tuple, Decision] = {}
+        # classes on trial: (shape, dtype, threads) -> {candidate: its timings so far, s}
+        self._trials: dict[tuple, dict[str, list[float]]] = {}
         self._cpu = cpu_model()
 
     def key(self, shape: tuple, dtype: torch.dtype, threads: int | None = None) -> str:
@@ -214,49 +216,61 @@ class KernelChoice:
     def run(
         self, shape: tuple, dtype: torch.dtype, candidates: Mapping[str, Callable[[], Any]]
     ) -> Any:
-        """Runs the chosen candidate of ``shape`` (in ``dtype``) and returns its output;
-        on the first call of the class, times all of them first (`measure`). ``candidates``:
-        name -> a call with no arguments, the first the reference the others must agree
-        with. A decision naming a kernel not among ``candidates`` is measured again."""
-        got = self._memory.get((shape, dtype, torch.get_num_threads()))
+        """Runs one candidate for ``shape`` (in ``dtype``) and returns its output: the kept
+        one once the class is decided, else the next one of its trial (`_explore`).
+        ``candidates``: name -> a call with no arguments, the first the reference the others
+        must agree with. A kept decision naming a kernel not among ``candidates`` is measured
+        again."""
+        mem_key = (shape, dtype, torch.get_num_threads())
+        got = self._memory.get(mem_key)
         if got is None:
             got = self.decision(shape, dtype)
         if got is not None and got.choice in candidates:
             return candidates[got.choice]()
         if len(candidates) == 1:
             return next(iter(candidates.values()))()
-        return self.measure(shape, dtype, candidates)
+        return self._explore(mem_key, candidates)
 
-    def measure(
-        self, shape: tuple, dtype: torch.dtype, candidates: Mapping[str, Callable[[], Any]]
-    ) -> Any:
-        """Times ``candidates`` (one warm-up round, then interleaved timed rounds), keeps
-        the fastest of those that agree with the first, records the decision and returns
-        the winner's output of its last round."""
-        names = list(candidates)
-        outputs = {name: candidates[name]() for name in names}  # warm-up round
-        ref = outputs[names[0]]
-        for name in names[1:]:
-            if not outputs_agree(ref, outputs[name]):
-                log.warning("%s %s: kernel %r disagrees with %r; not used", self.op, shape, name,
-                            names[0])  # fmt: skip
-                names.remove(name)
-        best = {name: float("inf") for name in names}
-        spent, rounds = 0.0, 0
-        while rounds < self.rounds or (spent < self.budget_s and rounds < self.max_rounds):
-            for name in names:
-                t = self.timer()
-                outputs[name] = candidates[name]()
-                took = self.timer() - t
-                best[name] = min(best[name], took)
-                spent += took
-            rounds += 1
-        choice = min(names, key=lambda name: best[name])
+    def _explore(self, mem_key: tuple, candidates: Mapping[str, Callable[[], Any]]) -> Any:
+        """A call of a class still on trial. The first runs every candidate (a warm-up:
+        oneDNN builds its kernel, the threads wake up), drops those that disagree with the
+        first and returns the first's output. Each later call runs the candidate with the
+        fewest timings so far, in place of the kernel the caller would run, and times it:
+        in place, because a model step reads other weights between two calls of an op, so a
+        kernel whose weights stream from memory is timed streaming them (back-to-back
+        repetitions keep a few experts' weights in cache and favour another layout). After
+        `rounds` timings of each, and until they add up to `budget_s` or `max_rounds`, the
+        fastest best time is kept."""
+        shape = mem_key[0]
+        times = self._trials.get(mem_key)
+        if times is None:
+            names = list(candidates)
+            outputs = {name: candidates[name]() for name in names}
+            for name in names[1:]:
+                if not outputs_agree(outputs[names[0]], outputs[name]):
+                    log.warning("%s %s: kernel %r disagrees with %r; not used", self.op, shape,
+                                name, names[0])  # fmt: skip
+                    names.remove(name)
+            self._trials[mem_key] = {name: [] for name in names}
+            return outputs[names[0]]
+        name = min(times, key=lambda n: len(times[n]))
+        t = self.timer()
+        out = candidates[name]()
+        times[name].append(self.timer() - t)
+        rounds = min(len(ts) for ts in times.values())
+        spent = sum(sum(ts) for ts in times.values())
+        if rounds >= self.max_rounds or (rounds >= self.rounds and spent >= self.budget_s):
+            self._decide(mem_key, {n: min(ts) for n, ts in times.items()})
+        return out
+
+    def _decide(self, mem_key: tuple, best: dict[str, float]) -> None:
+        shape, dtype, _ = mem_key
+        choice = min(best, key=lambda name: best[name])
         decision = Decision(choice, {n: round(s * 1e3, 4) for n, s in best.items()}, "timed")
-        self._memory[(shape, dtype, torch.get_num_threads())] = decision
+        self._memory[mem_key] = decision
+        del self._trials[mem_key]
         self.file.put(self.key(shape, dtype), decision)
         log.info("%s %s %s: %s -> %s", self.op, shape, dtype, decision.ms, choice)
-        return outputs[choice]
 
 
 def pow2_bucket(n: int) -> int:

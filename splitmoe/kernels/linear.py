@@ -4,8 +4,8 @@ whichever measured faster on this machine for the shape.
 ``F.linear`` reaches MKL's sgemm on CPU; oneDNN's inner product (the op Inductor's CPU freezing
 emits) is a second kernel for the same math. Which one is faster depends on the CPU (its
 vector width and matrix units, which code path each library takes on it), the weight's size
-(oneDNN's fixed cost per call is higher) and the rows: `CPU_LINEAR` times both at the first
-call of each (rows rounded up to a power of two, weight shape, bias, dtype, threads) and keeps
+(oneDNN's fixed cost per call is higher) and the rows: `CPU_LINEAR` times both over the first
+calls of each (rows rounded up to a power of two, weight shape, bias, dtype, threads) and keeps
 the faster (`splitmoe.kernels.cpu_choice`). oneDNN builds a kernel for each new row count
 (then cached), which a decode batch meets once.
 """
@@ -68,6 +68,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         "mkl": lambda: F.linear(x, w, b),
         "onednn": lambda: _ONEDNN_LINEAR(x, w, b, "none", [], ""),
     }
-    out = CPU_LINEAR.run((rows, *w.shape, b is not None), x.dtype, calls)
-    _CHOSEN[fast_key] = CPU_LINEAR.decision((rows, *w.shape, b is not None), x.dtype).choice
+    shape = (rows, *w.shape, b is not None)
+    out = CPU_LINEAR.run(shape, x.dtype, calls)
+    decision = CPU_LINEAR.decision(shape, x.dtype)
+    if decision is not None:
+        _CHOSEN[fast_key] = decision.choice
     return out

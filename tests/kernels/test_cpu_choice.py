@@ -1,7 +1,7 @@
 """The CPU kernel chooser (`splitmoe.kernels.cpu_choice`) on a fake clock: it keeps the fastest
-candidate, times each shape class once, persists its decisions, survives a broken cache file,
-and keys them by everything a kernel's speed depends on. And no kernel choice in `splitmoe/`
-is a constant again."""
+candidate, times each shape class only until decided, persists its decisions, survives a broken
+cache file, and keys them by everything a kernel's speed depends on. And no kernel choice in
+`splitmoe/` is a constant again."""
 
 from __future__ import annotations
 
@@ -40,6 +40,15 @@ class FakeClock:
         return {name: kernel(name) for name in self.costs}
 
 
+def decide(choice, shape, clock, outs=None, dtype=torch.float32):
+    """Calls ``choice`` for ``shape`` until it has decided; the last call's output."""
+    for _ in range(100):
+        out = choice.run(shape, dtype, clock.candidates(outs))
+        if choice.decision(shape, dtype) is not None:
+            return out
+    raise AssertionError(f"{shape}: never decided")
+
+
 def _chooser(tmp_path, clock, op="op", rounds=2, budget_s=0.0):
     file = ChoiceFile(tmp_path / "c.json")
     return KernelChoice(op, rounds=rounds, budget_s=budget_s, timer=clock, file=file)
@@ -49,7 +58,10 @@ def test_picks_the_fastest_and_times_once(tmp_path):
     clock = FakeClock({"a": 3e-3, "b": 1e-3, "c": 2e-3})
     choice = _chooser(tmp_path, clock)
     choice.run((8, 64), torch.float32, clock.candidates())
-    # one warm-up round and two timed rounds of each
+    assert clock.calls == {"a": 1, "b": 1, "c": 1}  # the first call runs each once, untimed
+    assert choice.decision((8, 64), torch.float32) is None
+    decide(choice, (8, 64), clock)
+    # then one candidate a call, until each was timed twice
     assert clock.calls == {"a": 3, "b": 3, "c": 3}
     decision = choice.decision((8, 64), torch.float32)
     assert decision.choice == "b" and decision.source == "timed"
@@ -57,26 +69,28 @@ def test_picks_the_fastest_and_times_once(tmp_path):
     for _ in range(3):  # decided: the winner runs alone
         choice.run((8, 64), torch.float32, clock.candidates())
     assert clock.calls == {"a": 3, "b": 6, "c": 3}
-    choice.run((16, 64), torch.float32, clock.candidates())  # a new shape class is timed
+    decide(choice, (16, 64), clock)  # a new shape class is timed
     assert clock.calls == {"a": 6, "b": 9, "c": 6}
 
 
 def test_short_kernels_get_more_rounds(tmp_path):
     clock = FakeClock({"a": 3e-3, "b": 1e-3})  # 4 ms a round
-    _chooser(tmp_path, clock, budget_s=0.01).run((8,), torch.float32, clock.candidates())
-    assert clock.calls == {"a": 4, "b": 4}  # warm-up, then rounds until 12 ms >= 10 ms
+    decide(_chooser(tmp_path, clock, budget_s=0.01), (8,), clock)
+    # the first call, then timed calls until each has 2 and they add up to 10 ms: a b a b a
+    assert clock.calls == {"a": 4, "b": 3}
     clock = FakeClock({"a": 3e-3, "b": 1e-3})
     choice = KernelChoice("op", timer=clock, budget_s=1.0, max_rounds=5)
     choice.file = ChoiceFile(tmp_path / "d.json")
-    choice.run((8,), torch.float32, clock.candidates())
+    decide(choice, (8,), clock)
     assert clock.calls == {"a": 6, "b": 6}  # capped at max_rounds
 
 
 def test_returns_the_winners_output(tmp_path):
     clock = FakeClock({"slow": 2e-3, "fast": 1e-3})
     outs = {"slow": torch.tensor([1.0, 2.0]), "fast": torch.tensor([1.0, 2.0 + 1e-7])}
-    got = _chooser(tmp_path, clock).run((1,), torch.float32, clock.candidates(outs))
-    assert got is outs["fast"]
+    choice = _chooser(tmp_path, clock)
+    decide(choice, (1,), clock, outs)
+    assert choice.run((1,), torch.float32, clock.candidates(outs)) is outs["fast"]
 
 
 def test_a_disagreeing_candidate_is_never_chosen(tmp_path, caplog):
@@ -86,24 +100,25 @@ def test_a_disagreeing_candidate_is_never_chosen(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         got = choice.run((1,), torch.float32, clock.candidates(outs))
     assert got is outs["ref"] and "disagrees" in caplog.text
+    decide(choice, (1,), clock, outs)
     assert choice.decision((1,), torch.float32).choice == "ref"
 
 
 def test_the_cache_file_round_trips(tmp_path):
     clock = FakeClock({"a": 3e-3, "b": 1e-3})
-    _chooser(tmp_path, clock).run((4,), torch.float32, clock.candidates())
+    decide(_chooser(tmp_path, clock), (4,), clock)
     entries = json.loads((tmp_path / "c.json").read_text())
     assert [e["choice"] for e in entries.values()] == ["b"]
     # a new process on the same machine: decided from the file, nothing timed
     clock2 = FakeClock({"a": 1e-3, "b": 3e-3})
     later = _chooser(tmp_path, clock2)
-    later.run((4,), torch.float32, clock2.candidates())
+    decide(later, (4,), clock2)
     assert clock2.calls == {"a": 0, "b": 1}
     decision = later.decision((4,), torch.float32)
     assert decision.choice == "b" and decision.source == "cache file"
     assert decision.ms == {"a": 3.0, "b": 1.0}
     # another op in the same file keeps the first one's entries
-    _chooser(tmp_path, clock2, op="other").run((4,), torch.float32, clock2.candidates())
+    decide(_chooser(tmp_path, clock2, op="other"), (4,), clock2)
     assert len(json.loads((tmp_path / "c.json").read_text())) == 2
 
 
@@ -113,8 +128,8 @@ def test_a_corrupt_cache_file_is_ignored_with_one_warning(tmp_path, caplog, text
     clock = FakeClock({"a": 3e-3, "b": 1e-3})
     choice = _chooser(tmp_path, clock)
     with caplog.at_level(logging.WARNING):
-        choice.run((4,), torch.float32, clock.candidates())
-        choice.run((8,), torch.float32, clock.candidates())
+        decide(choice, (4,), clock)
+        decide(choice, (8,), clock)
     assert choice.decision((4,), torch.float32).choice == "b"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == (0 if text == '{"k": 3}' else 1)  # a stray entry is only skipped
@@ -130,7 +145,7 @@ def test_an_unwritable_cache_dir_is_ignored_with_one_warning(tmp_path, caplog):
     )
     with caplog.at_level(logging.WARNING):
         for rows in (1, 2, 4):
-            choice.run((rows,), torch.float32, clock.candidates())
+            decide(choice, (rows,), clock)
     assert choice.decision((4,), torch.float32).choice == "b"
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
 
@@ -139,7 +154,7 @@ def test_the_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("SPLITMOE_CACHE_DIR", str(tmp_path / "moved"))
     clock = FakeClock({"a": 3e-3, "b": 1e-3})
     choice = KernelChoice("op", budget_s=0, timer=clock, file=ChoiceFile())
-    choice.run((4,), torch.float32, clock.candidates())
+    decide(choice, (4,), clock)
     assert (tmp_path / "moved" / "cpu_kernels.json").exists()
 
 
@@ -163,9 +178,9 @@ def test_a_different_thread_count_is_timed_again(tmp_path):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        choice.run((4,), torch.float32, clock.candidates())
+        decide(choice, (4,), clock)
         torch.set_num_threads(2)
-        choice.run((4,), torch.float32, clock.candidates())
+        decide(choice, (4,), clock)
     finally:
         torch.set_num_threads(threads)
     assert clock.calls == {"a": 6, "b": 6}

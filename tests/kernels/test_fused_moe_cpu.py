@@ -87,12 +87,18 @@ def test_grouped_mm_path_matches_the_reference():
 
 
 def test_measured_choice_matches_the_reference():
-    """Unforced, the first call of a shape class times the layouts and returns the winner's
-    output; the second runs the kept layout alone, with the same result."""
+    """Unforced, the calls of a shape class on trial run each layout in turn, then the kept one
+    alone: every output matches the reference, and once decided they repeat bit for bit."""
     x, w13, w2, ids, w = _case(32, 8, 32, 16, 4, skew=1.0, skip=0.2, seed=11)
     want = fused_moe_ref(x, w13, w2, ids, w)
-    first = fused_moe(x, w13, w2, ids, w, "torch")
-    torch.testing.assert_close(first, want, rtol=1e-5, atol=1e-5)
-    decision = fm.cpu_moe_decision(x, w13, ids)
+    for _ in range(3 * 20 + 1):  # at most max_rounds timings of each layout
+        got = fused_moe(x, w13, w2, ids, w, "torch")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        decision = fm.cpu_moe_decision(x, w13, ids)
+        if decision is not None:
+            break
     assert decision is not None and decision.choice in fm.CPU_MOE_PATHS
-    assert torch.equal(fused_moe(x, w13, w2, ids, w, "torch"), first)
+    kept = fused_moe(x, w13, w2, ids, w, "torch")
+    assert torch.equal(fused_moe(x, w13, w2, ids, w, "torch"), kept)
+    forced = fm.fused_moe_cpu(x, w13, w2, ids, w, path=decision.choice)
+    assert torch.equal(kept, forced)
