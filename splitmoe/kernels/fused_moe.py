@@ -6,10 +6,10 @@ Given tokens ``x [N, H]``, the experts each token uses *here* (``expert_ids [N, 
 
 Backends: ``"torch"`` runs `fused_moe_cpu` on CPU (grouped MKL GEMMs or one oneDNN GEMM per
 expert, whichever layout measured fastest on this machine for the shape) and `fused_moe_ref`
-elsewhere. ``"triton"`` runs the fused Triton
-grouped GEMMs (`splitmoe.kernels.moe_gemm`); on CUDA it also measures ``torch._grouped_mm``
-(CUTLASS grouped GEMM, where this torch build and GPU have it) once per (device, dtype, shapes,
-batch-size bucket) and keeps whichever is faster, provided both agree with each other.
+elsewhere. ``"triton"`` runs the fused Triton grouped GEMMs (`splitmoe.kernels.moe_gemm`); on
+CUDA it also measures ``torch._grouped_mm`` (CUTLASS grouped GEMM, where this torch build and
+GPU have it) once per (device, dtype, shapes, batch-size bucket) and keeps whichever is faster,
+provided both agree with each other.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def fused_moe_cpu(
     return CPU_MOE_GEMMS.run(_moe_shape_class(w13, pairs, b13, act), x.dtype, calls)
 
 
-# the first is the reference the others must agree with (`KernelChoice.measure`)
+# the first is the reference the others must agree with (`KernelChoice.run`)
 CPU_MOE_PATHS = ("per_expert", "wleft", "xleft")
 
 
