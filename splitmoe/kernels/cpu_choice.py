@@ -213,6 +213,12 @@ class KernelChoice:
                 self._memory[mem_key] = got
         return got
 
+    def kept(self, shape: tuple, dtype: torch.dtype) -> str | None:
+        """The kept candidate's name if this process has decided the class, else None (a
+        dict lookup, for callers that build only the candidate they will run)."""
+        got = self._memory.get((shape, dtype, torch.get_num_threads()))
+        return None if got is None else got.choice
+
     def run(
         self, shape: tuple, dtype: torch.dtype, candidates: Mapping[str, Callable[[], Any]]
     ) -> Any:

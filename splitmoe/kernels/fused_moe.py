@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -168,23 +168,24 @@ def fused_moe_cpu(
     order = np.argsort(key, kind="stable")[:pairs]  # [P] pair index, grouped by expert
     rows = _SortedPairs(k, key, order, counts)
     paths = CPU_MOE_PATHS if _grouped_mm_fits(x, w13, w2) else ("per_expert",)
-    if path is not None:
-        if path not in CPU_MOE_PATHS:
-            raise ValueError(f"fused_moe_cpu: path {path!r} is not one of {CPU_MOE_PATHS}")
-        paths = (path,) if path in paths else paths
+    shape = _moe_shape_class(w13, pairs, b13, act)
+    if path is None:
+        path = CPU_MOE_GEMMS.kept(shape, x.dtype)  # decided: build only that call
+    elif path not in CPU_MOE_PATHS:
+        raise ValueError(f"fused_moe_cpu: path {path!r} is not one of {CPU_MOE_PATHS}")
+    paths = (path,) if path in paths else paths
     calls = {
         name: functools.partial(_MOE_LAYOUTS[name], x, w13, w2, weights, rows, b13, b2, act)
         for name in paths
     }
-    return CPU_MOE_GEMMS.run(_moe_shape_class(w13, pairs, b13, act), x.dtype, calls)
+    return CPU_MOE_GEMMS.run(shape, x.dtype, calls)
 
 
 # the first is the reference the others must agree with (`KernelChoice.run`)
 CPU_MOE_PATHS = ("per_expert", "wleft", "xleft")
 
 
-@dataclass(frozen=True)
-class _SortedPairs:
+class _SortedPairs(NamedTuple):
     """The (token, expert) pairs of a call, sorted by expert: ``key [N*k]`` each pair's expert
     (E: served elsewhere), ``order [P]`` the kept pairs' indices grouped by expert, ``counts
     [E]`` pairs per expert; ``k`` the slots per token."""
