@@ -241,7 +241,8 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown presets {unknown}; use some of {sorted(PRESETS)}")
     if args.fresh:
-        os.environ["SPLITMOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="splitmoe-bench-")
+        fresh = tempfile.TemporaryDirectory(prefix="splitmoe-bench-")  # removed at exit
+        os.environ["SPLITMOE_CACHE_DIR"] = fresh.name
     keep_freed_memory()  # as a rank does: freed temporaries are reused, not faulted in again
     with torch.inference_mode():
         for threads in (int(t) for t in args.threads.split(",")):
