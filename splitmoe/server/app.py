@@ -407,9 +407,9 @@ async def _generate(
     seqs, params = [], []
     for i, p in enumerate(prompts):
         for sp in s.params:
-            if chat and not s.max_tokens_given:  # (the rest of the context, or of the KV pool)
-                sp = replace(sp, max_tokens=max(1, state.context_for_chat - len(p)))
             try:
+                if chat and not s.max_tokens_given:  # (the rest of the context, or KV pool)
+                    sp = replace(sp, max_tokens=max(1, state.context_for_chat - len(p)))
                 check_request(i, p, sp, state.config)
             except ValueError as e:
                 raise BadRequest(str(e), param_of(str(e))) from None

@@ -294,3 +294,14 @@ def test_tools_reach_the_template_and_unknown_parsers_are_refused(server, ckpt):
         timeout=120,
     )
     assert done.returncode == 2 and "hermes" in done.stderr, done.stderr
+
+
+def test_min_tokens_past_what_the_context_leaves_is_400(server):
+    """A chat request without max_tokens gets the rest of the context; a min_tokens beyond
+    that was a 500 (found by the fuzzer)."""
+    r = _post(
+        server,
+        {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 10**6},
+        path="/v1/chat/completions",
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
