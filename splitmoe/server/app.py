@@ -152,6 +152,46 @@ class _BodyLimit:
         await self.app(scope, replay, send)
 
 
+class _RequestContext:
+    """ASGI middleware, outermost: every request gets an id (``request.state.request_id``, and
+    ``X-Request-Id`` on its response); ``/v1/`` requests are authorized before their body is
+    read; an exception no handler turned into a response is a 500 with the id, its traceback
+    logged. (Plain ASGI rather than ``@app.middleware``: that one relays every streamed chunk
+    through an extra task and queue.)"""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = new_id("req")
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def send_with_id(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        if scope["path"].startswith("/v1/"):
+            header = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            try:
+                _authorize(header.decode("latin-1"), self.state)
+            except HTTPError as e:
+                body = error_body(str(e), e.kind, e.status, request_id=rid)
+                return await JSONResponse(body, status_code=e.status)(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:  # (what no handler turned into a response: never a traceback out)
+            logger.exception("request %s failed", rid)
+            if not started:
+                await _internal(rid)(scope, receive, send_with_id)
+
+
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -168,24 +208,8 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="splitmoe", lifespan=lifespan)
     app.state.server = state
 
-    @app.middleware("http")
-    async def request_id(request: Request, call_next):
-        request.state.request_id = rid = new_id("req")
-        try:
-            if request.url.path.startswith("/v1/"):  # (before the body is even parsed)
-                _authorize(request, state)
-            response = await call_next(request)
-        except HTTPError as e:  # (a wrong key)
-            response = JSONResponse(
-                error_body(str(e), e.kind, e.status, request_id=rid), status_code=e.status
-            )
-        except Exception:  # (what no handler turned into a response: never a traceback out)
-            logger.exception("request %s failed", rid)
-            response = _internal(rid)
-        response.headers["X-Request-Id"] = rid
-        return response
-
     app.add_middleware(_BodyLimit, limit=state.limits.max_request_bytes)
+    app.add_middleware(_RequestContext, state=state)  # (added last: the outermost)
 
     def _json_error(request: Request, message, kind, status, param=None) -> JSONResponse:
         rid = getattr(request.state, "request_id", None)
@@ -240,8 +264,10 @@ def build_app(state: ServerState) -> FastAPI:
         if engine.state == "ready":
             llm = engine.llm
             unfinished = llm.num_unfinished if llm else 0
-            state.metrics.update_from_stats(engine.latest_stats(), unfinished)
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+            body = state.metrics.scrape(engine.latest_stats(), unfinished)
+        else:
+            body = state.metrics.render()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -358,10 +384,10 @@ def _default_chat_max(state: ServerState) -> int:
     return state.config.max_model_len
 
 
-def _authorize(request: Request, state: ServerState) -> None:
+def _authorize(header: str, state: ServerState) -> None:
+    """``header``: the request's Authorization header ("" when it sent none)."""
     if not state.api_keys:
         return
-    header = request.headers.get("authorization", "")
     given = header.removeprefix("Bearer ").encode()
     # every key compared in constant time, all of them whatever matched: no timing tells how
     # much of a key was right, or which key
