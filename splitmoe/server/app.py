@@ -215,10 +215,6 @@ def build_app(state: ServerState) -> FastAPI:
         rid = getattr(request.state, "request_id", None)
         return JSONResponse(error_body(message, kind, status, param, rid), status_code=status)
 
-    @app.exception_handler(HTTPError)
-    async def _http_error(request: Request, exc: HTTPError):
-        return _json_error(request, str(exc), exc.kind, exc.status, exc.param)
-
     @app.exception_handler(StarletteHTTPException)
     async def _starlette(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
@@ -229,22 +225,16 @@ def build_app(state: ServerState) -> FastAPI:
             request, f"{message}: {request.method} {request.url.path}", kind, exc.status_code
         )
 
-    @app.exception_handler(BadRequest)
-    async def _bad_request(request: Request, exc: BadRequest):
-        return _json_error(request, str(exc), "invalid_request_error", 400, exc.param)
-
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        err = validation_error(exc.errors())
-        return _json_error(request, str(err), "invalid_request_error", 400, err.param)
+        return await _error(request, validation_error(exc.errors()))
 
-    @app.exception_handler(EngineError)
-    async def _unavailable(request: Request, exc: EngineError):
-        return _json_error(request, str(exc), "service_unavailable", 503)
+    async def _error(request: Request, exc: Exception):
+        status, kind = _status_of(exc)
+        return _json_error(request, str(exc), kind, status, getattr(exc, "param", None))
 
-    @app.exception_handler(RequestFailed)
-    async def _failed(request: Request, exc: RequestFailed):
-        return _json_error(request, str(exc), "internal_error", 500)
+    for kind in _CLIENT_ERRORS:
+        app.add_exception_handler(kind, _error)
 
     @app.get("/health")
     async def health():
@@ -490,7 +480,7 @@ async def _collect(request: Request, state: ServerState, job: Job) -> list[Reque
 
 
 def _as_http(exc: Exception, rid: str) -> Exception:
-    if isinstance(exc, (EngineError, BadRequest, HTTPError)):
+    if isinstance(exc, _CLIENT_ERRORS):
         return exc
     if isinstance(exc, (ValueError, TypeError)):  # (the engine's own check of a request)
         return BadRequest(str(exc))
@@ -646,12 +636,8 @@ class _Reply:
                 yield self._chunk([], usage=_prompt_usage(outputs, s.n, self.prompts))
             yield "data: [DONE]\n\n"
         except Exception as exc:  # (never a traceback: an error event, details in the log)
-            err = (
-                exc
-                if isinstance(exc, (HTTPError, BadRequest, EngineError, RequestFailed))
-                else None
-            )
-            if err is None:
+            err = exc
+            if not isinstance(exc, _CLIENT_ERRORS):
                 logger.exception("request %s failed while streaming", self.rid)
                 err = _internal_error(self.rid)
             status, kind = _status_of(err)
@@ -689,6 +675,7 @@ def _tool_delta(calls: ToolCallStream, text: str, reason):
 
 
 def _status_of(err: Exception) -> tuple[int, str]:
+    """The HTTP status and OpenAI error type of one of `_CLIENT_ERRORS` (a 500 for others)."""
     if isinstance(err, EngineError):
         return 503, "service_unavailable"
     if isinstance(err, HTTPError):
@@ -696,3 +683,8 @@ def _status_of(err: Exception) -> tuple[int, str]:
     if isinstance(err, BadRequest):
         return 400, "invalid_request_error"
     return 500, "internal_error"
+
+
+# what a handler raises to answer with an error of OpenAI's shape (whole, or as a stream's
+# error event)
+_CLIENT_ERRORS = (HTTPError, BadRequest, EngineError, RequestFailed)
