@@ -43,7 +43,7 @@ from splitmoe.runtime import available_cores, run_rank
 from splitmoe.server.app import ServerState, build_app
 from splitmoe.server.engine import AsyncEngine
 from splitmoe.server.metrics import ServerMetrics
-from splitmoe.server.protocol import MAX_N, Limits
+from splitmoe.server.protocol import Limits
 from splitmoe.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 from splitmoe.tokenizer import Tokenizer
 
@@ -73,37 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a file of API keys, one per line (blank lines and '#' comments skipped); adds to "
         "--api-key",
     )
-    limits = Limits()
-    ap.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=limits.max_request_bytes,
-        help="largest request body; a larger one is a 413",
-    )
-    ap.add_argument(
-        "--max-prompts-per-request",
-        type=int,
-        default=limits.max_prompts_per_request,
-        help="prompts one /v1/completions request may batch",
-    )
-    ap.add_argument(
-        "--max-n",
-        type=int,
-        default=limits.max_n,
-        help=f"completions per prompt ('n', 'best_of'; at most {MAX_N})",
-    )
-    ap.add_argument(
-        "--max-stop-strings",
-        type=int,
-        default=limits.max_stop_strings,
-        help="stop strings per request",
-    )
-    ap.add_argument(
-        "--max-stop-string-chars",
-        type=int,
-        default=limits.max_stop_string_chars,
-        help="characters per stop string",
-    )
+    Limits.add_args(ap)
     ap.add_argument(
         "--chat-template",
         default=None,
@@ -173,13 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         tool_parser = (
             None if args.tool_call_parser is None else get_tool_parser(args.tool_call_parser)
         )
-        limits = Limits(
-            args.max_request_bytes,
-            args.max_prompts_per_request,
-            args.max_n,
-            args.max_stop_strings,
-            args.max_stop_string_chars,
-        )
+        limits = Limits.from_args(args)
         api_keys = _api_keys(args)
         if launched and env.world_size < 2:
             raise ValueError("started by a launcher with one process: run it directly instead")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -51,16 +51,21 @@ def error_body(
     return {"error": err}
 
 
+def _limit(default: int, doc: str):
+    return field(default=default, metadata={"help": doc})
+
+
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for (server flags): over a limit is a 400 (413 for the body)
-    that names the limit, before any rank sees the request."""
+    """What one request may ask for: over a limit is a 400 (413 for the body) that names the
+    limit, before any rank sees the request. Each field is a server flag (``--max-n``, ...;
+    `add_args`)."""
 
-    max_request_bytes: int = 16 << 20
-    max_prompts_per_request: int = 256
-    max_n: int = MAX_N
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
+    max_request_bytes: int = _limit(16 << 20, "largest request body; a larger one is a 413")
+    max_prompts_per_request: int = _limit(256, "prompts one /v1/completions request may batch")
+    max_n: int = _limit(MAX_N, f"completions per prompt ('n', 'best_of'; at most {MAX_N})")
+    max_stop_strings: int = _limit(16, "stop strings per request")
+    max_stop_string_chars: int = _limit(256, "characters per stop string")
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -68,6 +73,17 @@ class Limits:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_n > MAX_N:
             raise ValueError(f"--max-n must be <= {MAX_N}")
+
+    @staticmethod
+    def add_args(parser) -> None:
+        """One ``--flag`` per field, with its default and help."""
+        for f in fields(Limits):
+            flag = "--" + f.name.replace("_", "-")
+            parser.add_argument(flag, type=int, default=f.default, help=f.metadata["help"])
+
+    @classmethod
+    def from_args(cls, args) -> Limits:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 # ---- request bodies ------------------------------------------------------------------------------
