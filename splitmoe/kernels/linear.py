@@ -33,9 +33,6 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 # oneDNN or MKL per shape class, chosen by timing both (the first is the reference)
 CPU_LINEAR = KernelChoice("linear")
-# (rows bucket, out features, in features, bias, dtype, threads) -> "onednn" | "mkl": the
-# decisions of `CPU_LINEAR` in the form the hot path looks up without building a key string
-_CHOSEN: dict[tuple, str] = {}
 
 
 def onednn_takes(x: torch.Tensor) -> bool:
@@ -57,9 +54,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     ``F.linear``."""
     if not (onednn_takes(x) and w.dtype == x.dtype and w.is_contiguous()):
         return F.linear(x, w, b)
-    rows = pow2_bucket(x.shape[0])
-    fast_key = (rows, *w.shape, b is not None, x.dtype, torch.get_num_threads())
-    path = _CHOSEN.get(fast_key)
+    shape = (pow2_bucket(x.shape[0]), *w.shape, b is not None)
+    path = CPU_LINEAR.kept(shape, x.dtype)  # (decided: a dict lookup)
     if path == "onednn":
         return _ONEDNN_LINEAR(x, w, b, "none", [], "")
     if path == "mkl":
@@ -68,9 +64,4 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         "mkl": lambda: F.linear(x, w, b),
         "onednn": lambda: _ONEDNN_LINEAR(x, w, b, "none", [], ""),
     }
-    shape = (rows, *w.shape, b is not None)
-    out = CPU_LINEAR.run(shape, x.dtype, calls)
-    decision = CPU_LINEAR.decision(shape, x.dtype)
-    if decision is not None:
-        _CHOSEN[fast_key] = decision.choice
-    return out
+    return CPU_LINEAR.run(shape, x.dtype, calls)
