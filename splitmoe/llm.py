@@ -36,7 +36,7 @@ from splitmoe.comm.topology import Topology
 from splitmoe.config import EngineConfig, engine_config
 from splitmoe.inputs import broadcast_params, check_request, normalize_prompts
 from splitmoe.metrics import ServingMetrics, StepRecord, summarize
-from splitmoe.outputs import RequestOutput, StreamDelta
+from splitmoe.outputs import RequestOutput, StreamDelta, request_error
 from splitmoe.runtime import Inbox, run_rank
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.scheduler.block_manager import block_hashes
@@ -562,7 +562,7 @@ class _StopWatch:
 def _front_end_fault(request_id: int, stage: str, error: Exception) -> str:
     """Logs a fault that fails one request alone (with its traceback); returns its error."""
     logger.error("request %d failed in %s and is ended", request_id, stage, exc_info=error)
-    return f"{stage} failed: {type(error).__name__}: {error}"[:500]
+    return request_error(stage, error)
 
 
 class LLM:

@@ -29,6 +29,12 @@ class RequestMetrics:
         return asdict(self)
 
 
+def request_error(stage: str, error: BaseException) -> str:
+    """`RequestOutput.error` for a request that failed alone when ``stage`` raised ``error``
+    (one line, bounded: the traceback goes to the log)."""
+    return f"{stage} failed: {type(error).__name__}: {error}"[:500]
+
+
 @dataclass
 class RequestOutput:
     """The result of one prompt.

@@ -22,7 +22,7 @@ from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.backends import attention_backend, moe_backend
 from splitmoe.metrics import StepRecord
 from splitmoe.models.loader import load_attention_weights
-from splitmoe.outputs import RequestMetrics
+from splitmoe.outputs import RequestMetrics, request_error
 from splitmoe.scheduler.balancer import Balancer
 from splitmoe.scheduler.block_manager import BlockManager
 from splitmoe.scheduler.request import RequestSpec
@@ -175,7 +175,7 @@ class AttentionWorker:
         # vocabulary for xgrammar) is built when the first such request arrives
         self.grammars: dict[int, GrammarState] = {}
         self._grammar_backend: GrammarBackend | None = None
-        self._model = m
+        self._model_cfg = m  # (the grammar backend reads its tokenizer and vocabulary)
         self._batch = ScheduledBatch()
         self._step_record: StepRecord | None = None
 
@@ -241,7 +241,7 @@ class AttentionWorker:
 
     def _grammars(self) -> GrammarBackend:
         if self._grammar_backend is None:
-            m = self._model
+            m = self._model_cfg
             self._grammar_backend = GrammarBackend.from_checkpoint(
                 m.path, m.vocab_size, tuple(m.eos_token_ids)
             )
@@ -505,4 +505,4 @@ def _fault(rank: int, request_id: int, stage: str, error: Exception) -> str:
         stage,
         exc_info=error,
     )
-    return f"{stage} failed: {type(error).__name__}: {error}"[:500]
+    return request_error(stage, error)

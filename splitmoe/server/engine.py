@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from splitmoe.llm import LLM, LaunchedJob, RankFailure, _Detokenizer
-from splitmoe.outputs import RequestOutput
+from splitmoe.outputs import RequestOutput, request_error
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.server.metrics import ServerMetrics
 
@@ -273,7 +273,7 @@ class AsyncEngine:
             token_ids=list(out.token_ids),
             logprobs=None if out.logprobs is None else list(out.logprobs),
             finish_reason="error",
-            error=f"detokenizing failed: {type(error).__name__}: {error}"[:500],
+            error=request_error("detokenizing", error),
         )
         if not out.finished:
             self._forget(out.request_id)
