@@ -25,6 +25,7 @@ setup(
         "matplotlib",
         "pydantic>=2.7",
         "xgrammar>=0.1.25",  # structured output (response_format, SamplingParams.json_schema)
+        "tiktoken>=0.7",  # tokenizers released as tiktoken files (Kimi-K2)
     ],
     entry_points={"console_scripts": ["splitmoe=splitmoe.cli:main"]},
     extras_require={
@@ -40,6 +41,9 @@ setup(
             "jsonschema",
         ],
         "mpi": ["mpi4py>=3.1", "openmpi"],
+        # prefill-decode disaggregation: KV blocks move through Mooncake's transfer engine
+        # (TCP on one host, RDMA on clusters; needs the system library libibverbs1)
+        "pd": ["mooncake-transfer-engine-non-cuda"],
         "triton": ["triton>=3.0"],
     },
 )

@@ -14,6 +14,14 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
   fi
 fi
+# Mooncake's transfer engine (the "pd" extra) links the system's libibverbs
+if [[ ",$EXTRAS," == *",pd,"* ]] && ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -qq libibverbs1 >/dev/null || { apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; }
+  else
+    echo "setup_env.sh: the pd extra needs the system library libibverbs1 (e.g. apt-get install libibverbs1)" >&2
+  fi
+fi
 spec="."
 [ -n "$EXTRAS" ] && spec=".[${EXTRAS}]"
 "$PY" -m pip install -q -e "$spec"

@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
-bash scripts/setup_env.sh test,mpi
+bash scripts/setup_env.sh test,mpi,pd
 "$PY" -m ruff check splitmoe scripts tests
 exec "$PY" -m pytest -q tests "$@"
