@@ -4,6 +4,11 @@ Spans are ``(step, name, kind, start, end)`` with ``kind`` one of ``compute`` (m
 math), ``comm`` (posting or copying messages) and ``wait`` (blocked on a peer or the control
 plane). Clocks are `time.perf_counter` (system-wide monotonic on Linux, so ranks of one machine
 line up). Recording is a tuple append per span: cheap enough to stay on.
+
+Each rank also sums its own time per kind as spans close (`Timeline.take_times`): what it shares
+in the control exchange for the micro-batch count (`splitmoe.scheduler.micro_batches`). A span
+nested in another counts for its own kind, and only its self time counts for the outer one (the
+attention forward encloses the dispatches and combines it makes), as in `breakdown`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,24 @@ from collections import deque
 from dataclasses import dataclass
 
 KINDS = ("compute", "comm", "wait")
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds one rank spent per kind in one step (self time: nested spans counted once)."""
+
+    compute: float = 0.0
+    comm: float = 0.0
+    wait: float = 0.0
+
+    @property
+    def busy(self) -> float:
+        """Time this rank's own thread was occupied: computing or posting messages."""
+        return self.compute + self.comm
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm + self.wait
 
 
 @dataclass(frozen=True)
@@ -28,6 +51,8 @@ class Timeline:
     def __init__(self, max_spans: int = 20000):
         self.spans: deque[tuple] = deque(maxlen=max_spans)
         self.step = 0
+        self._totals = dict.fromkeys(KINDS, 0.0)  # self time per kind since `take_times`
+        self._open: list[float] = []  # per open span: the time of its closed children
 
     def span(self, name: str, kind: str) -> _Timed:
         """``with timeline.span(name, kind): ...`` records the block's span (also when it
@@ -36,6 +61,13 @@ class Timeline:
 
     def export(self) -> list[Span]:
         return [Span(*s) for s in self.spans]
+
+    def take_times(self) -> StepTimes:
+        """Self time per kind of the spans closed since the last call; starts a new sum."""
+        t = self._totals
+        out = StepTimes(t["compute"], t["comm"], t["wait"])
+        self._totals = dict.fromkeys(KINDS, 0.0)
+        return out
 
 
 class _Timed:
@@ -49,11 +81,18 @@ class _Timed:
         self._timeline, self._name, self._kind = timeline, name, kind
 
     def __enter__(self) -> None:
+        self._timeline._open.append(0.0)
         self._start = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
+        end = time.perf_counter()
         tl = self._timeline
-        tl.spans.append((tl.step, self._name, self._kind, self._start, time.perf_counter()))
+        tl.spans.append((tl.step, self._name, self._kind, self._start, end))
+        open_ = tl._open
+        took = end - self._start
+        tl._totals[self._kind] += took - open_.pop()
+        if open_:
+            open_[-1] += took
 
 
 def breakdown(spans: list[Span]) -> dict[str, float]:

@@ -12,6 +12,9 @@ import torch
 import torch.distributed as dist
 
 from splitmoe.comm.distributed import Collective
+from splitmoe.timeline import StepTimes
+
+_COLUMNS = 9  # tokens, done, rebalance, ready, mail, publish, then `StepTimes` in nanoseconds
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,9 @@ class StepDecision:
     (a rebalance in progress switches at such a step boundary); ``mail``: some rank has messages
     to relay (`StepSync.relay` runs on every rank; the job does not end while any is left);
     ``publish``: some rank's counters are due to go out, and every rank sends its own now (so a
-    launched job relays all of them in one exchange, and the snapshots are of one moment)."""
+    launched job relays all of them in one exchange, and the snapshots are of one moment);
+    ``times[r]``: what rank ``r`` measured in the step before this exchange (zeros where it ran
+    none), the same numbers on every rank, whatever each one's clock read."""
 
     tokens: tuple[int, ...]
     finished: bool
@@ -30,6 +35,7 @@ class StepDecision:
     ready: bool = True
     mail: bool = False
     publish: bool = False
+    times: tuple[StepTimes, ...] = ()
 
     @property
     def run(self) -> bool:
@@ -38,8 +44,8 @@ class StepDecision:
 
 class StepSync:
     """All-gathers ``(tokens this step, done, rebalance wanted, next placement staged, mail
-    bytes, counters due)`` from every rank over a CPU collective of the whole world (shared
-    memory on one host, else the gloo group).
+    bytes, counters due, the previous step's times)`` from every rank over a CPU collective of
+    the whole world (shared memory on one host, else the gloo group).
 
     Mail is how a launched job's server on rank 0 reaches ranks in other processes (see
     `splitmoe.llm.RelayChannel`): new requests, aborts and commands go out, token progress and
@@ -53,7 +59,7 @@ class StepSync:
         self.group = group
         self.world_size = world_size
         self.objects = objects
-        self._out = torch.zeros(world_size, 6, dtype=torch.int64)
+        self._out = torch.zeros(world_size, _COLUMNS, dtype=torch.int64)
         self._sizes: list[int] = []
 
     def exchange(
@@ -64,7 +70,12 @@ class StepSync:
         ready: bool = True,
         mail: int = 0,
         publish: bool = False,
+        times: StepTimes | None = None,
     ) -> StepDecision:
+        """``times``: what this rank measured in its last step (None: it ran none since the
+        last exchange). Times travel as whole nanoseconds, so every rank decodes the same
+        floats from them."""
+        ns = (0, 0, 0) if times is None else (_ns(times.compute), _ns(times.comm), _ns(times.wait))
         if self.world_size == 1:  # nothing to agree on
             return StepDecision(
                 tokens=(tokens,),
@@ -72,9 +83,11 @@ class StepSync:
                 rebalance=rebalance,
                 ready=ready,
                 publish=publish,
+                times=(_times(ns),),
             )
         mine = torch.tensor(
-            [tokens, int(done), int(rebalance), int(ready), mail, int(publish)], dtype=torch.int64
+            [tokens, int(done), int(rebalance), int(ready), mail, int(publish), *ns],
+            dtype=torch.int64,
         )
         self.group.all_gather_single(self._out.view(-1), mine)
         rows = self._out.tolist()
@@ -88,6 +101,7 @@ class StepSync:
             ready=all(r[3] for r in rows),
             mail=mail,
             publish=any(r[5] for r in rows),
+            times=tuple(_times(r[6:9]) for r in rows),
         )
 
     def relay(self, blob: bytes) -> list[bytes | None]:
@@ -111,3 +125,11 @@ class StepSync:
         self.exchange(0, False)
         n = torch.zeros(self.world_size, dtype=torch.int64, device=comm_device)
         dist.all_to_all_single(torch.empty_like(n), n, group=data_group)
+
+
+def _ns(seconds: float) -> int:
+    return max(0, round(seconds * 1e9))
+
+
+def _times(ns) -> StepTimes:
+    return StepTimes(*(v / 1e9 for v in ns))

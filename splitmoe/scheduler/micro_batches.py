@@ -1,0 +1,206 @@
+"""The micro-batch count of each step, chosen from the times the ranks measure (``"auto"``).
+
+Two micro-batches let an attention rank compute one while the other is in flight or at the
+experts, but every micro-batch pays once more for what does not shrink with its tokens: the
+expert GEMMs read every local expert's weights again (at decode sizes they are bound by that
+read), one more message per layer, one more pass of per-layer Python. Whether the overlap wins
+depends on the model, the batch and the machine, so the count is predicted from measurements:
+
+* every rank sums its compute, comm and wait time over each step (`Timeline.take_times`) and
+  shares the three numbers in the next control exchange (`StepSync.exchange`): each rank then
+  holds the same numbers, whatever its own clock read, and computes the same choice from them;
+* a small cost model per step, fitted to the last `WINDOW` steps by least squares (non-negative):
+  attention busy time ``A = a_tok * T + a_mb * m`` (T: tokens on the busiest attention rank; the
+  slowest attention rank holds everyone up), expert busy time ``E = e_tok * N + e_mb * m`` (N: the
+  step's tokens; the busiest expert rank), and the exposed round trip ``X = x_tok * N + x_mb * m``
+  (what an m=1 step's forward took beyond ``A + E``: transfers, stragglers);
+* with ``m`` micro-batches circulating between the attention ranks and the experts, a layer takes
+  the longest of each side's total and one micro-batch's round trip (a closed loop of two
+  servers), so a step's forward takes ``max(A, E, (A + E + X) / m)``; times that prediction the
+  ratio measured over predicted seen at that count (the model leaves out what it does not know,
+  such as ranks that share cores and cannot overlap at all);
+* the fastest predicted count runs, a larger one only where it is more than `MARGIN` faster;
+* a count in `EXPLORE` not run for `EXPLORE_EVERY` steps is run once, so a wrong early estimate
+  (or a workload that changed) is corrected.
+
+The chooser is deterministic given the shared numbers: plain Python floats in a fixed order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitmoe.config import ParallelConfig
+from splitmoe.timeline import StepTimes
+
+CANDIDATES = (1, 2, 3, 4)  # counts the model predicts; more split decode batches too thin
+EXPLORE = (1, 2)  # counts kept measured, so that the model always has both
+EXPLORE_EVERY = 32  # steps; an exploring step costs at most one step's difference in 32
+WINDOW = 32  # steps the model is fitted to: long enough to see both counts, short to adapt
+RATIO_WEIGHT = 0.3  # weight of the newest step in a count's measured / predicted ratio
+# A count beats a smaller one only when predicted this much faster: within it the two are a tie
+# (the measurements are noisy), and fewer micro-batches pay less per-micro-batch overhead.
+MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One step as every rank saw it in the exchange: its count and token counts, the busiest
+    attention rank's busy time ``attention`` and forward time ``forward`` (busy + wait), the
+    busiest expert rank's busy time ``experts`` (seconds)."""
+
+    micro_batches: int
+    max_tokens: int
+    tokens: int
+    attention: float
+    experts: float
+    forward: float
+
+    @classmethod
+    def from_exchange(
+        cls, m: int, tokens: Sequence[int], times: Sequence[StepTimes], num_attention: int
+    ) -> StepSample:
+        """``tokens``: every attention rank's tokens in the step; ``times``: every rank's
+        (attention ranks first)."""
+        att, exp = times[:num_attention], times[num_attention:]
+        return cls(
+            micro_batches=m,
+            max_tokens=max(tokens),
+            tokens=sum(tokens),
+            attention=max(t.busy for t in att),
+            experts=max((t.busy for t in exp), default=0.0),
+            forward=max(t.total for t in att),
+        )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A count's predicted forward time (seconds): the model's, and corrected by the ratio of
+    measured to predicted seen at that count."""
+
+    micro_batches: int
+    model: float
+    corrected: float
+
+
+class MicroBatchChooser:
+    """Picks each step's micro-batch count on every rank alike: `choose` before the step, and
+    `observe` with the exchanged times after it (in the next exchange)."""
+
+    def __init__(self, parallel: ParallelConfig, shared_gpu: bool = False):
+        self.parallel = parallel
+        self.shared_gpu = shared_gpu
+        self.samples: deque[StepSample] = deque(maxlen=WINDOW)
+        self.steps = 0  # steps chosen for
+        self.last_run: dict[int, int] = {}  # count -> the step it last ran at
+        self.ratio: dict[int, float] = {}  # count -> measured / predicted forward time
+        self.chosen: dict[int, int] = {}  # count -> steps run with it (stats)
+        self._pending: tuple[int, tuple[int, ...]] | None = None  # (m, tokens) of the last step
+        self._coeffs = ((0.0, 0.0),) * 3  # `_fit` of the samples
+
+    def choose(self, tokens: Sequence[int]) -> int:
+        """The count of a step whose attention ranks compute ``tokens`` (all-gathered)."""
+        m = self.parallel.micro_batches_for(tuple(tokens), self.shared_gpu)
+        if m is None:
+            m = self._choose(tokens)
+        self.steps += 1
+        self.last_run[m] = self.steps
+        self.chosen[m] = self.chosen.get(m, 0) + 1
+        self._pending = (m, tuple(tokens))
+        return m
+
+    def observe(self, times: Sequence[StepTimes]) -> None:
+        """Every rank's times of the step last chosen for (from `StepDecision.times`); a no-op
+        when no step ran since the last call."""
+        if self._pending is None or not times:
+            return
+        m, tokens = self._pending
+        self._pending = None
+        sample = StepSample.from_exchange(m, tokens, times, len(tokens))
+        if sample.forward <= 0.0:  # (a rank that measured nothing: nothing to learn)
+            return
+        self.samples.append(sample)
+        self._coeffs = self._fit()
+        predicted = self.model_time(m, sample.max_tokens, sample.tokens)
+        if predicted > 0.0:
+            seen = sample.forward / predicted
+            old = self.ratio.get(m)
+            self.ratio[m] = seen if old is None else old + RATIO_WEIGHT * (seen - old)
+
+    def predictions(self, tokens: Sequence[int]) -> list[Prediction]:
+        """Every candidate count's predicted forward time for a step of ``tokens``."""
+        t_max, n = max(tokens), sum(tokens)
+        default = sum(self.ratio.values()) / len(self.ratio) if self.ratio else 1.0
+        out = []
+        for m in CANDIDATES:
+            if m > max(t_max, 1):
+                break
+            model = self.model_time(m, t_max, n)
+            out.append(Prediction(m, model, model * self.ratio.get(m, default)))
+        return out
+
+    def model_time(self, m: int, max_tokens: int, tokens: int) -> float:
+        """The cost model's forward time of a step: ``max(A, E, (A + E + X) / m)``."""
+        a, e, x = self._coeffs
+        att = a[0] * max_tokens + a[1] * m
+        exp = e[0] * tokens + e[1] * m
+        trip = x[0] * tokens + x[1] * m
+        return max(att, exp, (att + exp + trip) / m)
+
+    def stats(self) -> dict:
+        return {"micro_batch_steps": {str(m): n for m, n in sorted(self.chosen.items())}}
+
+    def _choose(self, tokens: Sequence[int]) -> int:
+        fits = [m for m in EXPLORE if m <= max(tokens)]
+        # the count measured longest ago (never: first), when it is due
+        last = {m: self.last_run.get(m, -EXPLORE_EVERY) for m in fits}
+        due = [m for m in fits if self.steps + 1 - last[m] >= EXPLORE_EVERY]
+        if due:
+            return min(due, key=lambda m: (last[m], m))
+        best, *rest = self.predictions(tokens)
+        for p in rest:
+            if p.corrected < best.corrected * (1.0 - MARGIN):
+                best = p
+        return best.micro_batches
+
+    def _fit(self) -> tuple[tuple[float, float], ...]:
+        """(per token, per micro-batch) seconds of attention, experts and the exposed trip."""
+        s = self.samples
+        att = _fit_two([(x.max_tokens, x.micro_batches, x.attention) for x in s])
+        exp = _fit_two([(x.tokens, x.micro_batches, x.experts) for x in s])
+        trip = _fit_two(
+            [
+                (x.tokens, 1, max(0.0, x.forward - x.attention - x.experts))
+                for x in s
+                if x.micro_batches == 1
+            ]
+        )
+        return att, exp, trip
+
+
+def _fit_two(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Non-negative least squares ``z ~ p * u + q * v`` over rows ``(u, v, z)``, in plain
+    Python floats (the same result on every host). Where ``u`` and ``v`` are proportional (one
+    count, one token count seen), the minimum-norm solution: the cost is split by the columns'
+    scale until a second count or token count tells them apart."""
+    suu = suv = svv = suz = svz = 0.0
+    for u, v, z in rows:
+        suu += u * u
+        suv += u * v
+        svv += v * v
+        suz += u * z
+        svz += v * z
+    if suu + svv == 0.0:
+        return 0.0, 0.0
+    det = suu * svv - suv * suv
+    if det <= 1e-9 * suu * svv:
+        p, q = suz / (suu + svv), svz / (suu + svv)
+    else:
+        p, q = (svv * suz - suv * svz) / det, (suu * svz - suv * suz) / det
+    if p < 0.0:
+        p, q = 0.0, max(0.0, svz / svv) if svv else 0.0
+    elif q < 0.0:
+        p, q = max(0.0, suz / suu) if suu else 0.0, 0.0
+    return p, q
