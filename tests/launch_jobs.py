@@ -53,6 +53,8 @@ def launch_args(ckpt, attention_ranks: int, inp: Path, out: Path, *extra: str) -
         "--max-tokens",
         str(DEFAULT_MAX_TOKENS),
         "--ignore-eos",
+        "--dtype",
+        "float32",
         *extra,
     ]
 

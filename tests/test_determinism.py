@@ -15,7 +15,7 @@ PARAMS = [
 
 
 def _run(ckpt, prompts, params, **kw):
-    with LLM(str(ckpt), device="cpu", **kw) as llm:
+    with LLM(str(ckpt), dtype="float32", device="cpu", **kw) as llm:
         return [o.token_ids for o in llm.generate(prompts, params)]
 
 

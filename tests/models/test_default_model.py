@@ -19,7 +19,7 @@ def test_default_model_matches_hf(tmp_path):
     tok = Tokenizer.from_checkpoint(ckpt)
     prompts = ["Hello, world!", "Experts"]
     assert tok.decode(tok.encode(prompts[0])) == prompts[0]
-    with LLM(str(ckpt), attention_ranks=1, expert_ranks=2, device="cpu") as llm:
+    with LLM(str(ckpt), attention_ranks=1, expert_ranks=2, dtype="float32", device="cpu") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.prompt_token_ids == tok.encode(p)
