@@ -137,6 +137,50 @@ class ModelShape:
             return 2 * self.num_heads * context * (2 * self.kv_lora_rank + self.qk_rope_dim)
         return 4 * self.num_heads * self.head_dim * context
 
+    def memory_dims(self):
+        """These shapes as `splitmoe.memory.ModelDims`: what the one memory model sizes ranks
+        from (the simulator's memory answers are the runtime's)."""
+        from splitmoe.memory import ModelDims
+
+        H = self.hidden
+        if self.attention == "mla":
+            qk = self.qk_nope_dim + self.qk_rope_dim
+            q = self.q_lora_rank
+            attn = [(q, H), (self.num_heads * qk, q)] if q else [(self.num_heads * qk, H)]
+            attn += [
+                (self.kv_lora_rank + self.qk_rope_dim, H),
+                (self.num_heads * (self.qk_nope_dim + self.v_head_dim), self.kv_lora_rank),
+                (H, self.num_heads * self.v_head_dim),
+            ]
+            kv_values = self.kv_bytes_per_token(1)
+        else:
+            d, q = self.head_dim, self.q_lora_rank
+            heads_out = self.num_heads * d
+            attn = [(q, H), (heads_out, q)] if q else [(heads_out, H)]
+            attn += [(self.num_kv_heads * d, H)] * 2 + [(H, heads_out)]
+            kv_values = self.kv_bytes_per_token(1)
+        S, D, I = self.shared_intermediate, self.dense_intermediate, self.moe_intermediate
+        quant = "mxfp4" if self.mxfp4_experts else ("fp8" if self.fp8_weights else None)
+        return ModelDims(
+            name=self.name,
+            hidden=H,
+            vocab=self.vocab,
+            num_layers=self.num_layers,
+            num_moe_layers=self.num_moe_layers,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            moe_intermediate=I,
+            attention_linears=tuple(attn),
+            expert_linears=((2 * I, H), (H, I)),
+            kv_values_per_token=kv_values,
+            moe_layer_linears=((2 * S, H), (H, S)) if S else (),
+            dense_layer_linears=((2 * D, H), (H, D)) if D else (),
+            router_params=H * self.num_experts,
+            sliding_layers=self.sliding_layers,
+            sliding_window=self.sliding_window,
+            quantization=quant,
+        )
+
     def describe(self) -> str:
         return (
             f"{self.name}: {self.num_layers} layers ({self.num_moe_layers} MoE), hidden "

@@ -41,9 +41,16 @@ from functools import lru_cache
 
 import torch
 
+from splitmoe.memory import ModelDims, rank_memory
 from splitmoe.sim.hardware import HardwareProfile
 from splitmoe.sim.imbalance import BALANCERS, expert_load
 from splitmoe.sim.model import ModelShape
+
+
+@lru_cache(maxsize=64)
+def _memory_dims(model: ModelShape) -> ModelDims:
+    return model.memory_dims()  # (the planner asks thousands of times)
+
 
 # flat / two_phase: the runtime's transports (host-issued collectives, alpha per message);
 # gpu_a2a: GPU-initiated all-to-all (DeepEP low-latency, StepMesh, MegaScale-Infer's M2N): a fixed
@@ -526,21 +533,36 @@ class Simulator:
 
     # ---- what users ask -----------------------------------------------------------------------
     def memory_gb(self, dep: Deployment, batch: int, max_context: float) -> tuple[float, float]:
-        """Bytes an attention rank and an expert rank hold (GB): weights + full-context KV."""
+        """Bytes an attention rank and an expert rank hold (GB): weights in the layout the
+        runtime keeps them and the full-context KV cache, by the runtime's memory model
+        (`splitmoe.memory.rank_memory`; no step buffers: `decode`'s ``fits`` leaves 10 % of the
+        device for them)."""
         if dep.colocated and self.expert_hw is not None:
             return replace(self, expert_hw=None).memory_gb(dep, batch, max_context)
-        m = self.model
-        tp = dep.attention_tp
-        kv = batch * m.kv_context(max_context) * m.kv_bytes_per_token(self.kv_bytes) * m.num_layers
-        kv *= self.kv_shard(tp)
-        experts_total = m.num_moe_layers * m.expert_params * self.expert_wbytes
-        slots = m.num_experts + dep.redundant_experts
-        attn_w = m.attention_rank_params * self.wbytes / tp
+        m, tp = self.model, dep.attention_tp
+
+        def table(dtype_bytes: int):
+            return rank_memory(
+                _memory_dims(m),
+                1,  # (attention ranks are alike: one stands for them)
+                dep.expert_ranks,
+                dtype_bytes=dtype_bytes,
+                kv_tokens=batch * max_context,
+                window_tokens=batch * min(max_context, m.sliding_window),
+                kv_bytes=self.kv_bytes,
+                redundant_experts=dep.redundant_experts,
+                expert_shards=max(dep.expert_parallel, tp),
+                attention_tp=tp,
+                kv_shard=self.kv_shard(tp),
+            )
+
+        t = table(self.hw.weight_bytes)
+        attn = t.ranks[0].total
         if dep.colocated:
-            attn = attn_w + kv + experts_total * slots / max(dep.expert_parallel, tp)
             return attn / 1e9, 0.0
-        per_rank = math.ceil(slots / dep.expert_ranks)
-        return (attn_w + kv) / 1e9, experts_total * per_rank / 1e9
+        if self.ehw.weight_bytes != self.hw.weight_bytes:
+            t = table(self.ehw.weight_bytes)
+        return attn / 1e9, max(r.total for r in t.role("expert")) / 1e9
 
     def max_batch(self, dep: Deployment, max_context: float) -> int:
         """The most sequences per attention rank whose KV cache fits beside the weights (90 % of
