@@ -47,6 +47,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_indexed_blocks: int = 0
     num_cached_tokens: int = 0
+    # prefill-decode disaggregation: whether this (decode-side) request tried its pull already
+    kv_pulled: bool = False
     # fixed at creation; the step loop reads them once per request and token
     prompt_len: int = field(init=False)
     _stop_ids: frozenset[int] = field(init=False, repr=False)

@@ -13,15 +13,19 @@ first output token), and each block that a step fills is indexed for later reque
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from splitmoe.config import SchedulerConfig
+from splitmoe.kv_transfer import KVConnector, transfer_key
 from splitmoe.scheduler.block_manager import BlockManager
 from splitmoe.scheduler.request import Request, RequestSpec, Status
-from splitmoe.scheduler.window_blocks import SlidingWindowBlocks
+from splitmoe.scheduler.window_blocks import NULL_BLOCK, SlidingWindowBlocks
+
+logger = logging.getLogger("splitmoe")
 
 
 @dataclass
@@ -47,6 +51,7 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         window_blocks: SlidingWindowBlocks | None = None,
+        kv_connector: KVConnector | None = None,
     ):
         self.cfg = cfg
         self.blocks = blocks
@@ -57,6 +62,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # prefill-decode disaggregation (`splitmoe.kv_transfer`): prompts' blocks handed over
+        # on the prefill side, pulled on the decode side
+        self.kv_connector = kv_connector
+        self.kv_pull_failures = 0
 
     def add(self, spec: RequestSpec) -> Request:
         req = Request(spec, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
@@ -99,6 +108,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def schedule(self) -> ScheduledBatch:
+        if self.kv_connector is not None:
+            self._free_released()
         batch = ScheduledBatch()
         budget = self.cfg.max_num_batched_tokens
         preempted = False
@@ -128,6 +139,22 @@ class Scheduler:
             req = self.waiting[0]
             cached = self._cached_prefix(req)
             start = len(cached) * self.blocks.block_size
+            if self._pulls(req):
+                pulled = self._pull(req, cached)
+                if pulled is None:
+                    break  # (the pool cannot hold the prompt now)
+                if pulled:
+                    self.waiting.popleft()
+                    req.status = Status.RUNNING
+                    if req.first_scheduled_time is None:
+                        req.first_scheduled_time = now
+                        req.num_cached_tokens = start
+                    self.running.append(req)
+                    n = min(req.num_tokens - req.num_computed_tokens, budget)
+                    batch.requests.append(req)
+                    batch.num_new_tokens.append(n)
+                    budget -= n
+                    continue
             n = min(req.num_tokens - start, budget)
             if not self._grow(req, start + n, cached):
                 break
@@ -143,6 +170,68 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _pulls(self, req: Request) -> bool:
+        """Whether ``req`` is to pull its prompt's KV from a prefill instance now."""
+        kv = req.params.kv_transfer_params
+        return (
+            self.kv_connector is not None
+            and kv is not None
+            and kv.do_remote_prefill
+            and not req.kv_pulled
+        )
+
+    def _pull(self, req: Request, cached: list[int]) -> bool | None:
+        """Takes blocks for the whole prompt and reads every token but the last from the
+        prefill instance (the last one is computed here: its logits give the first output
+        token); the local ``cached`` prefix is not read. True: the request starts with
+        ``prompt_len - 1`` tokens computed; False: the pull failed and the prompt is computed
+        here (the blocks went back); None: the pool cannot hold the prompt now."""
+        bs = self.blocks.block_size
+        p = req.prompt_len
+        last = self.blocks.blocks_for(p - 1)  # blocks holding tokens 0 .. p - 2
+        skip = 0
+        if self.window_blocks is not None:
+            # entries out of the window of the queries from p - 1 on stay the null block
+            skip = min(last, max(0, p - 1 - self.window_blocks.window + 1) // bs)
+            if not self.blocks.can_grow(req.block_table, p):
+                return None
+            req.window_table.extend([NULL_BLOCK] * skip)
+            if not self.window_blocks.grow(req.window_table, p, p - 1):
+                req.window_table.clear()
+                return None
+            ok = self.blocks.grow(req.block_table, p)
+        else:
+            ok = self.blocks.grow(req.block_table, p, cached)
+        if not ok:
+            self._free(req)
+            return None
+        req.kv_pulled = True
+        kv = req.params.kv_transfer_params
+        tables = [req.block_table] + ([req.window_table] if self.window_blocks else [])
+        first = [len(cached)] + ([skip] if self.window_blocks else [])
+        key = transfer_key(kv.transfer_id, req.prompt_token_ids)
+        result = self.kv_connector.pull(kv, key, tables, first, last)
+        if not result.ok:
+            self.kv_pull_failures += 1
+            logger.warning(
+                "request %d: KV pull failed (%s); its prompt is computed here",
+                req.request_id,
+                result.error,
+            )
+            self._free(req)
+            return False
+        req.num_indexed_blocks = len(cached)
+        req.num_computed_tokens = len(cached) * bs
+        self.computed(req, p - 1 - req.num_computed_tokens)
+        return True
+
+    def _free_released(self) -> None:
+        """Frees the blocks that prefill-side transfers are done with (or that expired)."""
+        for tables in self.kv_connector.take_released():
+            self.blocks.free(tables[0])
+            if self.window_blocks is not None and len(tables) > 1:
+                self.window_blocks.free(tables[1])
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """The cached blocks that a waiting request (holding no blocks) can start from."""
@@ -166,6 +255,15 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         req.status = Status.FINISHED
         self.running.remove(req)
+        kv = req.params.kv_transfer_params
+        if self.kv_connector is not None and kv is not None and kv.do_remote_decode:
+            # handed over: the blocks come back through `_free_released`
+            tables = [req.block_table] + ([req.window_table] if self.window_blocks else [])
+            key = transfer_key(kv.transfer_id, req.prompt_token_ids)
+            self.kv_connector.park(key, [list(t) for t in tables], kv.num_readers)
+            req.block_table.clear()
+            req.window_table.clear()
+            return
         self._free(req)
 
     def abort(self, request_id: int) -> Request | None:
