@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from splitmoe.kv_transfer import KVTransferParams
+
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes any unsigned 64-bit value
 MIN_TEMPERATURE = 0.01  # smaller positive temperatures are raised to it (as vLLM does)
 MAX_LOGIT_BIAS = 100.0  # biases are clamped to [-100, 100] (as OpenAI and vLLM do)
@@ -79,6 +81,8 @@ class SamplingParams:
     text) that the output must be an instance of: each step only the tokens the schema's
     grammar allows can be chosen (xgrammar, `splitmoe.attention_nodes.grammar`), and the request
     ends with ``finish_reason="stop"`` once the JSON is complete.
+    kv_transfer_params: prefill-decode disaggregation (`splitmoe.kv_transfer.KVTransferParams`,
+    or its dict as vLLM's clients send it): the router sets it; other requests leave it None.
     """
 
     max_tokens: int = 16
@@ -98,6 +102,7 @@ class SamplingParams:
     logprobs: int | None = None
     cache_salt: str | None = None
     json_schema: str | None = None
+    kv_transfer_params: KVTransferParams | None = None
     # derived: whether logits processors or penalties apply before the token is chosen (they
     # change a greedy request's argmax too). Stored, not a property: the sampler reads it for
     # every row of every step (~30 ns a row against ~100 for a property).
@@ -165,6 +170,7 @@ class SamplingParams:
                 f"logprobs={_show(self.logprobs)} must be None or an integer in [0, 20]"
             )
         put(self, "json_schema", _json_schema(self.json_schema))
+        put(self, "kv_transfer_params", KVTransferParams.parse(self.kv_transfer_params))
         adjusts = bool(
             self.json_schema is not None
             or self.min_tokens

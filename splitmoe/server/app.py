@@ -246,6 +246,20 @@ def build_app(state: ServerState) -> FastAPI:
             body["error"] = engine.public_error
         return JSONResponse(body, status_code=503)
 
+    @app.get("/internal/kv")
+    async def kv_transfer():
+        # prefill-decode disaggregation (`splitmoe.router`): this instance's role and its
+        # attention ranks' KV agents and block counts, from their latest published counters
+        kv = state.config.kv_transfer
+        ranks = [s for s in state.engine.latest_stats() if "kv_blocks_used" in s]
+        keys = ("rank", "kv_agent", "kv_blocks_used", "kv_window_blocks_used", "kv_parked")
+        return {
+            "kv_role": kv.kv_role,
+            "kv_connector": kv.kv_connector,
+            "agents": [s["kv_agent"] for s in ranks if s.get("kv_agent")],
+            "ranks": [{k: s[k] for k in keys if k in s} for s in ranks],
+        }
+
     @app.get("/metrics")
     async def metrics():
         # the counters the ranks published last: no command to the engine thread, no wait on a

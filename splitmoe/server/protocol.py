@@ -156,6 +156,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # prefill-decode disaggregation: set by `splitmoe.router` (checked by KVTransferParams)
+    kv_transfer_params: dict | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -400,6 +402,7 @@ def sampling(
         min_tokens=req.min_tokens,
         cache_salt=req.cache_salt,
         json_schema=json_schema,
+        kv_transfer_params=req.kv_transfer_params,
     )
     opts.update({k: v for k, v in optional.items() if v is not None})
     try:
