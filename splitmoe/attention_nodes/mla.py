@@ -16,7 +16,9 @@ Interleaved rotary layouts (DeepSeek-V2, V3 with ``rope_interleave``) rotate pai
 ``(x0, x1), (x2, x3) ...``; the rows of the rotary outputs of the q and kv_a projections are
 permuted here to ``(x0, x2, ..., x1, x3, ...)`` so the one half-rotation RoPE applies (the
 scores are unchanged: q and k are permuted alike, and HF's interleaved form computes the same
-products).
+products). FP8 projections stay FP8 (`QuantizedWeight`): the permutation keeps each row in its
+scale block (`quant.permute_rows`); ``kv_b_proj``, split per head for batched GEMMs, is loaded
+dense.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from splitmoe.config import ModelConfig
+from splitmoe.kernels.quant import QuantizedWeight, permute_rows
+
+Weight = torch.Tensor | QuantizedWeight
 
 
 def deinterleave(rows: int, device) -> torch.Tensor:
@@ -35,11 +40,11 @@ def deinterleave(rows: int, device) -> torch.Tensor:
 
 @dataclass
 class MlaWeights:
-    w_q: torch.Tensor  # [nh (nope + R), H] or, with q LoRA, [nh (nope + R), Qr]
-    q_a: torch.Tensor | None  # [Qr, H] (q LoRA)
+    w_q: Weight  # [nh (nope + R), H] or, with q LoRA, [nh (nope + R), Qr]
+    q_a: Weight | None  # [Qr, H] (q LoRA)
     q_a_bias: torch.Tensor | None
     q_a_norm: torch.Tensor | None  # [Qr]
-    kv_a: torch.Tensor  # [Lr + R, H]
+    kv_a: Weight  # [Lr + R, H]
     kv_a_bias: torch.Tensor | None
     kv_a_norm: torch.Tensor  # [Lr]
     w_uk: torch.Tensor  # [nh, nope, Lr]: folds q_nope into the latent space
@@ -52,22 +57,23 @@ class MlaWeights:
         Lr = cfg.kv_lora_rank
         w_q = t["q_b_proj"] if cfg.q_lora_rank is not None else t["q_proj"]
         kv_a, kv_a_bias = t["kv_a_proj"], t.get("kv_a_bias")
+        dtype = t["kv_a_norm"].dtype  # the run dtype
         if cfg.rope_interleave:
             perm = deinterleave(R, w_q.device)
-            w_q = w_q.view(nh, nope + R, -1)
-            w_q = torch.cat([w_q[:, :nope], w_q[:, nope:].index_select(1, perm)], 1)
-            w_q = w_q.reshape(nh * (nope + R), -1)
+            head = torch.cat([torch.arange(nope, device=perm.device), nope + perm])
+            q_perm = (torch.arange(nh, device=perm.device)[:, None] * (nope + R) + head).view(-1)
+            w_q = permute_rows(w_q, q_perm, dtype)  # each head's rotary rows de-interleaved
             kv_perm = torch.cat([torch.arange(Lr, device=perm.device), Lr + perm])
-            kv_a = kv_a.index_select(0, kv_perm)
+            kv_a = permute_rows(kv_a, kv_perm, dtype)
             if kv_a_bias is not None:
                 kv_a_bias = kv_a_bias.index_select(0, kv_perm)
         kv_b = t["kv_b_proj"].view(nh, nope + v, Lr)
         return cls(
-            w_q=w_q.contiguous(),
+            w_q=w_q,
             q_a=t.get("q_a_proj"),
             q_a_bias=t.get("q_a_bias"),
             q_a_norm=t.get("q_a_norm"),
-            kv_a=kv_a.contiguous(),
+            kv_a=kv_a,
             kv_a_bias=kv_a_bias,
             kv_a_norm=t["kv_a_norm"],
             w_uk=kv_b[:, :nope].contiguous(),

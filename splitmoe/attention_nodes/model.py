@@ -20,6 +20,7 @@ from splitmoe.config import ModelConfig
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.backends import AttentionBackend
 from splitmoe.kernels.linear import linear
+from splitmoe.kernels.quant import QuantizedWeight, cat_rows
 from splitmoe.models import routing
 from splitmoe.models.rope import rope_inv_freq, yarn_softmax_scale
 
@@ -68,15 +69,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 class LayerWeights:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    w_qkv: torch.Tensor | None  # [(nh + 2 nkv) d, H] (None under MLA)
+    w_qkv: torch.Tensor | QuantizedWeight | None  # [(nh + 2 nkv) d, H] (None under MLA)
     b_qkv: torch.Tensor | None
-    o_proj: torch.Tensor  # [H, nh d]
+    o_proj: torch.Tensor | QuantizedWeight  # [H, nh d] (projections: FP8 as released)
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     router: torch.Tensor | None  # [E, H] on MoE layers
     router_bias: torch.Tensor | None  # [E] e_score_correction_bias (choice only)
-    mlp_gate_up: torch.Tensor | None  # [2I, H]: dense MLP, or the shared expert on MoE layers
-    mlp_down: torch.Tensor | None  # [H, I]
+    mlp_gate_up: torch.Tensor | QuantizedWeight | None  # [2I, H]: dense MLP or shared expert
+    mlp_down: torch.Tensor | QuantizedWeight | None  # [H, I]
     shared_expert_gate: torch.Tensor | None  # [1, H]
     qk_head_norm: torch.Tensor | None = None  # [nh + nkv, d]: per-head q then k norm weights
     mla: MlaWeights | None = None  # multi-head latent attention's projections
@@ -95,17 +96,18 @@ class LayerWeights:
         else:
             gate, up, down = t["mlp_gate"], t["mlp_up"], t["mlp_down"]
         mla = MlaWeights.from_tensors(t, cfg) if cfg.is_mla else None
+        dtype = t["input_norm"].dtype  # the run dtype (FP8 projections stay `QuantizedWeight`)
         return cls(
             input_norm=t["input_norm"],
             post_norm=t["post_norm"],
-            w_qkv=None if mla else torch.cat([t["q_proj"], t["k_proj"], t["v_proj"]]),
+            w_qkv=None if mla else cat_rows([t["q_proj"], t["k_proj"], t["v_proj"]], dtype),
             b_qkv=b,
             o_proj=t["o_proj"],
             q_norm=t.get("q_norm"),
             k_norm=t.get("k_norm"),
             router=t.get("router"),
             router_bias=t.get("router_bias"),
-            mlp_gate_up=None if gate is None else torch.cat([gate, up]),
+            mlp_gate_up=None if gate is None else cat_rows([gate, up], dtype),
             mlp_down=down,
             shared_expert_gate=t.get("shared_expert_gate"),
             # per-head q and k norm weights stacked, so both are normed in one call

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitmoe.kernels.quant import QuantizedWeight
 from splitmoe.kernels.triton_utils import SUPPORTED_DTYPES
 
 
@@ -79,9 +80,18 @@ def check_moe_inputs(
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
 ) -> None:
-    """Shapes, dtypes, strides and devices the fused paths rely on."""
+    """Shapes, dtypes, strides and devices the fused paths rely on. The weights are dense
+    tensors of x's dtype, or both `QuantizedWeight` of one format (checked by its constructor)."""
     check_moe_shapes(x, w13, w2, expert_ids, weights)
-    if x.dtype not in SUPPORTED_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+    q13, q2 = isinstance(w13, QuantizedWeight), isinstance(w2, QuantizedWeight)
+    if q13 or q2:
+        if not (q13 and q2) or w13.fmt != w2.fmt:
+            raise ValueError(
+                "fused_moe: w13 and w2 must both be dense or both QuantizedWeight of one format"
+            )
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"fused_moe: x must be float16/bfloat16/float32, got {x.dtype}")
+    elif x.dtype not in SUPPORTED_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(
             f"fused_moe: x and the weights must share one of float16/bfloat16/float32; got "
             f"x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}"
@@ -90,10 +100,11 @@ def check_moe_inputs(
         raise ValueError(f"fused_moe: expert_ids must be integers, got {expert_ids.dtype}")
     if not weights.dtype.is_floating_point:
         raise ValueError(f"fused_moe: weights must be floating point, got {weights.dtype}")
-    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
+    d13, d2 = (w.data if isinstance(w, QuantizedWeight) else w for w in (w13, w2))
+    if x.stride(-1) != 1 or d13.stride(-1) != 1 or d2.stride(-1) != 1:
         raise ValueError(
             "fused_moe: the last dim of x, w13 and w2 must be contiguous; got strides "
-            f"x {x.stride()}, w13 {w13.stride()}, w2 {w2.stride()}"
+            f"x {x.stride()}, w13 {d13.stride()}, w2 {d2.stride()}"
         )
     for name, t in (("w13", w13), ("w2", w2), ("expert_ids", expert_ids), ("weights", weights)):
         if t.device != x.device:

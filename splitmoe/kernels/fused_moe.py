@@ -10,6 +10,11 @@ elsewhere. ``"triton"`` runs the fused Triton grouped GEMMs (`splitmoe.kernels.m
 CUDA it also measures ``torch._grouped_mm`` (CUTLASS grouped GEMM, where this torch build and
 GPU have it) once per (device, dtype, shapes, batch-size bucket) and keeps whichever is faster,
 provided both agree with each other.
+
+``w13`` and ``w2`` may be `QuantizedWeight` (FP8 blocks or MXFP4, as released): the CPU paths
+then run one expert at a time, dequantizing its w13 and then its w2 (float32, then the run
+dtype) into buffers reused across calls (`quant.dequantize_reused`) before the same GEMMs, so
+memory stays at the released size; the Triton kernels read the quantized layout themselves.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 from splitmoe.kernels.cpu_choice import Decision, KernelChoice, pow2_bucket
 from splitmoe.kernels.expert_sort import check_moe_inputs, check_moe_shapes, count_keys
 from splitmoe.kernels.linear import linear
+from splitmoe.kernels.quant import QuantizedWeight, dequantize_reused
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +49,23 @@ def swiglu(
     return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
 
 
+Weight = torch.Tensor | QuantizedWeight
+
+
+def expert_weight(w: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e``'s dense weight: a view of a dense stack, or a quantized one's dequantized
+    (on CPU into a reused buffer, valid until the next expert of the same shape)."""
+    if not isinstance(w, QuantizedWeight):
+        return w[e]
+    if w.device.type == "cpu":
+        return dequantize_reused(w.expert(e), dtype)
+    return w.expert(e).dequantize(dtype)
+
+
 def fused_moe_ref(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Weight,
+    w2: Weight,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
     b13: torch.Tensor | None = None,
@@ -57,7 +76,8 @@ def fused_moe_ref(
     """x ``[N, H]``; w13 ``[E, 2I, H]`` (gate rows, then up rows); w2 ``[E, H, I]``;
     expert_ids ``[N, k]`` int (-1 = skip); weights ``[N, k]``. Returns ``[N, H]`` in x's dtype.
     Optional (GPT-OSS): expert biases ``b13 [E, 2I]``, ``b2 [E, H]`` (added before the router
-    weight) and the clamped SwiGLU (`swiglu`)."""
+    weight) and the clamped SwiGLU (`swiglu`). The weights may be `QuantizedWeight`
+    (`expert_weight`)."""
     N, k = expert_ids.shape
     out = torch.zeros_like(x)
     if N == 0:
@@ -76,9 +96,10 @@ def fused_moe_ref(
         if n == 0:
             continue
         tok = tokens[start : start + n]
-        h = F.linear(x[tok], w13[e], None if b13 is None else b13[e])  # [n, 2I]
-        h = swiglu(h, inter, swiglu_limit, swiglu_alpha)
-        y = F.linear(h, w2[e], None if b2 is None else b2[e]) * w[start : start + n, None]
+        h = F.linear(x[tok], expert_weight(w13, e, x.dtype), None if b13 is None else b13[e])
+        h = swiglu(h, inter, swiglu_limit, swiglu_alpha)  # [n, I]
+        h = F.linear(h, expert_weight(w2, e, x.dtype), None if b2 is None else b2[e])
+        y = h * w[start : start + n, None]
         out.index_add_(0, tok, y)
         start += n
     return out
@@ -132,8 +153,8 @@ CPU_MOE_GEMMS = KernelChoice("moe_gemm")
 
 def fused_moe_cpu(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Weight,
+    w2: Weight,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
     path: str | None = None,
@@ -155,7 +176,8 @@ def fused_moe_cpu(
     the grouped layouts only where ``torch._grouped_mm`` takes the sizes. A name forces one
     (tests, benchmarks). GPT-OSS's expert biases and clamped SwiGLU (``ffn``: ``b13``, ``b2``,
     ``swiglu_limit``, ``swiglu_alpha``) ride along: each row's biases are gathered by its
-    expert, the down bias added before the router weight."""
+    expert, the down bias added before the router weight. With `QuantizedWeight` experts only
+    ``"per_expert"`` runs (the grouped layouts need dense stacks), nothing timed."""
     b13, b2 = ffn.pop("b13", None), ffn.pop("b2", None)
     act = {k: v for k, v in ffn.items() if v is not None}
     E, k = w13.shape[0], expert_ids.shape[1]
@@ -167,6 +189,10 @@ def fused_moe_cpu(
         return torch.zeros_like(x)
     order = np.argsort(key, kind="stable")[:pairs]  # [P] pair index, grouped by expert
     rows = _SortedPairs(k, key, order, counts)
+    if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
+        if path not in (None, "per_expert"):
+            raise ValueError(f"fused_moe_cpu: path {path!r} needs dense expert weights")
+        return _moe_per_expert(x, w13, w2, weights, rows, b13, b2, act)
     paths = CPU_MOE_PATHS if _grouped_mm_fits(x, w13, w2) else ("per_expert",)
     shape = _moe_shape_class(w13, pairs, b13, act)
     if path is None:
@@ -299,7 +325,8 @@ def _per_expert_ffn(
     """The expert FFN of rows ``xs [P + ROW_ALIGN - 1, H]`` grouped by expert (``counts [E]``
     rows each; spare rows at the end), each row weighted by ``ws [P + ROW_ALIGN - 1]``, one GEMM
     per expert and projection through `linear` (oneDNN's or MKL's GEMM, whichever it measured
-    faster for the shape). Each expert computes its rows rounded up to `ROW_ALIGN` (the next
+    faster for the shape; `QuantizedWeight` experts dequantized one at a time by
+    `expert_weight`). Each expert computes its rows rounded up to `ROW_ALIGN` (the next
     expert's, read before they are written, or the spare ones) and keeps its own: ``xs[:P]``
     becomes the result."""
     I = w2.shape[2]
@@ -309,13 +336,14 @@ def _per_expert_ffn(
         m = -(-n // ROW_ALIGN) * ROW_ALIGN
         w = ws[start : start + m, None]
         if b13 is None and not act:
-            h = linear(xs[start : start + m], w13[e])  # [m, 2I]
+            h = linear(xs[start : start + m], expert_weight(w13, e, xs.dtype))  # [m, 2I]
             # the router weight scales the [m, I] activations, not the [m, H] outputs
             a = F.silu(h[:, :I]).mul_(h[:, I:]).mul_(w)
-            xs[start : start + n] = linear(a, w2[e])[:n]  # [n, H]
+            xs[start : start + n] = linear(a, expert_weight(w2, e, xs.dtype))[:n]  # [n, H]
         else:  # GPT-OSS: w (a W2 + b2) = (w a) W2 + w b2
-            h = linear(xs[start : start + m], w13[e], None if b13 is None else b13[e])
-            y = linear(swiglu(h, I, **act).mul_(w), w2[e])[:n]  # [n, H]
+            w13e = expert_weight(w13, e, xs.dtype)
+            h = linear(xs[start : start + m], w13e, None if b13 is None else b13[e])
+            y = linear(swiglu(h, I, **act).mul_(w), expert_weight(w2, e, xs.dtype))[:n]
             xs[start : start + n] = y if b2 is None else y.addcmul_(w[:n], b2[e])
         start += n
     return xs
@@ -414,10 +442,12 @@ def fused_moe_gpu(
     """The ``"triton"`` backend: the fused Triton grouped GEMMs (`moe_gemm`), or on CUDA
     ``torch._grouped_mm`` where it measured faster for this shape class (`_faster_path`; not
     with GPT-OSS's expert biases and clamped SwiGLU, ``ffn``, which only the Triton kernels
-    fuse)."""
+    fuse). `QuantizedWeight` experts go to the Triton kernels alone."""
     from splitmoe.kernels.moe_gemm import launch_fused_moe
 
     check_moe_inputs(x, w13, w2, expert_ids, weights)
+    if isinstance(w13, QuantizedWeight):  # only the Triton kernels read the quantized layout
+        return launch_fused_moe(x, w13, w2, expert_ids, weights, **ffn)
     plain = all(v is None for k, v in ffn.items() if k != "swiglu_alpha")
     if plain and x.shape[0] and x.device.type == "cuda":
         if _faster_path(x, w13, w2, expert_ids, weights) == "grouped_mm":

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from splitmoe.kernels.cpu_choice import KernelChoice, pow2_bucket
+from splitmoe.kernels.quant import QuantizedWeight, dequantize_reused
 
 
 def _onednn_linear_op():
@@ -47,11 +48,21 @@ def onednn_takes(x: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.linear(x [T, K], w [N, K], b [N])`` -> ``[T, N]``. Where `onednn_takes` ``x`` (and
     the weight is contiguous, in x's dtype), oneDNN's inner product (used as it is: no
     prepacked copy) or ``F.linear``, as `CPU_LINEAR` measured for the shape; else
-    ``F.linear``."""
+    ``F.linear``. A `QuantizedWeight` (FP8 blocks, MXFP4) runs on CUDA in the Triton kernel
+    that reads it (`quant_linear.linear_quant_triton`); elsewhere it is dequantized (float32,
+    then x's dtype) into a buffer reused for its shape, then the same GEMM."""
+    if isinstance(w, QuantizedWeight):
+        if x.device.type == "cuda":
+            from splitmoe.kernels.quant_linear import linear_quant_triton
+
+            return linear_quant_triton(x, w, b)
+        w = dequantize_reused(w, x.dtype)
     if not (onednn_takes(x) and w.dtype == x.dtype and w.is_contiguous()):
         return F.linear(x, w, b)
     shape = (pow2_bucket(x.shape[0]), *w.shape, b is not None)

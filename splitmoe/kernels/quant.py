@@ -223,3 +223,41 @@ def weight_bytes(t) -> int:
     if t is None:
         return 0
     return t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
+
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def cat_rows(ws: list[Weight], dtype: torch.dtype) -> Weight:
+    """Weights ``[N_i, K]`` stacked along rows (fused q/k/v or gate/up projections). Quantized
+    ones stay quantized where they share one layout and every part but the last ends on a
+    block boundary (then the scale rows stack too); otherwise the result is dense ``dtype``."""
+    if all(isinstance(w, QuantizedWeight) for w in ws):
+        fmt, block = ws[0].fmt, ws[0].block
+        same = all((w.fmt, w.block, w.shape[1]) == (fmt, block, ws[0].shape[1]) for w in ws)
+        if same and all(w.shape[0] % block[0] == 0 for w in ws[:-1]):
+            data = torch.cat([w.data for w in ws])
+            return QuantizedWeight(data, torch.cat([w.scale for w in ws]), fmt, block)
+    return torch.cat([dense(w, dtype) for w in ws])
+
+
+def permute_rows(w: Weight, perm: torch.Tensor, dtype: torch.dtype) -> Weight:
+    """``w [N, K]`` with its rows reordered (``w[perm]``). A quantized weight stays quantized
+    where every row stays in its block of ``bn`` rows (its scales then still apply: MLA's
+    rotary rows, 64 of them inside one 128-row block) or has its own scale (MXFP4); otherwise
+    the result is dense ``dtype``."""
+    if not isinstance(w, QuantizedWeight):
+        return w.index_select(0, perm)
+    data = w.data.index_select(0, perm)
+    if w.fmt == "mxfp4":  # a scale per row
+        return QuantizedWeight(data, w.scale.index_select(0, perm), w.fmt, w.block)
+    bn = w.block[0]
+    rows = torch.arange(len(perm), device=perm.device)
+    if len(perm) == w.shape[0] and bool((perm // bn == rows // bn).all()):
+        return QuantizedWeight(data, w.scale, w.fmt, w.block)
+    return w.dequantize(dtype).index_select(0, perm)
+
+
+def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """``w`` as a dense ``dtype`` tensor (dequantized if it is a `QuantizedWeight`)."""
+    return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w

@@ -3,18 +3,25 @@
 Each role asks for exactly the tensors it owns; a `CheckpointReader` finds which shard holds each
 name (from ``model.safetensors.index.json`` or the shards' headers), reads only those tensors, and
 checks every shape against `ModelConfig`. Only safetensors are read: no checkpoint code runs.
+
+FP8 block-quantized projections (routed and shared experts, dense MLPs, attention projections)
+stay in their released layout as `QuantizedWeight` (see `splitmoe.kernels.quant`), scales beside
+them. Tensors are read with plain file reads straight into their final place (the stacked
+expert tensors are allocated once, each expert read into its slot): no memory-mapped copy of the
+shard and no list of per-expert tensors, so memory while loading stays at the resident size.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from splitmoe.config import ModelConfig
+from splitmoe.kernels.quant import FP8_DTYPES, QuantizedWeight, dequantize_fp8
 from splitmoe.models import gpt_oss
 from splitmoe.models.families import (
     ATTENTION_KEYS,
@@ -142,33 +149,101 @@ def attention_layer_keys(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
     return tuple(keys)
 
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def dequantize_fp8_blocks(
     w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 ) -> torch.Tensor:
     """``w [N, K]`` float8 times its per-block scale ``scale_inv [ceil(N / bn), ceil(K / bk)]``
     (DeepSeek-V3's ``weight_dequant``), float32."""
-    bn, bk = block
-    N, K = w.shape
-    if scale_inv.shape != (-(-N // bn), -(-K // bk)):
-        raise CheckpointError(
-            f"weight_scale_inv of shape {tuple(scale_inv.shape)} does not fit a {N}x{K} weight "
-            f"in {bn}x{bk} blocks"
-        )
-    s = scale_inv.float().repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
-    return w.float() * s
+    try:
+        return dequantize_fp8(w, scale_inv, block)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+# Canonical keys kept FP8 on attention ranks when the checkpoint stores them so: the projections
+# `linear` runs. ``kv_b_proj`` is not: MLA splits it into per-head matrices for batched GEMMs
+# (`attention_nodes.mla`), so it is dequantized at load (nh (nope + v) x kv_lora_rank, a few
+# percent of an MLA layer's attention bytes).
+QUANTIZED_KEYS = frozenset(
+    {
+        "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj",
+        "mlp_gate", "mlp_up", "mlp_down", "shared_gate", "shared_up", "shared_down",
+    }
+)  # fmt: skip
+
+# safetensors dtype names
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}  # fmt: skip
+
+
+class _Shard:
+    """One safetensors file: its header parsed and checked against the file's size; tensors (or
+    rows of one) read with ``os.pread`` into a given tensor, so nothing but the destination
+    holds the bytes (a memory-mapped read would keep the shard's pages resident too)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if n < 2 or 8 + n > size:
+                    raise ValueError(f"header length {n} does not fit a {size}-byte file")
+                header = json.loads(f.read(n))
+            self.start = 8 + n
+            self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+            for name, e in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype, shape = _DTYPES[e["dtype"]], tuple(int(d) for d in e["shape"])
+                begin, end = (int(o) for o in e["data_offsets"])
+                want = dtype.itemsize * int(torch.Size(shape).numel())
+                if end - begin != want or self.start + end > size:
+                    raise ValueError(f"tensor {name!r} lies outside the file or has a bad size")
+                self.entries[name] = (dtype, shape, self.start + begin)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"cannot read {path}: {e} (the file may be truncated or corrupt; re-download it)"
+            ) from None
+
+    def read_into(self, name: str, out: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Tensor ``name`` (or its first-dim ``rows``, in order) into ``out``: contiguous CPU, of
+        the stored dtype and shape (with ``rows``: ``len(rows)`` leading rows)."""
+        dtype, shape, offset = self.entries[name]
+        buf = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else None
+        if buf is None:
+            return
+        row = dtype.itemsize * int(torch.Size(shape[1:]).numel())
+        spans = [(offset, 0, len(buf))] if rows is None else [
+            (offset + r * row, i * row, row) for i, r in enumerate(rows)
+        ]  # fmt: skip
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for src, dst, n in spans:
+                while n:
+                    got = os.preadv(fd, [buf[dst : dst + n]], src)
+                    if got <= 0:
+                        raise OSError(f"{self.path} ended early while reading {name!r}")
+                    src, dst, n = src + got, dst + got, n - got
+        finally:
+            os.close(fd)
 
 
 class CheckpointReader:
     """Finds and reads named tensors of an HF safetensors checkpoint directory. With
     ``fp8_block`` (block-quantized checkpoints), a float8 ``X.weight`` is read with its
-    ``X.weight_scale_inv`` and dequantized."""
+    ``X.weight_scale_inv``: kept as a `QuantizedWeight` where the caller asks, else
+    dequantized."""
 
     def __init__(self, path: str | Path, fp8_block: tuple[int, int] | None = None):
         self.root = Path(path)
         self.fp8_block = fp8_block
+        self._shards: dict[Path, _Shard] = {}
         self.weight_map = self._build_weight_map()
 
     def _build_weight_map(self) -> dict[str, Path]:
@@ -202,23 +277,99 @@ class CheckpointReader:
             raise CheckpointError(f"no *.safetensors weights in {self.root}.{hint}")
         out: dict[str, Path] = {}
         for shard in shards:
-            for name in self._open(shard).keys():
+            for name in self._open(shard).entries:
                 out[name] = shard
         return out
 
-    @staticmethod
-    def _open(shard: Path):
-        try:
-            return safe_open(str(shard), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
+    def _open(self, shard: Path) -> _Shard:
+        if shard not in self._shards:
+            self._shards[shard] = _Shard(shard)
+        return self._shards[shard]
+
+    def _entry(self, name: str) -> tuple[_Shard, torch.dtype, tuple[int, ...]]:
+        if name not in self.weight_map:
             raise CheckpointError(
-                f"cannot read {shard}: {e} (the file may be truncated or corrupt; re-download it)"
+                f"checkpoint {self.root} lacks tensor {name!r} that its config.json implies; "
+                "is config.json from the same model as the weights?"
+            )
+        shard = self._open(self.weight_map[name])
+        if name not in shard.entries:
+            raise CheckpointError(f"{shard.path} does not hold tensor {name!r} its index names")
+        dtype, shape, _ = shard.entries[name]
+        return shard, dtype, shape
+
+    def _check_shape(self, name: str, have: tuple[int, ...], shape: tuple[int, ...]) -> None:
+        if tuple(have) != tuple(shape):
+            raise CheckpointError(
+                f"tensor {name!r} in {self.weight_map[name].name} has shape {tuple(have)}, but "
+                f"config.json implies {tuple(shape)}"
+            )
+
+    def _read_into(self, name: str, out: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Reads ``name`` (its stored dtype) into ``out`` (any device and dtype; a CPU
+        contiguous tensor of the stored dtype is read into directly, else through one
+        temporary of the tensor's size)."""
+        shard, dtype, shape = self._entry(name)
+        direct = out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
+        tmp = out if direct else torch.empty(out.shape, dtype=dtype)
+        try:
+            shard.read_into(name, tmp, rows)
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot read tensor {name!r} from {shard.path}: {e} (truncated or corrupt?)"
             ) from None
+        if not direct:
+            out.copy_(tmp)
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether tensor ``name`` is stored in float8 (to be read with its block scales)."""
+        return self._entry(name)[1] in FP8_DTYPES
+
+    def fp8_scale_name(self, name: str) -> str:
+        scale_name = name + "_scale_inv"
+        if self.fp8_block is None or scale_name not in self.weight_map:
+            raise CheckpointError(
+                f"tensor {name!r} is float8 but "
+                + (
+                    "config.json has no fp8 quantization_config"
+                    if self.fp8_block is None
+                    else f"the checkpoint has no {scale_name!r} to dequantize it with"
+                )
+            )
+        return scale_name
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:
+        """Tensor ``name`` as stored, which must have ``shape``; a float8 one with its block
+        scales as a `QuantizedWeight` (on the CPU)."""
+        _, dtype, have = self._entry(name)
+        self._check_shape(name, have, shape)
+        t = torch.empty(have, dtype=dtype)
+        self._read_into(name, t)
+        if dtype not in FP8_DTYPES:
+            return t
+        scale_name = self.fp8_scale_name(name)
+        _, sdtype, sshape = self._entry(scale_name)
+        bn, bk = self.fp8_block
+        want = (-(-shape[0] // bn), -(-shape[1] // bk))
+        if tuple(sshape) != want:
+            raise CheckpointError(
+                f"{scale_name!r} has shape {tuple(sshape)}, but a {tuple(shape)} weight in "
+                f"{bn}x{bk} blocks (config.json's weight_block_size) needs {want}"
+            )
+        scale = torch.empty(want, dtype=torch.float32)
+        self._read_into(scale_name, scale)
+        return QuantizedWeight(t, scale, "fp8", (bn, bk))
 
     def load(
-        self, wanted: dict[str, tuple[str, tuple[int, ...]]], dtype: torch.dtype, device: str
-    ) -> dict[str, torch.Tensor]:
-        """Reads ``{key: (checkpoint_name, expected_shape)}``; each must exist with that shape."""
+        self,
+        wanted: dict[str, tuple[str, tuple[int, ...]]],
+        dtype: torch.dtype,
+        device: str,
+        quantized: frozenset[str] | set[str] = frozenset(),
+    ) -> dict[str, torch.Tensor | QuantizedWeight]:
+        """Reads ``{key: (checkpoint_name, expected_shape)}``; each must exist with that shape.
+        A float8 tensor whose key (past its last ``.``) is in ``quantized`` stays a
+        `QuantizedWeight`; any other is dequantized to ``dtype``."""
         missing = [name for name, _ in wanted.values() if name not in self.weight_map]
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -229,67 +380,30 @@ class CheckpointReader:
         by_shard: dict[Path, list[str]] = defaultdict(list)
         for key, (name, _) in wanted.items():
             by_shard[self.weight_map[name]].append(key)
-        out: dict[str, torch.Tensor] = {}
-        for shard, keys in by_shard.items():
-            f = self._open(shard)
+        out: dict[str, torch.Tensor | QuantizedWeight] = {}
+        for keys in by_shard.values():
             for key in keys:
                 name, shape = wanted[key]
-                try:
-                    t = f.get_tensor(name)
-                except Exception as e:
-                    raise CheckpointError(
-                        f"cannot read tensor {name!r} from {shard}: {e} (truncated or corrupt?)"
-                    ) from None
-                if t.dtype in FP8_DTYPES:
-                    t = self._dequantize(name, t)
-                if tuple(t.shape) != tuple(shape):
-                    raise CheckpointError(
-                        f"tensor {name!r} in {shard.name} has shape {tuple(t.shape)}, but "
-                        f"config.json implies {tuple(shape)}"
-                    )
+                t = self.get(name, shape)
+                if isinstance(t, QuantizedWeight):
+                    if key.rsplit(".", 1)[-1] in quantized:
+                        out[key] = t.to(device)
+                        continue
+                    t = t.dequantize(torch.float32)
                 # HF keeps the routers' correction biases in float32 whatever the run dtype
                 keep = key.endswith(ROUTER_BIAS_KEY) and t.is_floating_point()
                 out[key] = t.to(device=device, dtype=torch.float32 if keep else dtype)
         return out
 
-    def _dequantize(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        scale_name = name + "_scale_inv"
-        if self.fp8_block is None or scale_name not in self.weight_map:
-            raise CheckpointError(
-                f"tensor {name!r} is {t.dtype} but "
-                + (
-                    "config.json has no fp8 quantization_config"
-                    if self.fp8_block is None
-                    else f"the checkpoint has no {scale_name!r} to dequantize it with"
-                )
-            )
-        scale = self._open(self.weight_map[scale_name]).get_tensor(scale_name)
-        return dequantize_fp8_blocks(t, scale, self.fp8_block)
-
     def rows(self, name: str, rows: list[int], shape: tuple[int, ...]) -> torch.Tensor:
         """Rows ``rows`` (first dim) of tensor ``name``, which must have ``shape``, as stored
-        (dtype kept): only those rows are read (a fused expert tensor's listed experts)."""
-        if name not in self.weight_map:
-            raise CheckpointError(
-                f"checkpoint {self.root} lacks tensor {name!r} that its config.json implies; "
-                "is config.json from the same model as the weights?"
-            )
-        shard = self.weight_map[name]
-        try:
-            sl = self._open(shard).get_slice(name)
-            have = tuple(sl.get_shape())
-            if have != tuple(shape):
-                raise CheckpointError(
-                    f"tensor {name!r} in {shard.name} has shape {have}, but config.json implies "
-                    f"{tuple(shape)}"
-                )
-            return torch.stack([sl[r] for r in rows]) if rows else torch.empty(0, *shape[1:])
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(
-                f"cannot read tensor {name!r} from {shard}: {e} (truncated or corrupt?)"
-            ) from None
+        ``[len(rows), *shape[1:]]``: only those rows are read (a fused expert tensor's listed
+        experts)."""
+        _, dtype, have = self._entry(name)
+        self._check_shape(name, have, shape)
+        out = torch.empty(len(rows), *have[1:], dtype=dtype)
+        self._read_into(name, out, rows)
+        return out
 
 
 def reader_for(cfg: ModelConfig) -> CheckpointReader:
@@ -309,7 +423,7 @@ def load_attention_weights(
     for layer in range(cfg.num_layers):
         for k in attention_layer_keys(cfg, layer):
             wanted[f"{layer}.{k}"] = (fam.layer_name(layer, k), expected_shape(cfg, k))
-    flat = reader.load(wanted, dtype, device)
+    flat = reader.load(wanted, dtype, device, quantized=QUANTIZED_KEYS)
     if cfg.tie_word_embeddings:
         flat["lm_head"] = flat["embed"]
     globals_ = {k: flat.pop(k) for k in ("embed", "final_norm", "lm_head")}
@@ -337,17 +451,77 @@ def load_expert_weights(
     )
     if fam.fused_experts:
         return gpt_oss.load_experts(reader, cfg, per_layer, dtype, device)
-    wanted = {}
-    for layer, listed in per_layer.items():
-        for e in set(listed):
-            for k in ("gate", "up", "down"):
-                wanted[f"{layer}.{e}.{k}"] = (fam.expert_name(layer, e, k), expected_shape(cfg, k))
-    flat = reader.load(wanted, dtype, device)
+    I = cfg.moe_intermediate_size
     out = {}
     for layer, listed in per_layer.items():
-        w13 = torch.stack(
-            [torch.cat([flat[f"{layer}.{e}.gate"], flat[f"{layer}.{e}.up"]], 0) for e in listed]
-        )  # [n, 2I, H]
-        w2 = torch.stack([flat[f"{layer}.{e}.down"] for e in listed])  # [n, H, I]
+        names = [{k: fam.expert_name(layer, e, k) for k in ("gate", "up", "down")} for e in listed]
+        fp8 = bool(listed) and reader.is_fp8(names[0]["gate"])
+        w13 = _empty_stack(reader, len(listed), (2 * I, cfg.hidden_size), fp8, dtype, device)
+        w2 = _empty_stack(reader, len(listed), (cfg.hidden_size, I), fp8, dtype, device)
+        first: dict[int, int] = {}  # expert -> the slot that read it
+        for slot, e in enumerate(listed):
+            if e in first:  # a replica: copy the slot already read
+                _copy_slot(w13, slot, first[e])
+                _copy_slot(w2, slot, first[e])
+                continue
+            first[e] = slot
+            for k, dst, row in (("gate", w13, 0), ("up", w13, I), ("down", w2, 0)):
+                name = names[slot][k]
+                _put(dst, slot, row, reader.get(name, expected_shape(cfg, k)), name)
         out[layer] = (w13, w2)
     return out
+
+
+def _empty_stack(
+    reader: CheckpointReader,
+    n: int,
+    shape: tuple[int, int],
+    fp8: bool,
+    dtype: torch.dtype,
+    device: str,
+) -> torch.Tensor | QuantizedWeight:
+    """``n`` weights of logical ``shape [N, K]``, allocated once and filled slot by slot: dense
+    in ``dtype``, or with ``fp8`` float8 data and float32 block scales."""
+    if not fp8:
+        return torch.empty(n, *shape, dtype=dtype, device=device)
+    if reader.fp8_block is None:
+        raise CheckpointError(
+            "float8 expert weights but config.json has no fp8 quantization_config"
+        )
+    (N, K), (bn, bk) = shape, reader.fp8_block
+    data = torch.empty(n, N, K, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty(n, -(-N // bn), -(-K // bk), dtype=torch.float32, device=device)
+    return QuantizedWeight(data, scale, "fp8", (bn, bk))
+
+
+def _put(
+    dst: torch.Tensor | QuantizedWeight, slot: int, row: int, t: torch.Tensor | QuantizedWeight,
+    name: str,
+) -> None:  # fmt: skip
+    """``t`` into ``dst[slot, row : row + len(t)]`` (float8: its scale rows too, which needs
+    ``row`` on a block boundary; gate and up are stacked so)."""
+    if isinstance(dst, QuantizedWeight) != isinstance(t, QuantizedWeight):
+        raise CheckpointError(
+            f"tensor {name!r} is {'not ' if isinstance(dst, QuantizedWeight) else ''}float8, "
+            "unlike the first expert of its layer: mixed expert dtypes are not supported"
+        )
+    if not isinstance(t, QuantizedWeight):
+        dst[slot, row : row + t.shape[0]].copy_(t)
+        return
+    bn = dst.block[0]
+    if row % bn or (row and t.shape[0] % bn):
+        raise CheckpointError(
+            f"{name!r}: the FP8 gate and up projections ({t.shape[0]} rows each) stack into one "
+            f"block-scaled w13 only when their rows are a multiple of the {bn}-row block "
+            "(moe_intermediate_size % weight_block_size[0] == 0, true of the released FP8 "
+            "checkpoints)"
+        )
+    if t.data.dtype != dst.data.dtype:
+        raise CheckpointError(f"{name!r} is {t.data.dtype}; FP8 experts must be float8_e4m3fn")
+    dst.data[slot, row : row + t.shape[0]].copy_(t.data)
+    dst.scale[slot, row // bn : row // bn + t.scale.shape[0]].copy_(t.scale)
+
+
+def _copy_slot(dst: torch.Tensor | QuantizedWeight, slot: int, src: int) -> None:
+    for t in (dst.data, dst.scale) if isinstance(dst, QuantizedWeight) else (dst,):
+        t[slot].copy_(t[src])
