@@ -17,13 +17,14 @@ from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
 from splitmoe.attention_nodes.sampler import make_generator, sample, token_logprobs
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
+from splitmoe.eplb.balancer import Balancer
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.backends import attention_backend, moe_backend
+from splitmoe.kv_transfer import make_connector
 from splitmoe.metrics import StepRecord
 from splitmoe.models.loader import load_attention_weights
 from splitmoe.outputs import RequestMetrics, request_error
-from splitmoe.scheduler.balancer import Balancer
 from splitmoe.scheduler.block_manager import BlockManager
 from splitmoe.scheduler.request import RequestSpec
 from splitmoe.scheduler.scheduler import ScheduledBatch, Scheduler
@@ -164,8 +165,19 @@ class AttentionWorker:
         # (GPT-OSS) run without prefix caching.
         prefix_caching = cfg.cache.enable_prefix_caching and not n_sliding
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        kv = cfg.kv_transfer  # prefill-decode disaggregation (splitmoe.kv_transfer)
+        self.kv_connector = (
+            make_connector(kv.kv_connector, self.kv_cache, kv.kv_host, kv.kv_transfer_timeout)
+            if kv.kv_connector
+            else None
+        )
         self.scheduler = Scheduler(
-            cfg.scheduler, self.blocks, m.eos_token_ids, cfg.max_model_len, self.window_blocks
+            cfg.scheduler,
+            self.blocks,
+            m.eos_token_ids,
+            cfg.max_model_len,
+            self.window_blocks,
+            self.kv_connector,
         )
         self.generators: dict[int, torch.Generator | None] = {}
         # requests that failed on arrival (their generator could not be made): they fail at
@@ -200,6 +212,8 @@ class AttentionWorker:
             "prefix_evictions": self.blocks.num_evictions,
             "attention_backend": self.model.attention_backend.name,
             "moe_backend": local.backend.name if local else None,  # None: on expert ranks
+            "weight_bytes": self.model.weight_bytes + (local.weight_bytes if local else 0),
+            **(self.kv_connector.stats() if self.kv_connector else {}),
         }
 
     def _window_stats(self) -> dict:

@@ -8,9 +8,9 @@ import torch
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
+from splitmoe.eplb.placement import Placement
 from splitmoe.expert_nodes.experts import LocalExperts, StagedExperts
 from splitmoe.kernels.backends import moe_backend
-from splitmoe.scheduler.placement import Placement
 from splitmoe.timeline import Timeline
 
 
@@ -45,6 +45,7 @@ class ExpertWorker:
             "weights_reloaded": self.experts.weights_reloaded,
             "tokens_served": self.tokens_served,
             "moe_backend": self.experts.backend.name,
+            "weight_bytes": self.experts.weight_bytes,
         }
 
     def stage(self, placement: Placement) -> StagedExperts:
@@ -60,17 +61,22 @@ class ExpertWorker:
 
     def step(self, micro_batches: int = 1) -> None:
         """One engine step: the MoE layers in order, each micro-batch in order, as every
-        attention rank runs them. A micro-batch's partial sums leave asynchronously, so the next
-        one is received (and the attention ranks are unblocked) at once."""
+        attention rank runs them. The receive of the next micro-batch is posted before this one
+        computes, so its tokens arrive meanwhile (over a communication thread; over shared
+        memory they wait in the ring), and a micro-batch's partial sums leave asynchronously,
+        so the attention ranks are unblocked at once. Time blocked on data is "wait"."""
         tl = self.timeline
-        for layer in self.moe_layers:
-            for j in range(micro_batches):
-                with tl.span(f"receive L{layer}.{j}", "wait"):
-                    batch = self.transport.receive(layer=layer)
-                with tl.span(f"experts L{layer}.{j}", "compute"):
-                    y = self.experts.compute_batch(layer, batch)
-                with tl.span(f"send L{layer}.{j}", "comm"):
-                    self.transport.send_back(y, batch)
-                self.tokens_served += batch.rows.shape[0]
+        order = [(layer, j) for layer in self.moe_layers for j in range(micro_batches)]
+        batch = self.transport.receive(layer=order[0][0]) if order else None
+        for k, (layer, j) in enumerate(order):
+            nxt = self.transport.receive(layer=order[k + 1][0]) if k + 1 < len(order) else None
+            with tl.span(f"receive L{layer}.{j}", "wait"):
+                batch.wait()
+            with tl.span(f"experts L{layer}.{j}", "compute"):
+                y = self.experts.compute_batch(layer, batch)
+            with tl.span(f"send L{layer}.{j}", "comm"):
+                self.transport.send_back(y, batch)
+            self.tokens_served += batch.rows.shape[0]
+            batch = nxt
         with tl.span("flush", "wait"):
             self.transport.flush()

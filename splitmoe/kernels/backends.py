@@ -11,19 +11,28 @@ device, before the first step (as mini-sglang's ``BaseAttnBackend`` / ``BaseMoeB
 
 A backend binds the kernel functions of its name (`ATTENTION_KERNELS`, `MOE_KERNELS`): no layer
 loop, no communication, no request state, and no choice left for the hot path to make.
+
+An attention rank's per-step replica choice (`splitmoe.eplb.Balancer`) binds a `BalancerBackend`
+the same way: the native C kernel on CPU ranks, the Triton kernels on CUDA ranks, or the
+PyTorch reference.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from splitmoe.kernels import balance_cpu
 from splitmoe.kernels.fused_moe import MOE_KERNELS
 from splitmoe.kernels.mla_attention import MLA_KERNELS, store_latent
 from splitmoe.kernels.paged_attention import ATTENTION_KERNELS, store_kv
 from splitmoe.kernels.triton_utils import require_triton
+
+logger = logging.getLogger("splitmoe")
 
 
 @dataclass(frozen=True)
@@ -80,3 +89,72 @@ def moe_backend(name: str, device: torch.device) -> MoeBackend:
     if name == "triton":
         require_triton("moe_backend", device)
     return MoeBackend(name, MOE_KERNELS[name])
+
+
+# Which code makes the balancer's decision: "auto" is the native CPU kernel on CPU ranks, the
+# Triton kernels on CUDA ranks; "torch" is the reference everywhere (tests, benchmarks).
+BALANCER_KERNELS = ("auto", "native", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class BalancerBackend:
+    """The kernels behind one attention rank's per-step replica choice.
+
+    name: ``"native"`` (`balance_cpu`, CPU ranks), ``"triton"`` (`balance_triton`, CUDA ranks)
+        or ``"torch"`` (the PyTorch reference, `splitmoe.eplb.policy`, any device);
+    layer: builds one MoE layer's kernel, ``(table, static_slot [E], slot_expert [S],
+        slot_rank [S], load [E]) -> Layer`` with ``static(ids)``, ``count(ids, counts)``,
+        ``local(ids, a, counts)`` and ``global_(ids, a, all_counts, counts, activate)``
+        (`balance_cpu.Layer`, `balance_triton.Layer`); None for ``"torch"``, whose tensor
+        code the balancer runs itself.
+    """
+
+    name: str
+    layer: Callable[..., Any] | None
+
+
+def balancer_backend(name: str, device: torch.device) -> BalancerBackend:
+    """The balancer backend ``name`` (one of `BALANCER_KERNELS`) on ``device``.
+
+    ``"auto"``: ``"native"`` on a CPU device when the C kernel builds, else ``"torch"`` (on a CPU
+    without a C compiler with one warning naming the cause: the decision is the same, only
+    slower); ``"triton"`` on CUDA when triton is installed, else ``"torch"``. ``"native"`` off
+    the CPU, or without a compiler, is an error; so is ``"triton"`` without triton or (outside
+    ``TRITON_INTERPRET=1``) off CUDA."""
+    if name not in BALANCER_KERNELS:
+        raise ValueError(f"balancer kernel={name!r} must be one of {BALANCER_KERNELS}")
+    name = _resolve_balancer(name, device)
+    if name == "triton":
+        from splitmoe.kernels import balance_triton  # imports triton: only where it runs
+
+        return BalancerBackend(name, balance_triton.Layer)
+    return BalancerBackend(name, balance_cpu.Layer if name == "native" else None)
+
+
+def _resolve_balancer(name: str, device: torch.device) -> str:
+    if name == "triton":
+        require_triton("balancer kernel", device)
+        return "triton"
+    if name == "auto" and device.type == "cuda":
+        try:
+            require_triton("balancer kernel", device)
+        except RuntimeError:
+            return "torch"
+        return "triton"
+    if name == "torch" or (name == "auto" and device.type != "cpu"):
+        return "torch"
+    if device.type != "cpu":
+        raise ValueError(f"balancer kernel='native' runs on CPU ranks, not on {device}")
+    try:
+        balance_cpu.library()
+    except balance_cpu.NativeUnavailable as e:
+        if name == "native":
+            raise
+        if not _warned[0]:
+            logger.warning("%s; the balancer falls back to its (slower) PyTorch reference", e)
+            _warned[0] = True
+        return "torch"
+    return "native"
+
+
+_warned = [False]  # the missing-compiler warning, once per process

@@ -1,6 +1,6 @@
 /* The balancer's per-layer replica choice on the CPU: one call per layer (two for `global`,
  * whose count all-gather sits between them), bit-identical to the PyTorch reference
- * `splitmoe.scheduler.balancer.assign` (see that module for the policies and the water-filling).
+ * `splitmoe.eplb.policy.assign` (see that module for the policies and the water-filling).
  *
  * Built once per source hash with the system compiler and loaded with ctypes
  * (`splitmoe.kernels.balance_cpu`); it reads and writes the tensors' memory in place.

@@ -1,13 +1,16 @@
 """The balancer's native CPU kernel (`balance_cpu.c`): one call per layer and policy.
 
+`Layer` is the whole interface: one MoE layer's tables as the C code reads them, and one method
+per call (``static``, ``count``, ``local``, ``global_``), each one ctypes call on addresses taken
+when the layer was built. ctypes stays inside this module.
+
 The C source is compiled once with the system C compiler (``$CC``, else ``cc`` / ``gcc``;
 ~0.2 s) into ``$XDG_CACHE_HOME/splitmoe`` (``~/.cache/splitmoe``), named by the hash of the
 source and the compiler, and loaded with ctypes: no build step at install time, no torch
 headers, and ranks that start together build it once (a rank that finds the library loads it;
 concurrent builds write to private names and rename atomically). The kernel reads the
 tensors' memory in place (``data_ptr``), so a call costs the ctypes round trip (~1 us) plus
-its loops; the PyTorch code in `splitmoe.scheduler.balancer` stays the reference it is tested
-against.
+its loops; the PyTorch code in `splitmoe.eplb.policy` stays the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class NativeUnavailable(RuntimeError):
     """No C compiler, or the build failed (the message says which and what to do)."""
 
 
-class Table(ctypes.Structure):
+class _Table(ctypes.Structure):
     """One layer's `table_t` (see the C source); keeps the tensors it points into alive."""
 
     _fields_ = [
@@ -56,7 +59,7 @@ class Table(ctypes.Structure):
 
     @classmethod
     def build(cls, table, static_slot: torch.Tensor, slot_expert: torch.Tensor,
-              slot_rank: torch.Tensor) -> Table:  # fmt: skip
+              slot_rank: torch.Tensor) -> _Table:  # fmt: skip
         """From a `ReplicaTable` (CPU), this rank's static slot per expert ``[E]`` and the
         layer's ``slot_expert [S]`` / ``slot_rank [S]``."""
         keep = [
@@ -167,3 +170,67 @@ def library() -> ctypes.CDLL:
 def check(rc: int) -> None:
     if rc:
         raise ValueError(f"balancer: {_ERRORS.get(rc, f'error {rc}')} (native kernel)")
+
+
+class Layer:
+    """One MoE layer's replica choice in C, identical to `splitmoe.eplb.policy.assign`.
+
+    Built (once per placement change of the layer) from its `ReplicaTable`, this attention
+    rank's static slot per expert ``static_slot [E]``, the layer's ``slot_expert [S]`` and
+    ``slot_rank [S]``, and ``load [E]`` int64 (contiguous, CPU), the load counts every call adds
+    this call's pairs to. ``ids`` are ``topk_ids [T, k]`` (any integer dtype; ids outside
+    ``[0, E)`` raise ``ValueError``); results are new ``[T, k]`` int64 tensors of slot ids.
+    """
+
+    def __init__(self, table, static_slot: torch.Tensor, slot_expert: torch.Tensor,
+                 slot_rank: torch.Tensor, load: torch.Tensor):  # fmt: skip
+        if load.dtype is not torch.int64 or not load.is_contiguous() or load.device.type != "cpu":
+            raise ValueError("the native balancer adds into a contiguous int64 CPU load row")
+        lib = library()
+        self._table = _Table.build(table, static_slot, slot_expert, slot_rank)
+        self._load = load  # kept alive: the C code adds into its memory
+        # the call's constant arguments, taken once (an int converts fastest through ctypes)
+        self._at, self._load_at = ctypes.addressof(self._table), load.data_ptr()
+        self._E = self._table.E
+        self._static, self._count = lib.smb_static, lib.smb_count
+        self._local, self._global = lib.smb_local, lib.smb_global
+
+    def static(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = _int64(ids)
+        out = torch.empty_like(ids)
+        check(self._static(self._at, ids.data_ptr(), ids.numel(), out.data_ptr(), self._load_at))
+        return out
+
+    def count(self, ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """``counts [E]`` (int64, contiguous) = this call's pairs per expert; load += counts."""
+        ids = _int64(ids)
+        rc = self._count(ids.data_ptr(), ids.numel(), self._E, counts.data_ptr(), self._load_at)
+        check(rc)
+
+    def local(self, ids: torch.Tensor, attention_rank: int, counts: torch.Tensor) -> torch.Tensor:
+        """``counts [E]``: scratch for this call's pairs per expert (`count`)."""
+        ids = _int64(ids)
+        self.count(ids, counts)
+        out = torch.empty_like(ids)
+        P, at = ids.numel(), ids.data_ptr()
+        check(self._local(self._at, at, P, attention_rank, counts.data_ptr(), out.data_ptr()))
+        return out
+
+    def global_(self, ids: torch.Tensor, attention_rank: int, all_counts: torch.Tensor,
+                counts: torch.Tensor, activate: int) -> torch.Tensor:  # fmt: skip
+        """After `count` (``counts``) and the all-gather: ``all_counts [A, E]`` int64 contiguous
+        CPU, every attention rank's ``counts`` in rank order."""
+        ids = _int64(ids)
+        out = torch.empty_like(ids)
+        rc = self._global(
+            self._at, ids.data_ptr(), ids.numel(), attention_rank, all_counts.shape[0],
+            all_counts.data_ptr(), counts.data_ptr(), activate, out.data_ptr(),
+        )  # fmt: skip
+        check(rc)
+        return out
+
+
+def _int64(ids: torch.Tensor) -> torch.Tensor:
+    if ids.dtype is not torch.int64:
+        ids = ids.long()
+    return ids if ids.is_contiguous() else ids.contiguous()

@@ -1,7 +1,7 @@
 """The balancer's per-layer replica choice as Triton kernels (CUDA ranks): one launch per layer
 (two for ``global``: the counts before the count all-gather, the quotas and the deal after), no
 host synchronisation (capturable in a CUDA graph), integer arithmetic only, and bit-identical to
-the PyTorch reference `splitmoe.scheduler.balancer.assign` (tested under ``TRITON_INTERPRET=1``).
+the PyTorch reference `splitmoe.eplb.policy.assign` (tested under ``TRITON_INTERPRET=1``).
 
 * ``static``: a grid over the pairs; each pair's slot is a lookup, the load counts an integer
   ``atomic_add`` (order-free, so deterministic).
@@ -184,12 +184,19 @@ def global_kernel(ids, P, E, M, a, A, allc, activate, nrep, slots, multi, E2, di
     _deal(ids, P, E, M, slots, direct, allc + a * E, cum, out, E_PAD, M_PAD, BLOCK)
 
 
-class Tables:
-    """One layer's placement tables on the device, with the kernels' sizes (`ReplicaTable` and
-    the placement row as int64; `direct` as the native kernel's)."""
+class Layer:
+    """One MoE layer's replica choice in Triton, identical to `splitmoe.eplb.policy.assign`
+    (the same interface as `splitmoe.kernels.balance_cpu.Layer`).
 
-    def __init__(self, table, static_slot, slot_expert, slot_rank, direct):
+    Built from its `ReplicaTable` (on the device), this attention rank's static slot per expert
+    ``static_slot [E]``, the layer's ``slot_expert [S]`` and ``slot_rank [S]``, and ``load [E]``
+    int64 on the device, the load counts every call adds this call's pairs to. ``ids`` are
+    ``topk_ids [T, k]``; results are new ``[T, k]`` int64 tensors of slot ids.
+    """
+
+    def __init__(self, table, static_slot, slot_expert, slot_rank, load: torch.Tensor):
         dev = table.replica_slots.device
+        self.load = load
         self.nrep = table.num_replicas.contiguous()
         self.slots = table.replica_slots.contiguous()
         self.E, self.M = self.slots.shape
@@ -201,7 +208,10 @@ class Tables:
         self.slot_expert = slot_expert.to(dev, torch.int64).contiguous()
         self.slot_rank = slot_rank.to(dev, torch.int64).contiguous()
         self.S = self.slot_expert.numel()
-        self.direct = direct.to(dev, torch.int64).contiguous()
+        # [E] a single-replica expert's slot, else -1 - its row among the multi experts
+        direct = self.slots[:, 0].clone()
+        direct[self.multi] = -1 - torch.arange(self.E2, device=dev)
+        self.direct = direct
         self.E_PAD, self.M_PAD = next_pow2(self.E), next_pow2(self.M)
         if self.M_PAD > 4096:  # the sort keys `cost * M_PAD + j` stay within int64
             raise ValueError(
@@ -213,28 +223,44 @@ class Tables:
         self.cum = torch.zeros(max(1, self.E2) * self.M_PAD, dtype=torch.int64, device=dev)
         self.rank_cost = torch.zeros(self.R, dtype=torch.int64, device=dev)
 
+    def static(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.contiguous()
+        out = torch.empty(ids.shape, dtype=torch.int64, device=ids.device)
+        P = ids.numel()
+        static_kernel[(triton.cdiv(max(P, 1), 256),)](
+            ids, P, self.E, self.static_slot, out, self.load, BLOCK=256
+        )
+        return out
 
-def static(t: Tables, ids: torch.Tensor, out: torch.Tensor, load: torch.Tensor) -> None:
-    P = ids.numel()
-    static_kernel[(triton.cdiv(max(P, 1), 256),)](ids, P, t.E, t.static_slot, out, load, BLOCK=256)
+    def count(self, ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """``counts [E]`` (int64) = this call's pairs per expert; load += counts."""
+        ids = ids.contiguous()
+        count_kernel[(1,)](ids, ids.numel(), self.E, counts, self.load, E_PAD=self.E_PAD,
+                           BLOCK=BLOCK)  # fmt: skip
 
+    def local(self, ids: torch.Tensor, attention_rank: int, counts: torch.Tensor) -> torch.Tensor:
+        """``counts [E]``: scratch for this call's pairs per expert (`count`)."""
+        ids = ids.contiguous()
+        out = torch.empty(ids.shape, dtype=torch.int64, device=ids.device)
+        local_kernel[(1,)](
+            ids, ids.numel(), self.E, self.M, attention_rank, self.nrep, self.slots, self.multi,
+            self.E2, self.direct, counts, self.load, self.cum, out, E_PAD=self.E_PAD,
+            E2_PAD=self.E2_PAD, M_PAD=self.M_PAD, BLOCK=BLOCK,
+        )  # fmt: skip
+        return out
 
-def count(t: Tables, ids: torch.Tensor, counts: torch.Tensor, load: torch.Tensor) -> None:
-    count_kernel[(1,)](ids, ids.numel(), t.E, counts, load, E_PAD=t.E_PAD, BLOCK=BLOCK)
-
-
-def local(t: Tables, ids, a: int, counts, load, out) -> None:
-    local_kernel[(1,)](
-        ids, ids.numel(), t.E, t.M, a, t.nrep, t.slots, t.multi, t.E2, t.direct, counts, load,
-        t.cum, out, E_PAD=t.E_PAD, E2_PAD=t.E2_PAD, M_PAD=t.M_PAD, BLOCK=BLOCK,
-    )  # fmt: skip
-
-
-def global_(t: Tables, ids, a: int, all_counts: torch.Tensor, activate: int, out) -> None:
-    """``all_counts [A, E]`` int64 contiguous, on the device."""
-    global_kernel[(1,)](
-        ids, ids.numel(), t.E, t.M, a, all_counts.shape[0], all_counts, activate, t.nrep,
-        t.slots, t.multi, t.E2, t.direct, t.replica_rank, t.S, t.slot_expert, t.slot_rank, t.R,
-        t.rank_cost, t.cum, out, E_PAD=t.E_PAD, E2_PAD=t.E2_PAD, M_PAD=t.M_PAD, S_PAD=t.S_PAD,
-        R_PAD=t.R_PAD, BLOCK=BLOCK,
-    )  # fmt: skip
+    def global_(self, ids: torch.Tensor, attention_rank: int, all_counts: torch.Tensor,
+                counts: torch.Tensor, activate: int) -> torch.Tensor:  # fmt: skip
+        """After `count` and the all-gather: ``all_counts [A, E]`` int64 on the device, every
+        attention rank's counts in rank order (this rank's row is read, ``counts`` is not)."""
+        ids = ids.contiguous()
+        all_counts = all_counts.contiguous()
+        out = torch.empty(ids.shape, dtype=torch.int64, device=ids.device)
+        global_kernel[(1,)](
+            ids, ids.numel(), self.E, self.M, attention_rank, all_counts.shape[0], all_counts,
+            activate, self.nrep, self.slots, self.multi, self.E2, self.direct, self.replica_rank,
+            self.S, self.slot_expert, self.slot_rank, self.R, self.rank_cost, self.cum, out,
+            E_PAD=self.E_PAD, E2_PAD=self.E2_PAD, M_PAD=self.M_PAD, S_PAD=self.S_PAD,
+            R_PAD=self.R_PAD, BLOCK=BLOCK,
+        )  # fmt: skip
+        return out

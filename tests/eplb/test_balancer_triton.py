@@ -8,17 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitmoe.scheduler.balancer import (
+from splitmoe.eplb.balancer import Balancer
+from splitmoe.eplb.placement import Placement
+from splitmoe.eplb.policy import (
     POLICIES,
-    Balancer,
     ExpertCost,
     ReplicaTable,
     assign,
     expert_counts,
 )
-from splitmoe.scheduler.placement import Placement
 from splitmoe.sim.imbalance import route
-from tests.scheduler.test_balancer_kernels import GivenCounts, popularity
+from tests.eplb.test_balancer_kernels import GivenCounts, popularity
 
 pytest.importorskip("triton")
 

@@ -1,4 +1,11 @@
-"""This rank's share of expert load balancing, and the rebalance protocol between steps."""
+"""This rank's share of expert load balancing, and the live rebalance protocol between steps.
+
+`ExpertBalance` joins the subsystem's parts for the runtime: the `Placement`, the attention
+side's `Balancer` and its `LoadStats`, and the expert side's weight moves. The expert worker is
+reached only through the two calls it offers (``stage(placement)`` and ``switch_layer(staged,
+layer, placement)``) and the staged weights through ``ready`` and ``read_s``, so this package
+imports nothing from `splitmoe.expert_nodes` (which imports `splitmoe.eplb.placement`).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import logging
 import statistics
 import time
 from collections import deque
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -14,11 +22,22 @@ from splitmoe.comm.distributed import Groups, new_collective
 from splitmoe.comm.shm import COUNTS_CAPACITY
 from splitmoe.comm.topology import Topology
 from splitmoe.config import EngineConfig
-from splitmoe.expert_nodes.experts import StagedExperts
-from splitmoe.scheduler.balancer import Balancer, ExpertCost
-from splitmoe.scheduler.placement import Placement
+from splitmoe.eplb.balancer import Balancer
+from splitmoe.eplb.placement import Placement
+from splitmoe.eplb.policy import ExpertCost
 
 logger = logging.getLogger("splitmoe")
+
+
+class Staged(Protocol):
+    """An expert rank's weights of a coming placement, read in the background
+    (`splitmoe.expert_nodes.experts.StagedExperts`)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def read_s(self) -> float: ...
 
 
 class ExpertBalance:
@@ -82,7 +101,7 @@ class ExpertBalance:
         self._reduce = None  # the load all-reduce in flight (a torch.distributed Work)
         self._load: torch.Tensor | None = None
         self.target: Placement | None = None
-        self._staged: StagedExperts | None = None
+        self._staged: Staged | None = None
         self._to_switch: list[int] = []
         self.events: deque[dict] = deque(maxlen=256)  # recent plan / switch times (stats)
 

@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitmoe.kernels import balance_cpu
-from splitmoe.scheduler.balancer import (
+from splitmoe.eplb.balancer import Balancer
+from splitmoe.eplb.placement import Placement
+from splitmoe.eplb.policy import (
     POLICIES,
-    Balancer,
     ExpertCost,
     ReplicaTable,
     assign,
     expert_counts,
 )
-from splitmoe.scheduler.placement import Placement
+from splitmoe.kernels import balance_cpu
 from splitmoe.sim.imbalance import route
 
 
@@ -118,9 +118,8 @@ def test_auto_is_native_on_cpu_and_a_compiler_error_names_the_fix(tmp_path, monk
         balance_cpu.build(tmp_path)
 
 
-def test_native_output_is_reused_only_when_nobody_keeps_it():
-    """`choose` reuses a layer's output tensor (its allocation is a quarter of ``static``'s
-    time) only when no reference, view or array of the previous one is alive."""
+def test_native_results_are_independent_tensors():
+    """Every call returns a tensor of its own: a result kept across calls stays intact."""
     placement = Placement.initial(16, 4, 6, (0,))
     g = torch.Generator().manual_seed(2)
     x, y = (route(40, 4, torch.full((16,), 1 / 16), g) for _ in range(2))
@@ -129,16 +128,20 @@ def test_native_output_is_reused_only_when_nobody_keeps_it():
         ref = Balancer(policy, placement, 0, 1, ExpertCost(), torch.device("cpu"), kernel="torch")
         want_x, want_y = ref.choose(0, x), ref.choose(0, y)
         first = b.choose(0, x)
-        kept = first.clone()
-        assert torch.equal(b.choose(0, y), want_y)  # `first` is still referenced: not reused
-        assert torch.equal(first, kept)
-        for keep in (lambda t: t.numpy(), lambda t: t[1:]):  # an array or a view of it
-            first = b.choose(0, x)
-            alive = keep(first)
-            del first
-            assert torch.equal(b.choose(0, y), want_y)
-            assert torch.equal(torch.as_tensor(alive), torch.as_tensor(keep(want_x.clone())))
-            del alive
-        ptr = b.choose(0, x).data_ptr()  # released: the next call writes into it
-        again = b.choose(0, x)
-        assert again.data_ptr() == ptr and torch.equal(again, want_x)
+        view, array = first[1:], first.numpy()
+        assert torch.equal(b.choose(0, y), want_y)
+        assert torch.equal(first, want_x) and torch.equal(view, want_x[1:])
+        assert torch.equal(torch.from_numpy(array), want_x)
+
+
+def test_choose_is_bound_once_per_policy_and_backend():
+    """The constructor binds `choose` to one method; nothing is looked up per call."""
+    placement = Placement.initial(8, 2, 2, (0,))
+    for kernel in ("native", "torch"):
+        for policy in POLICIES:
+            b = Balancer(policy, placement, 0, 1, ExpertCost(), torch.device("cpu"), kernel=kernel)
+            family = "kernel" if kernel == "native" else "torch"
+            assert b.choose.__func__ is getattr(Balancer, f"_{policy}_{family}")
+            assert (b.backend.name, b.kernel) == (kernel, kernel)
+    with pytest.raises(ValueError, match="must be one of"):
+        Balancer("static", placement, 0, 1, ExpertCost(), torch.device("cpu"), kernel="fast")

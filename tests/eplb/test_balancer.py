@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from splitmoe.config import ParallelConfig
-from splitmoe.scheduler.balancer import (
+from splitmoe.eplb.balancer import Balancer
+from splitmoe.eplb.placement import Placement
+from splitmoe.eplb.policy import (
     POLICIES,
-    Balancer,
     ExpertCost,
     ReplicaTable,
     assign,
@@ -18,7 +19,6 @@ from splitmoe.scheduler.balancer import (
     global_quota,
     rank_loads,
 )
-from splitmoe.scheduler.placement import Placement
 from splitmoe.sim.imbalance import route
 
 E, K, RANKS, A = 32, 4, 8, 3
