@@ -1,5 +1,6 @@
 """The package reads top to bottom: no module imports, directly or through others, a module
-that imports it back. Function-local imports count too (one must not hide a cycle)."""
+that imports it back, and no folder (subpackage) imports one that imports it back. Function-local
+imports count too (one must not hide a cycle), and so do imports only for type checking."""
 
 from __future__ import annotations
 
@@ -63,6 +64,49 @@ def test_no_import_cycles():
     assert "splitmoe.config" in graph and graph["splitmoe.llm"]  # the walk found the package
     cycles = _cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph folded onto splitmoe's folders: ``a -> b`` when a module of folder ``a``
+    (its modules and any folder inside it) imports one of folder ``b``. Modules at the top
+    level (``splitmoe.config``, ``splitmoe.llm``) are not folders and are left out."""
+    folders = {p.parent for p in ROOT.rglob("__init__.py")} - {ROOT}
+    top = {_module_name(f / "__init__.py").split(".")[1] for f in folders}
+
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 and parts[1] in top else None
+
+    out: dict[str, set[str]] = {}
+    for name, edges in graph.items():
+        a = folder(name)
+        if a is None:
+            continue
+        out.setdefault(a, set())
+        out[a].update(b for b in map(folder, edges) if b is not None and b != a)
+    return out
+
+
+def test_no_folder_imports_one_that_imports_it_back():
+    folders = _folder_graph(_import_graph())
+    assert {"splitmoe.eplb", "splitmoe.expert_nodes", "splitmoe.scheduler"} <= set(folders)
+    cycles = _cycles(folders)
+    assert not cycles, "folder import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_folder_graph_sees_a_cycle():
+    """The fold itself: two folders importing each other through any of their modules."""
+    graph = {
+        "splitmoe.scheduler.balancer": {"splitmoe.expert_nodes.experts"},
+        "splitmoe.expert_nodes.worker": {"splitmoe.scheduler.placement"},
+        "splitmoe.scheduler.placement": {"splitmoe.config"},
+        "splitmoe.expert_nodes.experts": set(),
+        "splitmoe.config": {"splitmoe.scheduler.placement"},
+    }
+    folders = _folder_graph(graph)
+    assert _cycles(folders) == [
+        ["splitmoe.expert_nodes", "splitmoe.scheduler", "splitmoe.expert_nodes"]
+    ]
 
 
 def test_the_graph_sees_a_cycle():
