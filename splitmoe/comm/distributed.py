@@ -52,6 +52,16 @@ class DistGroup:
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor) -> None:
         dist.all_gather_into_tensor(output, input, group=self.group)
 
+    def all_gather_from(
+        self, output: torch.Tensor, input: torch.Tensor, senders: Sequence[int]
+    ) -> None:
+        """`ShmLane.all_gather_from`: one all-gather in which the members not in ``senders``
+        contribute zeros."""
+        me = self.ranks.index(dist.get_rank())
+        dist.all_gather_into_tensor(
+            output, input if me in senders else torch.zeros_like(input), group=self.group
+        )
+
     def all_to_all_counted(
         self, input: torch.Tensor, input_split_sizes: list[int], senders: list[int]
     ) -> tuple[torch.Tensor, list[int]]:

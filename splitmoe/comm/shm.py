@@ -527,6 +527,46 @@ class ShmLane:
             if j != self.me:
                 self.recv_frame(j, output, j * size, size)
 
+    def all_gather_from(
+        self, output: torch.Tensor, input: torch.Tensor, senders: Sequence[int]
+    ) -> None:
+        """`all_gather_single` where only the members in ``senders`` contribute: they send
+        ``input`` to every other member, every member receives the senders' shares into
+        ``output``'s member rows, and the other rows are zero. A sender waits only for the other
+        senders, never for the members that only receive (the two-phase transport's count
+        exchange: attention ranks post a layer without waiting for the expert ranks)."""
+        size = input.numel() * input.element_size()
+        src = input.contiguous()
+        if not output.is_contiguous() or output.numel() * output.element_size() != size * self.size:
+            raise ValueError(
+                f"shared-memory all_gather_from: output must be contiguous and hold "
+                f"{self.size} x {size} bytes; got {output.numel() * output.element_size()}"
+            )
+        out = _flat_bytes(output)
+        if self.me in senders:
+            for j in range(self.size):
+                if j != self.me:
+                    self.send_frame(j, src, 0, size)
+        for j in range(self.size):
+            if j == self.me:
+                out[j * size : (j + 1) * size] = _flat_bytes(src) if j in senders else 0
+            elif j in senders:
+                self.recv_frame(j, output, j * size, size)
+            else:
+                out[j * size : (j + 1) * size] = 0
+
+    def write_marks(self) -> list[int]:
+        """Each outgoing ring's write position now: with `delivered`, whether the peers have
+        taken everything this rank sent so far."""
+        return [0 if ring is None else int(ring.pos[0]) for ring in self.outbox]
+
+    def delivered(self, marks: list[int]) -> bool:
+        """Whether every peer has read (into its ring's reader or its staging) the bytes written
+        up to ``marks`` (`write_marks`)."""
+        return all(
+            ring is None or int(ring.pos[8]) >= mark for ring, mark in zip(self.outbox, marks)
+        )
+
     def close(self) -> None:
         self.inbox = self.outbox = []  # drop the views before unmapping
         for m in self._maps:

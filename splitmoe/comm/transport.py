@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import functools
 import math
+import queue
+import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from concurrent.futures import Future
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -45,6 +49,183 @@ SCHEMES = ("flat", "two_phase")
 UNKNOWN_LAYER = -1  # calls that did not say which layer they serve
 
 
+class Transfer:
+    """Transfers that one transport call posted and that may still be under way.
+
+    Every call that moves data (`Transport.dispatch`, `combine`, `receive`, `send_back`) posts
+    its collectives on its direction's lane and returns at once; what it received is waited for
+    where it is used (DeepEP's ``async_finish``: the handle, not the call, blocks). How a lane
+    posts (`Transport.poster`):
+
+    * over ``torch.distributed`` (gloo, NCCL), a communication thread per direction runs the
+      lane's collectives in the order they were posted; on CUDA it issues them on a stream of
+      its own, after an event recorded on the poster's stream, and `wait` makes the waiter's
+      stream wait for the event recorded after them, so the compute stream never waits for
+      NCCL it does not need;
+    * over shared-memory lanes, sends run at once (a send copies into the peer's ring and never
+      waits for the peer unless the ring is full) and receives run when first waited for, in
+      posting order.
+
+    ``wait()`` returns what the transfers received (None for sends) and raises what they raised
+    (a peer that died, a timeout); ``done()`` says, without blocking, whether they completed:
+    for a send over shared memory, whether the peers have read its bytes.
+    """
+
+    __slots__ = ("_future", "_run", "_poster", "_value", "_error", "_finished", "_delivered")
+
+    def __init__(
+        self,
+        *,
+        future: Future | None = None,
+        run: Callable[[], Any] | None = None,
+        poster: _InlinePoster | None = None,
+        value: Any = None,
+        delivered: Callable[[], bool] | None = None,
+    ):
+        self._future = future
+        self._run = run
+        self._poster = poster
+        self._value = value
+        self._error: BaseException | None = None
+        self._finished = future is None and run is None
+        self._delivered = delivered
+
+    def done(self) -> bool:
+        if self._future is not None:
+            return self._future.done()
+        if not self._finished:
+            return False
+        return self._delivered is None or self._delivered()
+
+    def wait(self) -> Any:
+        if self._future is not None:
+            value, event = self._future.result()
+            if event is not None:  # order this thread's stream after the transfers
+                stream = torch.cuda.current_stream(event.device)
+                stream.wait_event(event)
+                _record_stream(value, stream)
+            self._future = None
+            self._value, self._finished = value, True
+        elif not self._finished:
+            self._poster.run_until(self)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _run_now(self) -> None:
+        run, self._run = self._run, None
+        try:
+            self._value = run()
+        except BaseException as e:  # (raised to whoever waits for it)
+            self._error = e
+        self._finished = True
+
+
+def _record_stream(value: Any, stream) -> None:
+    """Marks the CUDA tensors in ``value`` (nested tuples and lists) as used on ``stream``, so
+    the caching allocator does not reuse their memory before that stream is done with it."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            value.record_stream(stream)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _record_stream(v, stream)
+
+
+class _InlinePoster:
+    """Posts on shared-memory lanes, in the caller's thread (their rings are not thread-safe):
+    sends run at once, receives when waited for; either way in posting order. ``lane``: the
+    direction's exchange with the other role, whose write positions tell `Transfer.done` when
+    the peers have read a send."""
+
+    def __init__(self, lane: Collective | None):
+        self._deferred: deque[Transfer] = deque()
+        self._lane = lane if isinstance(lane, ShmLane) else None
+
+    def post(self, fn: Callable[[], Any], sends: bool, inputs: tuple = ()) -> Transfer:
+        if not sends:
+            t = Transfer(run=fn, poster=self)
+            self._deferred.append(t)
+            return t
+        self.run_until(None)  # (what was posted before runs first)
+        value = fn()
+        delivered = None
+        if self._lane is not None:
+            lane, marks = self._lane, self._lane.write_marks()
+            delivered = functools.partial(lane.delivered, marks)
+        return Transfer(value=value, delivered=delivered)
+
+    def run_until(self, last: Transfer | None) -> None:
+        """Runs the deferred transfers in order, up to ``last`` (all of them for None)."""
+        while self._deferred:
+            t = self._deferred.popleft()
+            t._run_now()
+            if t is last:
+                return
+            if t._error is not None:  # the lane's order is broken: nothing later can run
+                self._deferred.clear()
+                raise t._error
+
+    def close(self) -> None:
+        self._deferred.clear()
+
+
+class _ThreadPoster:
+    """Posts on ``torch.distributed`` lanes: one daemon thread runs the posted functions in
+    order (blocking collectives there, none on the caller's thread: gloo's ``async_op`` works
+    leaked native memory on torch 2.13). On CUDA the thread issues them on ``stream``."""
+
+    def __init__(self, name: str, stream: Any = None):
+        self._name = name
+        self._stream = stream
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def post(self, fn: Callable[[], Any], sends: bool, inputs: tuple = ()) -> Transfer:
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()  # on the poster's stream: the inputs are written when it fires
+            _record_stream(inputs, self._stream)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+            self._thread.start()
+        future: Future = Future()
+        self._queue.put((future, fn, ready))
+        return Transfer(future=future)
+
+    def _serve(self) -> None:
+        stream = self._stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                future, fn, ready = item
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if ready is not None:
+                        stream.wait_event(ready)
+                    value = fn()
+                    done = None
+                    if stream is not None:
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                    future.set_result((value, done))
+                except BaseException as e:
+                    future.set_exception(e)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10)
+            self._thread = None
+
+
+Poster = _InlinePoster | _ThreadPoster
+
+
 @dataclass
 class DispatchHandle:
     """What an attention rank keeps between `dispatch` and `combine` of one layer.
@@ -55,35 +236,69 @@ class DispatchHandle:
         back with the same counts.
     num_tokens: ``T``, tokens of this rank in the layer.
     layer: the MoE layer (for the statistics; `UNKNOWN_LAYER` if the caller did not say).
-    plan: transport-specific layout of this layer (`splitmoe.comm.two_phase.LayerPlan` for the
-        two-phase and adaptive transports; None for flat).
+    sent: the posted dispatch (`Transfer`); its value is the transport-specific layout of the
+        layer (`splitmoe.comm.two_phase.LayerPlan` for the two-phase and adaptive transports;
+        None for flat). `combine` waits for it.
     """
 
     token_index: torch.Tensor
     send_counts: list[int]
     num_tokens: int
     layer: int = UNKNOWN_LAYER
-    plan: Any = None
+    sent: Transfer | None = None
+
+    def done(self) -> bool:
+        """Whether the dispatch has completed: the expert ranks have received its rows."""
+        return self.sent is None or self.sent.done()
+
+    @property
+    def plan(self) -> Any:
+        """The layer's layout (waits for the dispatch)."""
+        return None if self.sent is None else self.sent.wait()
 
 
-@dataclass
 class ExpertBatch:
-    """Tokens an expert rank received for one layer.
+    """Tokens an expert rank receives for one layer, as posted by `Transport.receive`.
 
+    ``received``: the posted receive; its value is ``(rows, recv_counts, plan)``. Every property
+    waits for it (`wait` does so explicitly, to time the wait):
     rows: ``[N, row_bytes]`` uint8, the packed rows as they came (`Transport.pack`);
     recv_counts: rows received from each world rank (the partial sums go back with these);
-    unpack: the transport's `Transport.unpack`, for ``x`` ``[N, H]`` hidden states,
-        ``expert_ids`` ``[N, k]`` int32 *local* expert ids (-1 where the slot is served by
-        another rank) and ``weights`` ``[N, k]`` float32 router weights, unpacked on first use.
+    x: ``[N, H]`` hidden states, expert_ids: ``[N, k]`` int32 *local* expert ids (-1 where the
+        slot is served by another rank), weights: ``[N, k]`` float32 router weights, unpacked on
+        first use by ``unpack`` (the transport's `Transport.unpack`).
     Rows are in the same order whichever transport carried them: by source attention rank, then
-    as that rank sent them. ``layer`` and ``plan``: as in `DispatchHandle`.
+    as that rank sent them. ``layer``: as in `DispatchHandle`; plan: the transport's layout.
     """
 
-    rows: torch.Tensor
-    recv_counts: list[int]
-    unpack: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    layer: int = UNKNOWN_LAYER
-    plan: Any = None
+    def __init__(
+        self,
+        received: Transfer,
+        unpack: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        layer: int = UNKNOWN_LAYER,
+    ):
+        self.received = received
+        self.unpack = unpack
+        self.layer = layer
+
+    def wait(self) -> ExpertBatch:
+        self.received.wait()
+        return self
+
+    def done(self) -> bool:
+        return self.received.done()
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.received.wait()[0]
+
+    @property
+    def recv_counts(self) -> list[int]:
+        return self.received.wait()[1]
+
+    @property
+    def plan(self) -> Any:
+        return self.received.wait()[2]
 
     @functools.cached_property
     def _parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,12 +348,22 @@ class CommStats:
 
     def __init__(self) -> None:
         self.layers: dict[int, dict] = {}
+        # The communication threads (`Transfer`) record too: a record is created, a time added
+        # and the records read under this lock; the message and byte counts of a direction are
+        # only ever added by one thread.
+        self._lock = threading.Lock()
 
     def record(self, layer: int) -> dict:
         rec = self.layers.get(layer)
         if rec is None:
-            rec = self.layers[layer] = _empty_record()
+            with self._lock:
+                rec = self.layers.setdefault(layer, _empty_record())
         return rec
+
+    def add_seconds(self, layer: int, stage: str, seconds: float) -> None:
+        rec = self.record(layer)
+        with self._lock:
+            rec["seconds"][stage] += seconds
 
     def call(self, layer: int, scheme: str) -> None:
         rec = self.record(layer)
@@ -170,12 +395,13 @@ class CommStats:
         try:
             yield
         finally:
-            self.record(layer)["seconds"][stage] += time.perf_counter() - t0
+            self.add_seconds(layer, stage, time.perf_counter() - t0)
 
     def total(self) -> dict:
         out = _empty_record()
-        for rec in self.layers.values():
-            _add_records(out, rec)
+        with self._lock:
+            for rec in self.layers.values():
+                _add_records(out, rec)
         return out
 
     @property
@@ -190,7 +416,8 @@ class CommStats:
 
     def snapshot(self) -> dict:
         """``{"layers": {"<layer>": record}, "total": record}`` (see the class doc), JSON-ready."""
-        layers = {str(k): _copy(v) for k, v in sorted(self.layers.items())}
+        with self._lock:
+            layers = {str(k): _copy(v) for k, v in sorted(self.layers.items())}
         return {"layers": layers, "total": self.total()}
 
 
@@ -204,6 +431,12 @@ class Transport(ABC):
     Attention ranks call `dispatch` then `combine`; expert ranks call `receive` then `send_back`.
     The calls of all ranks for one layer form one collective pattern. ``layer`` (optional) only
     labels the statistics.
+
+    Nothing blocks where it is posted: `dispatch` returns a `DispatchHandle` once its transfers
+    are posted, `receive` an `ExpertBatch` whose data is waited for on first use, `send_back`
+    returns at once (`flush` waits for the sends); `combine` is where an attention rank waits,
+    for the partial sums it returns. Each direction's transfers run in posting order on its
+    own lane (`Transfer` says how), so micro-batches interleave freely between the directions.
     """
 
     name = "base"
@@ -259,17 +492,46 @@ class Transport(ABC):
         # and combines of earlier ones interleave differently on attention and expert ranks, and
         # collectives on one group must be issued in the same order everywhere. Each lane on its
         # own is in the same (layer, micro-batch) order on every rank.
+        # Each lane has a process group of its own: its collectives run on a communication
+        # thread (`Transfer`), never interleaved with the control plane's on ``group``.
         world = range(topo.world_size)
         self.lanes: dict[str, Collective] = {
-            "dispatch": self.new_lane(world, group=group),
+            "dispatch": self.new_lane(world),
             "combine": self.new_lane(world),
         }
-        self._in_flight: list = []  # (work, buffer) of asynchronous sends not yet completed
+        self.posters: dict[str, Poster] = {d: self._poster(d) for d in DIRECTIONS}
+        self._sends: list[Transfer] = []  # `send_back`s not yet waited for (`flush`)
         # what the receiving side of an all-to-all sends: made once, not per layer and
         # micro-batch (~1 us each)
         self._zeros = [0] * topo.world_size
         self._no_rows = torch.empty(0, self.row_bytes, dtype=torch.uint8, device=comm_device)
         self._no_sums = torch.empty(0, hidden_size, dtype=dtype)
+
+    def _poster(self, direction: str) -> Poster:
+        """How ``direction``'s transfers are posted (`Transfer`): inline where a shared-memory
+        hub exists (its rings are not thread-safe, and a lane thread could drain them while this
+        thread waits on another lane; a direction that also crosses hosts then blocks on its
+        ``torch.distributed`` part), else on a communication thread, on CUDA with a stream of
+        its own."""
+        if self.hub is not None:
+            return _InlinePoster(self.lanes[direction])
+        stream = None
+        if self.comm_device.type == "cuda":
+            stream = torch.cuda.Stream(self.comm_device)
+        return _ThreadPoster(f"splitmoe-{direction}", stream)
+
+    def post(
+        self, direction: str, fn: Callable[[], Any], sends: bool, inputs: tuple = ()
+    ) -> Transfer:
+        """Posts ``fn`` (the collectives of one call, in the order every rank runs them) on
+        ``direction``'s lane. ``sends``: it only sends (over shared memory it then runs at
+        once); ``inputs``: tensors it reads (on CUDA, kept alive for the lane's stream)."""
+        return self.posters[direction].post(fn, sends, inputs)
+
+    def close(self) -> None:
+        """Stops the communication threads (idle ones: after `flush` and the last `combine`)."""
+        for poster in self.posters.values():
+            poster.close()
 
     def new_lane(
         self, ranks: range | list[int], group: dist.ProcessGroup | None = None
@@ -287,23 +549,34 @@ class Transport(ABC):
         topk_weights: torch.Tensor,
         layer: int = UNKNOWN_LAYER,
     ) -> DispatchHandle:
-        """Sends ``x [T, H]`` routed by ``topk_ids / topk_weights [T, k]`` to the expert ranks
-        (``topk_ids``: expert *slots*, see `route`)."""
+        """Posts ``x [T, H]`` routed by ``topk_ids / topk_weights [T, k]`` to the expert ranks
+        (``topk_ids``: expert *slots*, see `route`) and returns without waiting for them: the
+        handle's `DispatchHandle.done` says when they have received."""
 
     @abstractmethod
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
-        """Receives a dispatched layer's partial sums; returns ``[T, H]`` in the model dtype."""
+        """Waits for a dispatched layer's partial sums; returns ``[T, H]`` in the model dtype."""
 
     @abstractmethod
     def receive(self, layer: int = UNKNOWN_LAYER) -> ExpertBatch:
-        """Expert side of `dispatch`."""
+        """Expert side of `dispatch`: posts the receive of the layer's next micro-batch and
+        returns its `ExpertBatch` at once; its data is waited for on first use. Receives run
+        in posting order, so a rank may post the next one before it computes this one."""
 
     def send_back(self, y: torch.Tensor, batch: ExpertBatch) -> None:
         """Expert side of `combine`: ``y [N, H]`` partial sums, one per received row, back to
         the ranks they came from (every transport's last hop is this one all-to-all). Returns
         before the transfer completes, so the expert rank can receive the next micro-batch;
         `flush` waits for all of them."""
-        self.all_to_all(y, batch.recv_counts, self._zeros, batch.layer, "combine", async_op=True)
+        counts = batch.recv_counts
+        self._sends.append(
+            self.post(
+                "combine",
+                lambda: self.all_to_all(y, counts, self._zeros, batch.layer, "combine"),
+                sends=True,
+                inputs=(y,),
+            )
+        )
 
     def stats_snapshot(self) -> dict:
         """This rank's cumulative statistics, JSON-serialisable::
@@ -419,24 +692,20 @@ class Transport(ABC):
         stage: str = "exchange",
         group: Collective | None = None,
         peers: list[int] | range | None = None,
-        async_op: bool = False,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """Uneven ``all_to_all_single`` of rows over ``group`` (default: the lane of
         ``direction``, whose members are all world ranks); ``peers[i]`` is the world rank of
-        member ``i``. Counts the transfer in `stats` and returns the received rows on the compute
-        device. ``async_op`` (sends only: nothing is received) returns at once; `flush` waits."""
+        member ``i``. Blocking (call it inside a posted function, `post`); counts the transfer
+        in `stats` and returns the received rows on the compute device."""
         send = send.to(self.comm_device)
         recv = torch.empty(
             (sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self.comm_device
         )
         lane = self.lanes[direction] if group is None else group
         t0 = time.perf_counter()  # (not `stats.timed`: a generator per call on the hot path)
-        work = lane.all_to_all_single(recv, send, recv_counts, send_counts, async_op=async_op)
-        self.stats.record(layer)["seconds"][stage] += time.perf_counter() - t0
+        lane.all_to_all_single(recv, send, recv_counts, send_counts)
+        self.stats.add_seconds(layer, stage, time.perf_counter() - t0)
         self._account(layer, direction, send_counts, send, peers)
-        if async_op:
-            self._in_flight.append((work, send))
-            return None
         return recv.to(self.device)
 
     def _account(
@@ -459,10 +728,10 @@ class Transport(ABC):
         )
 
     def flush(self) -> None:
-        """Waits until every asynchronous send has completed (expert ranks, end of a step)."""
-        for work, _ in self._in_flight:
-            work.wait()
-        self._in_flight.clear()
+        """Waits until every `send_back` has completed (expert ranks, end of a step)."""
+        sends, self._sends = self._sends, []
+        for t in sends:
+            t.wait()
 
 
 class FlatTransport(Transport):
@@ -488,30 +757,30 @@ class FlatTransport(Transport):
         rows = rows.to(self.comm_device)
         t0 = time.perf_counter()
         out = self.lanes["dispatch"].all_to_all_counted(rows, counts, self._attention_ranks)
-        self.stats.record(layer)["seconds"]["exchange"] += time.perf_counter() - t0
+        self.stats.add_seconds(layer, "exchange", time.perf_counter() - t0)
         self._account(layer, "dispatch", counts, rows)
         return out
 
     def dispatch(self, x, topk_ids, topk_weights, layer=UNKNOWN_LAYER):
-        # Synchronous on the attention side over gloo: the same (layer, micro-batch) order on
-        # each lane plus the experts' asynchronous send-back is what lets micro-batches
-        # interleave. Posting these collectives asynchronously instead leaked ~15 MB of native
-        # memory per 60 requests on gloo (torch 2.13) and gained nothing measurable on CPU.
         self.stats.call(layer, "flat")
         token_index, rows, counts = self.route_rows(x, topk_ids, topk_weights)  # [P, row_bytes]
-        self._dispatch_rows(rows, counts, layer)
+
+        def send() -> None:
+            self._dispatch_rows(rows, counts, layer)
+
+        sent = self.post("dispatch", send, sends=True, inputs=(rows,))
         return DispatchHandle(
-            token_index=token_index, send_counts=counts, num_tokens=x.shape[0], layer=layer
+            token_index=token_index,
+            send_counts=counts,
+            num_tokens=x.shape[0],
+            layer=layer,
+            sent=sent,
         )
 
     def combine(self, handle):
-        if self._frames is not None:  # each expert rank's frame straight off its ring
-            partial = torch.empty(len(handle.token_index), self.hidden_size, dtype=self.dtype)
-            self._frame_rows(self._frames.recv_frame, partial, handle.send_counts, handle.layer)
-        else:
-            partial = self.all_to_all(
-                self._no_sums, self._zeros, handle.send_counts, handle.layer, "combine"
-            )
+        got = self.post("combine", functools.partial(self._partial_sums, handle), sends=False)
+        partial = got.wait()  # [P, H]
+        handle.sent.wait()  # (done by now: raises what the dispatch raised)
         if partial.shape[0] == handle.num_tokens and max(handle.send_counts) == partial.shape[0]:
             # every token went to one expert rank, the same one (1+1, or all routed to one
             # rank): its rows are each token's sum already, in token order
@@ -520,12 +789,27 @@ class FlatTransport(Transport):
         out.index_add_(0, handle.token_index, partial)
         return out
 
+    def _partial_sums(self, handle: DispatchHandle) -> torch.Tensor:
+        """The partial sums of a dispatched layer, ``[P, H]`` in its rows' order."""
+        if self._frames is not None:  # each expert rank's frame straight off its ring
+            partial = torch.empty(len(handle.token_index), self.hidden_size, dtype=self.dtype)
+            self._frame_rows(self._frames.recv_frame, partial, handle.send_counts, handle.layer)
+            return partial
+        return self.all_to_all(
+            self._no_sums, self._zeros, handle.send_counts, handle.layer, "combine"
+        )
+
     def send_back(self, y, batch):
         if self._frames is None:
             return super().send_back(y, batch)
         y = y.contiguous()
-        self._frame_rows(self._frames.send_frame, y, batch.recv_counts, batch.layer)
-        self._account(batch.layer, "combine", batch.recv_counts, y)
+        counts = batch.recv_counts
+
+        def send() -> None:
+            self._frame_rows(self._frames.send_frame, y, counts, batch.layer)
+            self._account(batch.layer, "combine", counts, y)
+
+        self._sends.append(self.post("combine", send, sends=True))
 
     def _frame_rows(self, move, rows: torch.Tensor, counts: list[int], layer: int) -> None:
         """``move(j, rows, byte offset, byte size)`` for each member j's ``counts[j]`` rows of
@@ -537,9 +821,13 @@ class FlatTransport(Transport):
             if n:
                 move(j, rows, at * rb, n * rb)
                 at += n
-        self.stats.record(layer)["seconds"]["exchange"] += time.perf_counter() - t0
+        self.stats.add_seconds(layer, "exchange", time.perf_counter() - t0)
 
     def receive(self, layer=UNKNOWN_LAYER):
         self.stats.call(layer, "flat")
-        rows, recv_counts = self._dispatch_rows(self._no_rows, self._zeros, layer)
-        return ExpertBatch(rows.to(self.device), recv_counts, self.unpack, layer)
+
+        def receive() -> tuple[torch.Tensor, list[int], None]:
+            rows, recv_counts = self._dispatch_rows(self._no_rows, self._zeros, layer)
+            return rows.to(self.device), recv_counts, None
+
+        return ExpertBatch(self.post("dispatch", receive, sends=False), self.unpack, layer)

@@ -198,6 +198,7 @@ class TwoPhaseTransport(Transport):
     def __init__(self, topo: Topology, *args, **kwargs):
         super().__init__(topo, *args, **kwargs)  # same arguments as every transport
         self.layout = NodeLayout.build(topo)
+        self._attention_ranks = range(topo.num_attention)
         self.combine_bytes = self.hidden_size * self.elem
         # Phase-1 groups: the attention ranks of each node holding two or more. Every rank creates
         # every group, in node order, as torch.distributed requires.
@@ -226,7 +227,9 @@ class TwoPhaseTransport(Transport):
         send = torch.tensor(mine, dtype=torch.int64, device=self.comm_device)  # [E]
         out = torch.empty(W * E, dtype=torch.int64, device=self.comm_device)
         with self.stats.timed(layer, "counts"):
-            self.lanes["dispatch"].all_gather_single(out, send)
+            # only attention ranks contribute: over shared memory they then post a layer
+            # without waiting for the expert ranks to take part
+            self.lanes["dispatch"].all_gather_from(out, send, self._attention_ranks)
             counts = out.view(W, E)[: self.topo.num_attention].cpu()
         return counts
 
@@ -280,40 +283,52 @@ class TwoPhaseTransport(Transport):
     def dispatch(self, x, topk_ids, topk_weights, layer=UNKNOWN_LAYER):
         A = self.topo.num_attention
         token_index, rows, counts = self.route_rows(x, topk_ids, topk_weights)  # flat order
-        plan = self._plan(self._gather_counts(counts[A:], layer), layer)
-        if plan.scheme == "flat":
-            send2 = rows
-        else:
-            recv1 = self._phase1(rows[plan.idx1], plan.send1, plan.recv1, plan, layer, "dispatch")
-            send2 = torch.cat([recv1, rows])[plan.idx2]  # [rows out, row_bytes]
-        self.all_to_all(send2, plan.send2, self._zeros, layer, "dispatch")
+
+        def send() -> LayerPlan:  # both hops, in order, on the dispatch lane
+            plan = self._plan(self._gather_counts(counts[A:], layer), layer)
+            if plan.scheme == "flat":
+                send2 = rows
+            else:
+                recv1 = self._phase1(
+                    rows[plan.idx1], plan.send1, plan.recv1, plan, layer, "dispatch"
+                )
+                send2 = torch.cat([recv1, rows])[plan.idx2]  # [rows out, row_bytes]
+            self.all_to_all(send2, plan.send2, self._zeros, layer, "dispatch")
+            return plan
+
+        # (over shared memory this runs now: it waits for the node's other attention ranks,
+        # which post the same layer, and never for the expert ranks)
+        sent = self.post("dispatch", send, sends=True, inputs=(rows,))
         return DispatchHandle(
             token_index=token_index,
             send_counts=counts,
             num_tokens=x.shape[0],
             layer=layer,
-            plan=plan,
+            sent=sent,
         )
 
     def combine(self, handle):
-        plan: LayerPlan = handle.plan
+        plan: LayerPlan = handle.plan  # (waits for the dispatch)
+        got = self.post("combine", lambda: self._partial_sums(handle, plan), sends=False)
+        partial = got.wait()  # [P, H]
+        out = torch.zeros(handle.num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        out.index_add_(0, handle.token_index, partial)  # same order of additions as flat
+        return out
+
+    def _partial_sums(self, handle: DispatchHandle, plan: LayerPlan) -> torch.Tensor:
+        """Both hops back: the partial sums ``[P, H]`` in the flat order of the sent rows."""
         H = self.hidden_size
         recv2 = self.all_to_all(self._no_sums, self._zeros, plan.send2, handle.layer, "combine")
         if plan.scheme == "flat":
-            partial = recv2
-        else:
-            # Undo phase 2's gather, then phase 1: copies only, so every partial sum is bit-exact.
-            n1 = plan.received1
-            back = torch.empty(
-                n1 + handle.token_index.numel(), H, dtype=self.dtype, device=self.device
-            )
-            back[plan.idx2] = recv2
-            got1 = self._phase1(back[:n1], plan.recv1, plan.send1, plan, handle.layer, "combine")
-            partial = back[n1:]  # [P, H]: same-node destinations filled, the rest from phase 1
-            partial[plan.idx1] = got1
-        out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
-        out.index_add_(0, handle.token_index, partial)  # same order of additions as flat
-        return out
+            return recv2
+        # Undo phase 2's gather, then phase 1: copies only, so every partial sum is bit-exact.
+        n1 = plan.received1
+        back = torch.empty(n1 + handle.token_index.numel(), H, dtype=self.dtype, device=self.device)
+        back[plan.idx2] = recv2
+        got1 = self._phase1(back[:n1], plan.recv1, plan.send1, plan, handle.layer, "combine")
+        partial = back[n1:]  # [P, H]: same-node destinations filled, the rest from phase 1
+        partial[plan.idx1] = got1
+        return partial
 
     def _phase1(self, send, send_counts, recv_counts, plan, layer, direction):
         if not plan.aggregate:
@@ -331,9 +346,12 @@ class TwoPhaseTransport(Transport):
 
     # ---- expert side --------------------------------------------------------------------------
     def receive(self, layer=UNKNOWN_LAYER):
-        plan = self._plan(self._gather_counts([0] * self.topo.num_expert, layer), layer)
-        rows = self.all_to_all(self._no_rows, self._zeros, plan.recv2, layer, "dispatch")
-        return ExpertBatch(rows, plan.recv2, self.unpack, layer, plan)
+        def receive() -> tuple[torch.Tensor, list[int], LayerPlan]:
+            plan = self._plan(self._gather_counts([0] * self.topo.num_expert, layer), layer)
+            rows = self.all_to_all(self._no_rows, self._zeros, plan.recv2, layer, "dispatch")
+            return rows, plan.recv2, plan
+
+        return ExpertBatch(self.post("dispatch", receive, sends=False), self.unpack, layer)
 
 
 class AutoTransport(TwoPhaseTransport):
