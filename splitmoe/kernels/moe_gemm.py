@@ -13,6 +13,13 @@ multiple of ``BLOCK_M`` (`sort_by_expert`), so every ``BLOCK_M`` rows belong to 
 Both use a 1-D grid over (row block, column block) with grouped ordering (``GROUP_M`` row
 blocks share each column sweep, so a weight tile stays in L2 while several row blocks use it).
 Row blocks past the padded total and those of skipped slots have expert -1 and exit at once.
+
+Weights are dense tensors or `QuantizedWeight`s kept in their released layout (FP8 blocks,
+MXFP4 nibbles); a constexpr ``WFMT`` selects how `_weight_tile` reads a ``[BLOCK_K, BLOCK_N]``
+tile: it loads the quantized bytes, dequantizes them in registers to float32 exactly (fp8 value
+times its block's scale; fp4 value times ``2 ** (s - 127)``), casts to the activations' dtype,
+and the same ``tl.dot`` runs as with dense weights (W8A16 / W4A16). In float32 that is the math
+of dequantize-then-`fused_moe_ref`.
 """
 
 from __future__ import annotations
@@ -23,8 +30,20 @@ import torch
 import triton
 import triton.language as tl
 
-from splitmoe.kernels.expert_sort import ExpertSort, check_moe_inputs, sort_by_expert
-from splitmoe.kernels.triton_utils import dot_precision, require_triton
+from splitmoe.kernels.expert_sort import (
+    ExpertSort,
+    check_moe_inputs,
+    check_moe_shapes,
+    sort_by_expert,
+)
+from splitmoe.kernels.quant import MXFP4_GROUP, QuantizedWeight
+from splitmoe.kernels.triton_utils import SUPPORTED_DTYPES, dot_precision, require_triton
+
+# `_weight_tile`'s WFMT: how the kernels read a weight tile (`weight_format` picks one).
+WFMT_DENSE = tl.constexpr(0)  # x's dtype
+WFMT_FP8 = tl.constexpr(1)  # float8 pointer load + convert (CUDA sm >= 89, Triton's interpreter)
+WFMT_FP8_BITS = tl.constexpr(2)  # e4m3fn bytes decoded with integer ops (older GPUs)
+WFMT_MXFP4 = tl.constexpr(3)  # two e2m1 codes a byte, an e8m0 exponent per 32 values
 
 
 @dataclass(frozen=True)
@@ -69,12 +88,93 @@ def _tile_ids(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _e4m3_bits_to_f32(b):
+    """uint8 e4m3fn bytes -> float32 (NaN codes excepted: checkpoints hold none)."""
+    b = b.to(tl.int32)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2^(e-7) (1 + m/8)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
+    return tl.where((b & 128) != 0, -v, v)
+
+
+@triton.jit
+def _e2m1_to_f32(c):
+    """int32 FP4 codes 0..15 -> float32 (`quant.FP4_VALUES`), built as float32 bits."""
+    e = (c >> 1) & 3
+    m = c & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_to_f32(s):
+    """uint8 e8m0 exponents -> float32 ``2 ** (s - 127)`` exactly (0: the subnormal 2^-127)."""
+    s = s.to(tl.int32)
+    return tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weight_tile(
+    w_ptr,  # this expert's data: [N, K] dense / fp8, [N, K // 2] uint8 mxfp4
+    s_ptr,  # this expert's scales (not read when dense)
+    rows,  # [BLOCK_N] weight rows of the tile
+    n_ok,  # [BLOCK_N] rows in range
+    k0,
+    K,
+    stride_wn,
+    stride_sn,
+    stride_sk,
+    WFMT: tl.constexpr,
+    K_UNIFORM: tl.constexpr,  # fp8: BLOCK_K divides bk, so the tile needs one scale per row
+    BN_Q: tl.constexpr,  # rows per scale (fp8 bn; 1 for mxfp4)
+    BK_Q: tl.constexpr,  # columns per scale (fp8 bk; 32 for mxfp4)
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The ``[BLOCK_K, BLOCK_N]`` tile ``W[rows, k0:k0 + BLOCK_K]^T``: dense weights as stored,
+    quantized ones dequantized to float32 (the caller casts to its dot's dtype)."""
+    if WFMT == WFMT_MXFP4:
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # bytes along K
+        mask = (offs_b < K // 2)[:, None] & n_ok[None, :]
+        b = tl.load(w_ptr + rows[None, :] * stride_wn + offs_b[:, None], mask=mask, other=0)
+        b = b.to(tl.int32)  # [BLOCK_K / 2, BLOCK_N]
+        s_ptrs = s_ptr + rows[None, :] * stride_sn + (offs_b // (BK_Q // 2))[:, None] * stride_sk
+        s = _e8m0_to_f32(tl.load(s_ptrs, mask=mask, other=127))
+        lo = _e2m1_to_f32(b & 15) * s  # elements 2j
+        hi = _e2m1_to_f32(b >> 4) * s  # elements 2j + 1
+        w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_K, BLOCK_N))
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_k < K)[:, None] & n_ok[None, :]
+        w_ptrs = w_ptr + rows[None, :] * stride_wn + offs_k[:, None]
+        if WFMT == WFMT_FP8:
+            # no `other=` for float8 (the interpreter cannot cast it): zero the tail after the
+            # convert, so that a stray NaN byte past K cannot reach the dot
+            w = tl.where(mask, tl.load(w_ptrs, mask=mask).to(tl.float32), 0.0)
+        else:
+            w = tl.load(w_ptrs, mask=mask, other=0)
+        if WFMT == WFMT_FP8_BITS:
+            w = _e4m3_bits_to_f32(w)
+        if WFMT != WFMT_DENSE:  # fp8: times its (bn x bk) block's scale
+            srow = rows // BN_Q
+            if K_UNIFORM:
+                s = tl.load(s_ptr + srow * stride_sn + (k0 // BK_Q) * stride_sk, mask=n_ok, other=0)
+                w = w.to(tl.float32) * s[None, :]
+            else:
+                s_ptrs = s_ptr + srow[None, :] * stride_sn + (offs_k // BK_Q)[:, None] * stride_sk
+                w = w.to(tl.float32) * tl.load(s_ptrs, mask=mask, other=0)
+    return w
+
+
 # Integers that change from call to call are not specialised: Triton would compile a variant for
 # each value class (1, multiples of 16, others), each a second or more of JIT in a live request.
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _gate_up_kernel(
     x_ptr,  # [N, H]
-    w_ptr,  # [E, 2I, H]: gate rows, then up rows
+    w_ptr,  # [E, 2I, H]: gate rows, then up rows (its data, when quantized: `_weight_tile`)
+    s_ptr,  # w's scales (read only when quantized)
     b_ptr,  # [E, 2I] gate then up biases (read only with HAS_BIAS)
     h_ptr,  # [R, I]: sorted rows
     sorted_ids_ptr,  # [R] int32 pair index (num_pairs = padding)
@@ -86,6 +186,9 @@ def _gate_up_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
+    stride_sk,
     stride_ht,
     stride_be,
     swiglu_limit,
@@ -93,6 +196,10 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMPED: tl.constexpr,  # GPT-OSS's clamped SwiGLU instead of SiLU(gate) * up
+    WFMT: tl.constexpr,
+    K_UNIFORM: tl.constexpr,
+    BN_Q: tl.constexpr,
+    BK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -111,23 +218,24 @@ def _gate_up_kernel(
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [M, K]
-    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
-    u_ptrs = g_ptrs + I * stride_wn
+    w_e = w_ptr + expert * stride_we
+    s_e = s_ptr + expert * stride_se
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
         a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        gate = tl.dot(
-            a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc=gate, input_precision=DOT_PRECISION
-        )
-        up = tl.dot(
-            a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc=up, input_precision=DOT_PRECISION
-        )
+        g = _weight_tile(
+            w_e, s_e, offs_n, n_ok, k0, H, stride_wn, stride_sn, stride_sk,
+            WFMT, K_UNIFORM, BN_Q, BK_Q, BLOCK_K, BLOCK_N,
+        )  # fmt: skip
+        gate = tl.dot(a, g.to(a.dtype), acc=gate, input_precision=DOT_PRECISION)
+        u = _weight_tile(
+            w_e, s_e, I + offs_n, n_ok, k0, H, stride_wn, stride_sn, stride_sk,
+            WFMT, K_UNIFORM, BN_Q, BK_Q, BLOCK_K, BLOCK_N,
+        )  # fmt: skip
+        up = tl.dot(a, u.to(a.dtype), acc=up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
     if HAS_BIAS:
         b = b_ptr + expert * stride_be + offs_n
         gate += tl.load(b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -145,7 +253,8 @@ def _gate_up_kernel(
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _down_kernel(
     h_ptr,  # [R, I]: sorted rows
-    w_ptr,  # [E, H, I]
+    w_ptr,  # [E, H, I] (its data, when quantized: `_weight_tile`)
+    s_ptr,  # w's scales (read only when quantized)
     b_ptr,  # [E, H] biases (read only with HAS_BIAS)
     y_ptr,  # [N * TOP_K, H]: per pair, unsorted
     router_w_ptr,  # [N * TOP_K]
@@ -158,9 +267,16 @@ def _down_kernel(
     stride_ht,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
+    stride_sk,
     stride_yt,
     stride_be,
     HAS_BIAS: tl.constexpr,
+    WFMT: tl.constexpr,
+    K_UNIFORM: tl.constexpr,
+    BN_Q: tl.constexpr,
+    BK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -178,15 +294,18 @@ def _down_kernel(
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]  # [M, K]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
+    w_e = w_ptr + expert * stride_we
+    s_e = s_ptr + expert * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = offs_k < I - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc=acc, input_precision=DOT_PRECISION)
+        w = _weight_tile(
+            w_e, s_e, offs_n, n_ok, k0, I, stride_wn, stride_sn, stride_sk,
+            WFMT, K_UNIFORM, BN_Q, BK_Q, BLOCK_K, BLOCK_N,
+        )  # fmt: skip
+        acc = tl.dot(a, w.to(a.dtype), acc=acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     if HAS_BIAS:
         b = tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0)
         acc += b.to(tl.float32)[None, :]
@@ -195,25 +314,140 @@ def _down_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@dataclass(frozen=True)
+class WeightArgs:
+    """How a kernel reads one weight operand (`weight_args`): ``data`` (the dense tensor, or a
+    quantized weight's bytes), ``scale`` (``data`` again when dense: never read), the strides of
+    both (leading stack dim first; 0 for a single ``[N, K]`` weight), the scale block
+    ``(bn, bk)``, the kernels' ``wfmt`` and ``k_uniform`` (one fp8 scale per row of a K tile,
+    when ``block_k`` divides bk), and ``block_k`` (the caller's, narrowed to divide bk where it
+    can)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    strides: tuple[int, int]
+    scale_strides: tuple[int, int, int]
+    block: tuple[int, int]
+    wfmt: int
+    k_uniform: bool
+    block_k: int
+
+    def kernel_args(self) -> tuple:
+        """``stride_we, stride_wn, stride_se, stride_sn, stride_sk``."""
+        return (*self.strides, *self.scale_strides)
+
+    def constexprs(self) -> dict:
+        """The block sizes are compile-time: divisions by them become shifts (128: one kernel
+        per scale layout, and released checkpoints use one)."""
+        bn, bk = self.block
+        return dict(WFMT=self.wfmt, K_UNIFORM=self.k_uniform, BN_Q=bn, BK_Q=bk,
+                    BLOCK_K=self.block_k)  # fmt: skip
+
+
+def fp8_decodes_natively(device: torch.device) -> bool:
+    """Whether float8 -> float32 converts in hardware here: CUDA sm >= 89 (Ada, Hopper,
+    Blackwell), and Triton's interpreter. Older GPUs decode the e4m3 bits with integer ops."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def weight_args(
+    w: torch.Tensor | QuantizedWeight, block_k: int, fp8_bits: bool | None = None
+) -> WeightArgs:
+    """The kernel operands of ``w`` (``[E, N, K]`` or ``[N, K]``, dense or quantized) for a
+    GEMM with K tiles of ``block_k``. ``fp8_bits``: decode e4m3 bytes with integer ops instead
+    of float8 loads (None: where the device lacks FP8 conversions; tests force both)."""
+    if not isinstance(w, QuantizedWeight):
+        return WeightArgs(
+            w, w, (_lead_stride(w), w.stride(-2)), (0, 0, 0), (1, 1), WFMT_DENSE.value, False,
+            block_k,
+        )  # fmt: skip
+    data, scale = w.data, w.scale
+    bn, bk = w.block
+    strides = (_lead_stride(data), data.stride(-2))
+    scale_strides = (_lead_stride(scale), scale.stride(-2), scale.stride(-1))
+    if w.fmt == "mxfp4":
+        return WeightArgs(
+            data, scale, strides, scale_strides, (1, MXFP4_GROUP), WFMT_MXFP4.value, False,
+            max(block_k, 2),
+        )  # fmt: skip
+    if fp8_bits is None:
+        fp8_bits = not fp8_decodes_natively(data.device)
+    wfmt = WFMT_FP8.value
+    if fp8_bits and data.dtype == torch.float8_e4m3fn:
+        data, wfmt = data.view(torch.uint8), WFMT_FP8_BITS.value
+    # Narrow the K tile to a power of two dividing bk (>= 16, tl.dot's least): each K tile then
+    # has one scale per row, a [BLOCK_N] load instead of a [BLOCK_K, BLOCK_N] gather.
+    fit = block_k
+    while fit > 16 and bk % fit:
+        fit //= 2
+    if bk % fit == 0:
+        block_k = fit
+    return WeightArgs(
+        data, scale, strides, scale_strides, (bn, bk), wfmt, bk % block_k == 0, block_k
+    )
+
+
+def _lead_stride(t: torch.Tensor) -> int:
+    return t.stride(0) if t.dim() == 3 else 0  # a single [N, K] weight: no stack dim
+
+
+def check_quantized_weights(x: torch.Tensor, *ws) -> None:
+    """What the kernels need of weights that may be `QuantizedWeight`s: dense ones in x's dtype,
+    every weight's last dim contiguous and on x's device."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"x must be float16/bfloat16/float32, got {x.dtype}")
+    for w in ws:
+        data = w.data if isinstance(w, QuantizedWeight) else w
+        if not isinstance(w, QuantizedWeight) and w.dtype != x.dtype:
+            raise ValueError(f"a dense weight must have x's dtype {x.dtype}, got {w.dtype}")
+        if data.stride(-1) != 1:
+            raise ValueError(f"weights must be contiguous in their last dim, got {data.stride()}")
+        scale = w.scale if isinstance(w, QuantizedWeight) else data
+        if data.device != x.device or scale.device != x.device:
+            raise ValueError(f"weights must be on x's device {x.device}, got {data.device}")
+
+
 def fused_moe_triton(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | QuantizedWeight,
+    w2: torch.Tensor | QuantizedWeight,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
     tiles: MoeTiles | None = None,
+    fp8_bits: bool | None = None,
     **ffn,
 ) -> torch.Tensor:
-    """Same contract as `fused_moe_ref`; ``tiles`` overrides the tile choice (tests)."""
+    """Same contract as `fused_moe_ref`, with dense or `QuantizedWeight` experts; ``tiles`` and
+    ``fp8_bits`` (`weight_args`) override the tile and FP8 decode choices (tests)."""
     require_triton("moe_backend", x.device)
-    check_moe_inputs(x, w13, w2, expert_ids, weights)
-    return launch_fused_moe(x, w13, w2, expert_ids, weights, tiles, **ffn)
+    if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
+        check_quantized_moe_inputs(x, w13, w2, expert_ids, weights)
+    else:
+        check_moe_inputs(x, w13, w2, expert_ids, weights)
+    return launch_fused_moe(x, w13, w2, expert_ids, weights, tiles, fp8_bits=fp8_bits, **ffn)
+
+
+def check_quantized_moe_inputs(x, w13, w2, expert_ids, weights) -> None:
+    """`check_moe_inputs` for experts of which one or both are `QuantizedWeight`s."""
+    check_moe_shapes(x, w13, w2, expert_ids, weights)
+    check_quantized_weights(x, w13, w2)
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype == torch.bool:
+        raise ValueError(f"fused_moe: expert_ids must be integers, got {expert_ids.dtype}")
+    if not weights.dtype.is_floating_point:
+        raise ValueError(f"fused_moe: weights must be floating point, got {weights.dtype}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"fused_moe: x must be contiguous in its last dim, got {x.stride()}")
+    for name, t in (("expert_ids", expert_ids), ("weights", weights)):
+        if t.device != x.device:
+            raise ValueError(f"fused_moe: {name} is on {t.device}, x on {x.device}")
 
 
 def launch_fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | QuantizedWeight,
+    w2: torch.Tensor | QuantizedWeight,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
     tiles: MoeTiles | None = None,
@@ -221,9 +455,13 @@ def launch_fused_moe(
     b2: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
     swiglu_alpha: float = 1.702,
+    fp8_bits: bool | None = None,
 ) -> torch.Tensor:
-    """`fused_moe_triton` for callers that have run `check_moe_inputs` already. ``b13 [E, 2I]``,
-    ``b2 [E, H]`` (both or neither) and ``swiglu_limit``: GPT-OSS's experts (`fused_moe_ref`)."""
+    """`fused_moe_triton` for callers that have run `check_moe_inputs` (dense weights) or
+    `check_quantized_moe_inputs` already. ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` are dense
+    tensors in x's dtype or `QuantizedWeight`s of those logical shapes (FP8 blocks: W8A16;
+    MXFP4: W4A16), dequantized tile by tile in registers. ``b13 [E, 2I]``, ``b2 [E, H]`` (both
+    or neither) and ``swiglu_limit``: GPT-OSS's experts (`fused_moe_ref`)."""
     if (b13 is None) != (b2 is None):
         raise ValueError("fused_moe: pass both expert biases b13 and b2, or neither")
     if b13 is not None and (b13.stride(-1) != 1 or b2.stride(-1) != 1):
@@ -243,26 +481,32 @@ def launch_fused_moe(
     y = torch.zeros(N * k, H, dtype=x.dtype, device=x.device)
     meta = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     meta.update(moe_constexprs(x.dtype, tiles))
+    wa = weight_args(w13, tiles.block_k, fp8_bits)
     grid = (num_m_blocks * triton.cdiv(I, tiles.block_n),)
     _gate_up_kernel[grid](
-        x, w13, w13 if b13 is None else b13, h, order.sorted_ids, order.block_expert,
-        N * k, num_m_blocks, H, I, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        0 if b13 is None else b13.stride(0),
+        x, wa.data, wa.scale, wa.data if b13 is None else b13, h, order.sorted_ids,
+        order.block_expert, N * k, num_m_blocks, H, I, x.stride(0), *wa.kernel_args(),
+        h.stride(0), 0 if b13 is None else b13.stride(0),
         0.0 if swiglu_limit is None else float(swiglu_limit), float(swiglu_alpha),
-        TOP_K=k, HAS_BIAS=b13 is not None, CLAMPED=swiglu_limit is not None, **meta,
+        TOP_K=k, HAS_BIAS=b13 is not None, CLAMPED=swiglu_limit is not None,
+        **dict(meta, **wa.constexprs()),
     )  # fmt: skip
+    wa = weight_args(w2, tiles.block_k, fp8_bits)
     grid = (num_m_blocks * triton.cdiv(H, tiles.block_n),)
     _down_kernel[grid](
-        h, w2, w2 if b2 is None else b2, y, weights.reshape(-1), order.sorted_ids,
-        order.block_expert, N * k, num_m_blocks, H, I, h.stride(0), w2.stride(0), w2.stride(1),
-        y.stride(0), 0 if b2 is None else b2.stride(0), HAS_BIAS=b2 is not None, **meta,
+        h, wa.data, wa.scale, wa.data if b2 is None else b2, y, weights.reshape(-1),
+        order.sorted_ids, order.block_expert, N * k, num_m_blocks, H, I, h.stride(0),
+        *wa.kernel_args(), y.stride(0), 0 if b2 is None else b2.stride(0),
+        HAS_BIAS=b2 is not None, **dict(meta, **wa.constexprs()),
     )  # fmt: skip
     return y.view(N, k, H).sum(1) if k > 1 else y
 
 
 def moe_constexprs(dtype: torch.dtype, tiles: MoeTiles) -> dict:
-    """Compile-time parameters of both kernels but TOP_K (also used by the kernel bench)."""
+    """Compile-time parameters of both kernels but TOP_K, for dense weights (a quantized
+    weight's: `WeightArgs.constexprs`). Also used by the kernel bench."""
     return dict(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, DOT_PRECISION=dot_precision(dtype),
+        WFMT=WFMT_DENSE.value, K_UNIFORM=False, BN_Q=1, BK_Q=1,
     )  # fmt: skip
