@@ -1,0 +1,150 @@
+"""A Triton linear that reads a `QuantizedWeight` in its released layout: ``y = x W^T + b``.
+
+The dense linears that ship FP8 (attention ranks' projections of DeepSeek-V3/R1, Kimi-K2,
+MiniMax-M2, Qwen3 FP8) stay 1 byte a weight plus their block scales; each ``[BLOCK_K, BLOCK_N]``
+tile of ``W^T`` is dequantized in registers by the fused-MoE kernels' `_weight_tile` (FP8
+blocks or MXFP4 nibbles to float32 exactly, then cast to x's dtype) and fed to the same
+``tl.dot`` as a dense weight would be (W8A16 / W4A16). In float32 that is the math of
+`linear_quant_ref`: dequantize, then ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from splitmoe.kernels.moe_gemm import (
+    _tile_ids,
+    _weight_tile,
+    check_quantized_weights,
+    weight_args,
+)
+from splitmoe.kernels.quant import QuantizedWeight
+from splitmoe.kernels.triton_utils import dot_precision, require_triton
+
+
+@dataclass(frozen=True)
+class LinearTiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int  # row blocks per column sweep (L2 reuse of weight tiles)
+    num_warps: int
+    num_stages: int
+
+
+def linear_tiles(num_tokens: int, dtype: torch.dtype) -> LinearTiles:
+    """Few tokens (decode): 16-row tiles, the GEMM streams the weight once and is bandwidth-bound.
+    Many: tensor-core tiles with grouped ordering. float32 dots run on CUDA cores: half the K."""
+    if dtype == torch.float32:
+        return LinearTiles(16 if num_tokens <= 16 else 32, 64, 32, 8, 4, 3)
+    if num_tokens <= 16:
+        return LinearTiles(16, 64, 128, 1, 4, 4)
+    if num_tokens <= 64:
+        return LinearTiles(32, 64, 128, 8, 4, 3)
+    return LinearTiles(128, 128, 64, 8, 8, 3)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _quant_linear_kernel(
+    x_ptr,  # [T, K]
+    w_ptr,  # [N, K] weight data (`_weight_tile`)
+    s_ptr,  # its scales (read only when quantized)
+    b_ptr,  # [N] bias (read only with HAS_BIAS)
+    y_ptr,  # [T, N]
+    T,
+    N,
+    K,
+    stride_xt,
+    stride_we,  # unused: one weight, no stack dim (kept for `WeightArgs.kernel_args`)
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    stride_yt,
+    HAS_BIAS: tl.constexpr,
+    WFMT: tl.constexpr,
+    K_UNIFORM: tl.constexpr,
+    BN_Q: tl.constexpr,
+    BK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(tl.cdiv(T, BLOCK_M), N, BLOCK_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]  # [M, K]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        w = _weight_tile(
+            w_ptr, s_ptr, offs_n, n_ok, k0, K, stride_wn, stride_sn, stride_sk,
+            WFMT, K_UNIFORM, BN_Q, BK_Q, BLOCK_K, BLOCK_N,
+        )  # fmt: skip
+        acc = tl.dot(a, w.to(a.dtype), acc=acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def linear_quant_ref(
+    x: torch.Tensor, w: QuantizedWeight | torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The reference: ``w`` dequantized (float32 exactly, then x's dtype), then ``F.linear``."""
+    dense = w.dequantize(x.dtype) if isinstance(w, QuantizedWeight) else w.to(x.dtype)
+    return F.linear(x, dense, bias)
+
+
+def linear_quant_triton(
+    x: torch.Tensor,
+    w: QuantizedWeight | torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: LinearTiles | None = None,
+    fp8_bits: bool | None = None,
+) -> torch.Tensor:
+    """``y [T, N] = x [T, K] @ W^T + bias``, in x's dtype, reading ``w`` (a `QuantizedWeight`
+    ``[N, K]``, FP8 blocks or MXFP4; or a dense ``[N, K]`` tensor in x's dtype) in its stored
+    layout. ``bias [N]`` is added in float32 before the cast. ``tiles`` and ``fp8_bits``
+    (`moe_gemm.weight_args`) override the tile and FP8 decode choices (tests, benchmarks)."""
+    require_triton("linear_backend", x.device)
+    if x.dim() != 2 or len(w.shape) != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"linear_quant_triton: x {tuple(x.shape)} and w {tuple(w.shape)} must be [T, K] "
+            "and [N, K]"
+        )
+    check_quantized_weights(x, w)
+    N, K = w.shape
+    if bias is not None and (bias.shape != (N,) or bias.device != x.device):
+        raise ValueError(
+            f"linear_quant_triton: bias {tuple(bias.shape)} on {bias.device} must be [{N}] on "
+            f"{x.device}"
+        )
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    T = x.shape[0]
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return y
+    if tiles is None:
+        tiles = linear_tiles(T, x.dtype)
+    wa = weight_args(w, tiles.block_k, fp8_bits)
+    grid = (triton.cdiv(T, tiles.block_m) * triton.cdiv(N, tiles.block_n),)
+    _quant_linear_kernel[grid](
+        x, wa.data, wa.scale, wa.data if bias is None else bias, y, T, N, K, x.stride(0),
+        *wa.kernel_args(), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, GROUP_M=tiles.group_m, DOT_PRECISION=dot_precision(x.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **wa.constexprs(),
+    )  # fmt: skip
+    return y
