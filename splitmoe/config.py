@@ -227,10 +227,10 @@ class ParallelConfig:
         "ranks that share a fast local link (default: from the launcher, or the whole world for "
         "LLM); set it to emulate several nodes",
     )
-    micro_batches: int | None = option(
-        None,
-        "micro-batches per step, so that attention and experts overlap (ping-pong; default: "
-        "chosen per step)",
+    micro_batches: int | str | None = option(
+        "auto",
+        "micro-batches per step, so that attention and experts overlap (ping-pong): 1..16, or "
+        "auto (default): chosen per step from the compute and transfer times the ranks measure",
     )
     timeout_s: float = option(
         30.0,
@@ -269,11 +269,14 @@ class ParallelConfig:
             raise ValueError(f"shared_memory={self.shared_memory!r} must be True or False")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
-        if self.micro_batches is not None and (
-            not isinstance(self.micro_batches, int) or not 1 <= self.micro_batches <= 16
+        if self.micro_batches not in (None, "auto") and (
+            isinstance(self.micro_batches, bool)
+            or not isinstance(self.micro_batches, int)
+            or not 1 <= self.micro_batches <= 16
         ):
             raise ValueError(
-                f"micro_batches={self.micro_batches!r} must be None (automatic) or 1..16"
+                f"micro_batches={self.micro_batches!r} must be 'auto' (None: the same) or an "
+                "integer 1..16"
             )
         if self.ranks_per_node is not None and (
             not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
@@ -318,22 +321,21 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.attention_ranks + self.expert_ranks
 
-    # Below this many tokens on the busiest attention rank, splitting a step costs more latency
-    # (one more round trip per layer) than the overlap gains.
-    MIN_TOKENS_TO_SPLIT = 8
-
-    def micro_batches_for(self, tokens_per_rank: tuple[int, ...], shared_gpu: bool = False) -> int:
-        """Micro-batches of a step, from the all-gathered token counts: the same on every rank.
-        Automatic: 2 when there is something to overlap (expert ranks, and at least
-        `MIN_TOKENS_TO_SPLIT` tokens on the busiest attention rank), else 1. ``shared_gpu``:
-        the ranks share their GPUs (several ranks per device, exchanging through the host), so
-        attention and expert kernels take turns on one device and nothing overlaps: 1. (One
-        H100, 1+1, default model: m=2 decoded 0.70-0.84x as fast as m=1 at batch 32-256.)"""
-        if self.micro_batches is not None:
+    def micro_batches_for(
+        self, tokens_per_rank: tuple[int, ...], shared_gpu: bool = False
+    ) -> int | None:
+        """Micro-batches of a step where the configuration or the step fixes them, from the
+        all-gathered token counts (the same on every rank); None where ``"auto"`` leaves the
+        choice to measurements (`splitmoe.scheduler.micro_batches.MicroBatchChooser`).
+        Automatic is 1 with nothing to overlap: colocated, a single token on every attention
+        rank, or ranks that share their GPUs (``shared_gpu``: several ranks per device,
+        exchanging through the host, so attention and expert kernels take turns on one device;
+        one H100, 1+1, default model: m=2 decoded 0.70-0.84x as fast as m=1 at batch 32-256)."""
+        if self.micro_batches not in (None, "auto"):
             return self.micro_batches
-        if self.expert_ranks == 0 or shared_gpu or max(tokens_per_rank) < self.MIN_TOKENS_TO_SPLIT:
+        if self.expert_ranks == 0 or shared_gpu or max(tokens_per_rank) < 2:
             return 1
-        return 2
+        return None
 
     @property
     def timeout(self) -> timedelta:
@@ -549,9 +551,13 @@ def check_fits(num_experts: int, num_ranks: int, redundant: int) -> None:
         )
 
 
+def _int_or_auto(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 # ---- engine options: one declaration, for LLM(**options) and the launchers' flags ------------
 _SECTIONS = {"parallel": ParallelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "int | str": _int_or_auto}
 _DEST = "engine:"  # the flags' namespace in a parser (a front end's own flags may share names)
 
 
