@@ -27,9 +27,10 @@ from splitmoe.comm.shm import CONTROL_CAPACITY, CONTROL_SPIN_S, OWN_CORE_SPIN_S
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transports import TRANSPORTS
 from splitmoe.config import EngineConfig
+from splitmoe.eplb.rebalance import ExpertBalance
 from splitmoe.expert_nodes.worker import ExpertWorker
 from splitmoe.metrics import StepRecord
-from splitmoe.scheduler.expert_balance import ExpertBalance
+from splitmoe.scheduler.micro_batches import MicroBatchChooser
 from splitmoe.scheduler.request import RequestSpec
 
 logger = logging.getLogger("splitmoe")
@@ -299,6 +300,8 @@ def _loop(
     shared_gpu: bool = False,
 ) -> None:
     busy = False
+    chooser = MicroBatchChooser(cfg.parallel, shared_gpu)
+    times = None  # this rank's times in its last step, shared in the next exchange
     rebalance_asked = False  # this rank's channel asked; answered once the switch is done
     answer_pending = False  # a rebalance this rank asked for has begun, not finished
     relays = hasattr(channel, "outgoing")  # (a `MailChannel`)
@@ -332,11 +335,13 @@ def _loop(
             publication.note(False, urgent=bool(inbox.requests or inbox.aborts))
             due = publication.due(time.monotonic())
         with worker.timeline.span("sync", "wait"):
-            decision = sync.exchange(*row, rebalance_asked, ready, len(blob), due)
+            decision = sync.exchange(*row, rebalance_asked, ready, len(blob), due, times)
             if decision.mail:
                 channel.deliver(sync.relay(blob))
         if decision.finished:
             return
+        chooser.observe(decision.times)
+        times = None
         if publication is not None:
             if decision.publish:  # (some rank's are due: all go out together)
                 counters = rank_counters(topo, worker)
@@ -361,14 +366,17 @@ def _loop(
         if not busy:
             continue
         worker.timeline.step += 1
-        m = cfg.parallel.micro_batches_for(decision.tokens[: topo.num_attention], shared_gpu)
+        m = chooser.choose(decision.tokens[: topo.num_attention])
+        worker.timeline.take_times()  # (this step's times start here)
         if topo.is_attention:
             updates, record = worker.execute(m)
+            times = worker.timeline.take_times()
             if record is not None:
                 with worker.timeline.span("emit", "comm"):
                     channel.emit(updates, record)
         else:
             worker.step(m)
+            times = worker.timeline.take_times()
         if balance is not None and balance.due() and not balance.in_transition:
             balance.begin()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from tiny_models import prompt_ids
 
 from splitmoe import LLM, SamplingParams
@@ -47,3 +48,30 @@ def test_trace_shows_every_micro_batch_of_every_layer(tiny_ckpt):
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(events) == len(att) + len(exp)
     assert all(e["dur"] >= 0 and e["ts"] >= 0 and e["cat"] in KINDS for e in events)
+
+
+def test_trace_step_compares_counts(tiny_ckpt):
+    """`scripts/trace_step.py`'s figures of one run: per rank and step, compute / comm / wait
+    adding up to the step, the expert compute per micro-batch, and the counts ``auto`` ran."""
+    from argparse import Namespace
+
+    from scripts.trace_step import run, summarize
+
+    ckpt = tiny_ckpt("qwen3_moe")
+    args = Namespace(
+        model=str(ckpt), transport="flat", threads_per_rank=None, batch=4, max_tokens=8, steps=4
+    )
+    result = run(args, PROMPTS, (1, 1), "auto")
+    s = summarize(result)
+    assert result["steps"] == 4 and sum(s["used"].values()) == 4
+    assert set(s["used"]) <= {1, 2, 3, 4}
+    attention, expert = s["ranks"][0], s["ranks"][1]
+    for r in (attention, expert):
+        assert min(r[k] for k in (*KINDS, "other")) >= 0.0
+        assert sum(r[k] for k in (*KINDS, "other")) == pytest.approx(r["wall"])
+    assert s["step_ms"] == attention["wall"] > 0.0
+    assert "per_micro_batch" not in attention
+    # the expert rank computes once per micro-batch and MoE layer: its compute, so divided
+    layers = len(ModelConfig.from_hf(str(ckpt)).moe_layers)
+    served = sum(m * n for m, n in s["used"].items()) * layers
+    assert expert["per_micro_batch"] * served == pytest.approx(expert["compute"] * 4, rel=1e-6)

@@ -1,0 +1,169 @@
+"""``micro_batches="auto"``: the count each step runs with, chosen from the times the ranks
+measure and share (`splitmoe.scheduler.micro_batches`)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_models import prompt_ids
+
+from splitmoe import LLM, SamplingParams
+from splitmoe.comm.control import StepSync
+from splitmoe.config import ParallelConfig
+from splitmoe.scheduler.micro_batches import (
+    EXPLORE_EVERY,
+    MicroBatchChooser,
+    _fit_two,
+)
+from splitmoe.timeline import StepTimes, Timeline
+
+
+def _simulate(attention_per_token, expert_fixed, expert_per_token, trip, tokens, ranks=(1, 1)):
+    """A synthetic job: the times each rank would measure at count m, from a known cost
+    (seconds): every rank's attention compute, the experts' weight read per micro-batch and
+    compute per token, and a round trip per micro-batch and layer folded into ``trip``."""
+
+    def times(m: int) -> list[StepTimes]:
+        att = attention_per_token * max(tokens)
+        exp = expert_fixed * m + expert_per_token * sum(tokens)
+        forward = max(att, exp, (att + exp + trip * m) / m)
+        return [StepTimes(compute=att, wait=forward - att)] * ranks[0] + [
+            StepTimes(compute=exp, wait=forward - exp)
+        ] * ranks[1]
+
+    return times
+
+
+def _run(chooser: MicroBatchChooser, times, tokens, steps: int) -> list[int]:
+    counts = []
+    for _ in range(steps):
+        m = chooser.choose(tokens)
+        counts.append(m)
+        chooser.observe(times(m))
+    return counts
+
+
+def test_weight_bound_experts_run_one_micro_batch():
+    # the issue's 1+1 at batch 64: experts 57 ms at m=1, 111 at m=2 (their weights read twice)
+    tokens = (64,)
+    times = _simulate(19e-3 / 64, 54e-3, 3e-3 / 64, 5e-3, tokens)
+    counts = _run(MicroBatchChooser(ParallelConfig(1, 1)), times, tokens, 3 * EXPLORE_EVERY)
+    assert counts[:2] == [1, 2]  # each explored once, then chosen from the model
+    later = counts[2:]
+    assert later.count(1) >= len(later) - len(later) // EXPLORE_EVERY - 1
+    assert set(later) <= {1, 2}
+
+
+def test_attention_heavy_steps_run_two_micro_batches():
+    # long contexts: attention 40 ms, experts 12 ms mostly per token; two overlap them
+    tokens = (16,)
+    times = _simulate(40e-3 / 16, 1e-3, 11e-3 / 16, 2e-3, tokens)
+    chooser = MicroBatchChooser(ParallelConfig(1, 1))
+    counts = _run(chooser, times, tokens, 3 * EXPLORE_EVERY)
+    later = counts[2:]
+    assert later.count(1) <= len(later) // EXPLORE_EVERY + 1  # only to keep m=1 measured
+    # m=2, 3 and 4 all hide the experts behind attention here: the fewest of them runs
+    assert [m for m in later if m != 1] == [2] * (len(later) - later.count(1))
+    assert times(2)[0].total < 0.8 * times(1)[0].total
+
+
+def test_a_wrong_first_estimate_is_corrected():
+    # the job changes under the chooser: attention-heavy first, then weight-bound
+    tokens = (32,)
+    chooser = MicroBatchChooser(ParallelConfig(1, 1))
+    _run(chooser, _simulate(40e-3 / 32, 1e-3, 10e-3 / 32, 1e-3, tokens), tokens, 40)
+    assert chooser.choose(tokens) >= 2
+    chooser.observe(_simulate(40e-3 / 32, 1e-3, 10e-3 / 32, 1e-3, tokens)(2))
+    counts = _run(chooser, _simulate(5e-3 / 32, 60e-3, 1e-3 / 32, 3e-3, tokens), tokens, 80)
+    assert counts[-EXPLORE_EVERY // 2 :].count(1) >= EXPLORE_EVERY // 2 - 1
+
+
+def test_every_rank_chooses_alike_from_the_shared_numbers():
+    # ranks see the same exchanged times (whatever order they arrive in on each rank) and
+    # therefore make the same choices, step after step, with changing batches
+    rng = random.Random(3)
+    par = ParallelConfig(2, 2)
+    ranks = [MicroBatchChooser(par) for _ in range(4)]
+    for _ in range(200):
+        tokens = (rng.randrange(0, 70), rng.randrange(1, 70))
+        counts = {c.choose(tokens) for c in ranks}
+        assert len(counts) == 1
+        times = [StepTimes(*(rng.random() * 1e-2 for _ in range(3))) for _ in range(4)]
+        for c in ranks:
+            c.observe(times)
+    assert len({tuple(sorted(c.chosen.items())) for c in ranks}) == 1
+    assert len(ranks[0].chosen) >= 2  # (it did choose between counts)
+
+
+def test_what_configuration_fixes_is_not_chosen():
+    assert MicroBatchChooser(ParallelConfig(1, 1, micro_batches=3)).choose((1,)) == 3
+    assert MicroBatchChooser(ParallelConfig(1, 0)).choose((100,)) == 1  # colocated
+    assert MicroBatchChooser(ParallelConfig(1, 1)).choose((1,)) == 1  # one token: no split
+    assert MicroBatchChooser(ParallelConfig(1, 1), shared_gpu=True).choose((64,)) == 1
+    chooser = MicroBatchChooser(ParallelConfig(1, 1))
+    tokens = (3,)  # never more micro-batches than tokens
+    _run(chooser, _simulate(1e-2, 0.0, 1e-4, 0.0, tokens), tokens, 50)
+    assert set(chooser.chosen) <= {1, 2, 3}
+
+
+def test_fit_two_recovers_costs_and_stays_non_negative():
+    rows = [(t, m, 2e-4 * t + 3e-3 * m) for t in (8, 16, 64) for m in (1, 2)]
+    p, q = _fit_two(rows)
+    assert p == pytest.approx(2e-4) and q == pytest.approx(3e-3)
+    p, q = _fit_two([(t, 1, 5e-3 - 1e-5 * t) for t in (8, 64)])  # would be negative per token
+    assert p == 0.0 and q > 0.0
+    p, q = _fit_two([(32, 1, 4e-3)])  # one sample: the minimum-norm split, exact at that point
+    assert p >= 0.0 and q >= 0.0 and 32 * p + q == pytest.approx(4e-3, rel=1e-3)
+    assert _fit_two([]) == (0.0, 0.0)
+
+
+def test_timeline_times_count_nested_spans_once():
+    tl = Timeline()
+    tl.take_times()
+    with tl.span("forward", "compute"):
+        with tl.span("dispatch", "comm"):
+            pass
+        with tl.span("combine", "wait"):
+            sum(range(20000))
+    with tl.span("flush", "wait"):
+        pass
+    t = tl.take_times()
+    spans = tl.export()
+    forward = spans[2].end - spans[2].start
+    assert t.total == pytest.approx(forward + spans[3].end - spans[3].start)
+    assert t.wait >= spans[1].end - spans[1].start > 0.0
+    assert tl.take_times() == StepTimes()
+
+
+def test_one_rank_exchange_carries_its_times():
+    sync = StepSync(None, 1)
+    d = sync.exchange(4, False, times=StepTimes(1.5e-3, 2e-4, 3.25e-3))
+    assert d.times == (StepTimes(1.5e-3, 2e-4, 3.25e-3),)
+
+
+PROMPTS = [prompt_ids(n, seed=140 + i) for i, n in enumerate((3, 12, 5, 9, 1, 7, 4, 10))]
+
+
+def test_auto_matches_hf(tiny_ckpt, hf_ref):
+    ckpt = tiny_ckpt("qwen3_moe")
+    with LLM(
+        str(ckpt),
+        attention_ranks=2,
+        expert_ranks=1,
+        micro_batches="auto",
+        dtype="float32",
+        device="cpu",
+    ) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        traces = llm.trace()
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == hf_ref(ckpt, p, 12)
+    # the attention ranks ran the same count in every step (as the expert rank served)
+    counts = [
+        {s.step: s.name for s in t["timeline"] if s.name.startswith("forward m=")}
+        for t in traces
+        if t["role"] == "attention"
+    ]
+    assert counts[0] == counts[1]
+    assert {"forward m=1", "forward m=2"} <= set(counts[0].values())  # both explored
