@@ -41,17 +41,20 @@ def test_split_follows_its_definition():
         assert split_micro_batches(tokens, m) == _split_by_definition(tokens, m), (tokens, m)
 
 
-def test_automatic_count_is_shared_by_all_ranks():
+def test_configuration_fixes_the_count_or_leaves_it_to_measurements():
     p = ParallelConfig(attention_ranks=2, expert_ranks=1)
-    assert p.micro_batches_for((3, 0)) == 1  # too few tokens to gain from overlap
-    assert p.micro_batches_for((0, 40)) == 2
+    assert p.micro_batches == "auto"
+    assert p.micro_batches_for((1, 0)) == 1  # one token: nothing to split
+    assert p.micro_batches_for((0, 40)) is None  # chosen from measured times
+    assert ParallelConfig(2, 1, micro_batches=None).micro_batches_for((0, 40)) is None
     assert ParallelConfig(1, 0).micro_batches_for((100,)) == 1  # colocated: nothing to overlap
     assert ParallelConfig(1, 1, micro_batches=3).micro_batches_for((1,)) == 3
     # ranks sharing one GPU take turns on it: nothing to overlap, unless asked for
     assert p.micro_batches_for((0, 40), shared_gpu=True) == 1
     assert ParallelConfig(1, 1, micro_batches=2).micro_batches_for((40,), shared_gpu=True) == 2
-    with pytest.raises(ValueError, match="micro_batches=0"):
-        ParallelConfig(1, 1, micro_batches=0)
+    for bad in (0, 17, "two", True, 2.0):
+        with pytest.raises(ValueError, match="micro_batches="):
+            ParallelConfig(1, 1, micro_batches=bad)
 
 
 @pytest.mark.parametrize("attention_ranks,expert_ranks", [(1, 1), (2, 2)])
