@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
@@ -53,11 +55,36 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
-    """``"auto"``: the checkpoint's dtype on CUDA, float32 on CPU (CPU bf16 GEMMs are slow)."""
+@functools.cache
+def _cpu_capability() -> dict:
+    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)  # (torch >= 2.5)
+    return dict(probe()) if probe is not None else {}
+
+
+def cpu_native_bf16(capability: Mapping[str, object] | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 matrices natively, and oneDNN (through which the CPU
+    path's GEMMs run in bfloat16) uses it: AMX-BF16 tiles or AVX512-BF16 dot products.
+    Without them oneDNN converts bfloat16 to float32 per element, and bfloat16 is no faster
+    than float32 and rounds more. ``capability``: torch's CPU probe
+    (``torch._C._cpu._get_cpu_capability()``, the default), or a stand-in for a test. On
+    CPUs other than x86 (ARM's BF16 through ACL) this says False: float32 until measured."""
+    caps = _cpu_capability() if capability is None else capability
+    if not (caps.get("amx_bf16") or caps.get("avx512_bf16")):
+        return False
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def resolve_dtype(
+    name: str, checkpoint_dtype: str, device: str, *, cpu_bf16: bool | None = None
+) -> torch.dtype:
+    """The run dtype of ``dtype=name``. ``"auto"``: the checkpoint's dtype on CUDA; on CPU
+    bfloat16 where the CPU multiplies it natively (``cpu_bf16``; None asks `cpu_native_bf16`),
+    whatever the checkpoint's dtype, as vLLM's and SGLang's CPU backends run, else float32
+    (float16 and emulated bfloat16 GEMMs are slower than float32 on CPU)."""
     if name == "auto":
         if device == "cpu":
-            return torch.float32
+            native = cpu_native_bf16() if cpu_bf16 is None else cpu_bf16
+            return torch.bfloat16 if native else torch.float32
         name = checkpoint_dtype if checkpoint_dtype in _DTYPES else "bfloat16"
     if name not in _DTYPES:
         raise ValueError(
@@ -466,7 +493,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     dtype: str = option(
         "auto",
-        "auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, bfloat16 or float16",
+        "auto (on CPU bfloat16 where it has AMX / AVX512-BF16, else float32; on CUDA the "
+        "checkpoint's dtype), float32, bfloat16 or float16",
     )
     device: str = option("auto", "where the ranks compute", choices=("auto", "cpu", "cuda"))
     seed: int = option(
