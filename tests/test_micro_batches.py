@@ -66,6 +66,7 @@ def test_tokens_match_hf(tiny_ckpt, hf_ref, attention_ranks, expert_ranks, m):
         attention_ranks=attention_ranks,
         expert_ranks=expert_ranks,
         micro_batches=m,
+        dtype="float32",
         device="cpu",
         max_num_batched_tokens=16,
     ) as llm:
@@ -83,6 +84,7 @@ def test_two_phase_with_micro_batches(tiny_ckpt, hf_ref):
         micro_batches=2,
         ranks_per_node=2,
         transport="two_phase",
+        dtype="float32",
         device="cpu",
     ) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
