@@ -3,7 +3,7 @@
 For each scenario (experts, top-k, expert ranks, attention ranks, tokens per attention rank,
 routing: uniform, Zipf s, or a hot set that moves between the placement window and the measured
 step) it plans a placement with ``--redundant`` replicas per layer from a window of observed
-routing (the planner of `splitmoe.scheduler.placement`), then reports per policy:
+routing (the planner of `splitmoe.eplb.placement`), then reports per policy:
 
 * cost max/mean: the busiest expert rank's ``activate x distinct experts + pairs``
   over the mean (1.0 = perfectly flat); ``static*`` is the no-replica contiguous baseline;
@@ -15,8 +15,9 @@ routing (the planner of `splitmoe.scheduler.placement`), then reports per policy
   copy of the same ``[A, E]`` counts stands in for it (the tensor work around it is timed).
   ``cpu us``: the kernel the runtime uses on a CPU rank (the native C kernel,
   `splitmoe.kernels.balance_cpu`); ``ref us``: the PyTorch reference it is tested against
-  (``kernel="torch"``), timed alternately in the same process. On a GPU, to completion
-  (synchronised): ``cuda us`` the Triton kernels the runtime uses there
+  (``kernel="torch"``), timed alternately in the same process; ``ref/cpu``: their ratio (the C
+  kernel is kept on CPU ranks only where it is above 1 on the models' routing). On a GPU, to
+  completion (synchronised): ``cuda us`` the Triton kernels the runtime uses there
   (`splitmoe.kernels.balance_triton`), eager; ``graph us`` the same call captured once in a
   CUDA graph and replayed; ``curef us`` the reference's tensor code, eager (the count
   all-gather's buffer on the GPU, as with NCCL).
@@ -24,26 +25,29 @@ routing (the planner of `splitmoe.scheduler.placement`), then reports per policy
     python scripts/bench_balancer.py --quick              # the issue's shape only (seconds)
     python scripts/bench_balancer.py                      # the default grid, CPU (+ GPU if any)
     python scripts/bench_balancer.py --experts 256 --ranks 32 --tokens 512 --routing zipf1.0
+    python scripts/bench_balancer.py --model realistic    # a real model's routing (below)
+
+``--model default|realistic|PATH``: the routing is the checkpoint's own, not synthetic: its
+Hugging Face forward (``output_router_logits``) over random prompts, top-k of each MoE layer's
+router logits (experts and top-k from its config; the window and the measured step are disjoint
+tokens). One line per (expert ranks, tokens, layer ``--layer``, default the middle MoE layer).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from splitmoe.scheduler.balancer import (
-    POLICIES,
-    Balancer,
-    ExpertCost,
-    ReplicaTable,
-    assign,
-    rank_loads,
-)
-from splitmoe.scheduler.placement import Placement
+from splitmoe.eplb.balancer import Balancer
+from splitmoe.eplb.placement import Placement
+from splitmoe.eplb.policy import POLICIES, ExpertCost, ReplicaTable, assign, rank_loads
+from splitmoe.models.default_model import resolve_model
 from splitmoe.sim.imbalance import route
 
 
@@ -77,9 +81,35 @@ def calibrate_cost(hidden: int, inter: int, device: str, reps: int = 20) -> Expe
     return ExpertCost(activate=max(1, round((t1 - b) / b)))
 
 
-def scenario(args, E, R_ranks, T, routing, device, cost, seed=0):
+def model_routing(path: str, tokens: int, seed: int = 0) -> list[torch.Tensor]:
+    """``[tokens, k]`` expert ids per MoE layer: the checkpoint's HF forward over random prompts
+    (sequences of 128 tokens), top-k of its router logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    k, vocab = model.config.num_experts_per_tok, model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (-(-tokens // 128), 128), generator=g)
+    per_layer: list[list[torch.Tensor]] = []
+    with torch.inference_mode():
+        for chunk in ids.split(8):
+            out = model(input_ids=chunk, output_router_logits=True)
+            logits = [x for x in out.router_logits if x is not None]  # [B * 128, E] per layer
+            if not per_layer:
+                per_layer = [[] for _ in logits]
+            for rows, x in zip(per_layer, logits):
+                rows.append(torch.topk(x, k, dim=-1).indices)
+    return [torch.cat(rows)[:tokens] for rows in per_layer]
+
+
+def scenario(args, E, R_ranks, T, routing, device, cost, seed=0, pool=None):
+    """``pool [N, k]``: a model's routing (the window from its first tokens, the measured step
+    from the next), else ``routing`` is synthetic."""
     A, k = args.attention_ranks, args.top_k
     g = torch.Generator().manual_seed(seed)
+    if pool is not None:
+        window, rest = pool[: A * args.window * T], pool[A * args.window * T :]
+        return _rows(args, E, R_ranks, window, list(rest[: A * T].split(T)), cost)
     if routing == "uniform":
         before = after = torch.full((E,), 1.0 / E)
     elif routing.startswith("zipf"):
@@ -87,10 +117,13 @@ def scenario(args, E, R_ranks, T, routing, device, cost, seed=0):
     else:  # "shift": the hot set of the window differs from the measured step's
         before, after = popularity(E, 1.0, seed), popularity(E, 1.0, seed + 1)
     window = torch.cat([route(T, k, before, g) for _ in range(A * args.window)])
+    return _rows(args, E, R_ranks, window, [route(T, k, after, g) for _ in range(A)], cost)
+
+
+def _rows(args, E, R_ranks, window, ids, cost):
     load = torch.bincount(window.flatten(), minlength=E)
     placement = Placement.initial(E, R_ranks, args.redundant_for(E), (0,)).plan(load[None])
     base = Placement.initial(E, R_ranks, 0, (0,))
-    ids = [route(T, k, after, g) for _ in range(A)]
     counts = torch.stack([torch.bincount(i.flatten(), minlength=E) for i in ids])
     rows = {}
     for name, pl, policy in [("static*", base, "static")] + [(p, placement, p) for p in POLICIES]:
@@ -197,8 +230,9 @@ def decision_times(policy, placement, x, counts, cost, reps, device="cpu"):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--experts", type=int, nargs="+", default=[128, 256])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 32, 64])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 512, 4096])
+    ap.add_argument("--ranks", type=int, nargs="+", help="expert ranks (8 32 64; --model: 2 4)")
+    ap.add_argument("--tokens", type=int, nargs="+", help="per attention rank (16 512 4096; "
+                    "--model: 16 64 256)")  # fmt: skip
     ap.add_argument(
         "--routing", nargs="+", default=["uniform", "zipf0.5", "zipf1.0", "zipf1.5", "shift"]
     )
@@ -215,6 +249,13 @@ def main() -> None:
     )
     ap.add_argument("--reps", type=int, default=1000)
     ap.add_argument(
+        "--model",
+        default=None,
+        help="default | realistic | PATH: the checkpoint's own routing (see above); ranks and "
+        "tokens default to 2 4 and 16 64 256",
+    )
+    ap.add_argument("--layer", type=int, default=None, help="--model: which MoE layer (middle)")
+    ap.add_argument(
         "--quick",
         action="store_true",
         help="the issue's shape only: 256 experts, 32 expert ranks, 512 tokens, Zipf 1.0",
@@ -223,6 +264,21 @@ def main() -> None:
     if args.quick:
         args.experts, args.ranks, args.tokens, args.routing = [256], [32], [512], ["zipf1.0"]
     args.redundant_for = lambda E: E // 8 if args.redundant is None else args.redundant
+    pools = {}
+    model = args.model is not None
+    args.ranks = args.ranks or ([2, 4] if model else [8, 32, 64])
+    args.tokens = args.tokens or ([16, 64, 256] if model else [16, 512, 4096])
+    if model:
+        path = resolve_model(args.model)
+        need = args.attention_ranks * (args.window + 1) * max(args.tokens)
+        layers = model_routing(path, need)
+        layer = len(layers) // 2 if args.layer is None else args.layer
+        pool = layers[layer]  # [need, k]
+        args.top_k = pool.shape[1]
+        args.experts = [json.loads((Path(path) / "config.json").read_text())["num_experts"]]
+        args.routing = [f"L{layer}"]
+        print(f"routing: {path}, MoE layer {layer} of {len(layers)}")
+        pools[args.routing[0]] = pool
     torch.set_num_threads(1)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     columns = ["cpu", "ref"] + (["cuda", "graph", "curef"] if "cuda" in devices else [])
@@ -237,12 +293,12 @@ def main() -> None:
         f"{args.attention_ranks} attention ranks, top-{args.top_k}"
     )
     head = f"{'E':>4} {'ranks':>5} {'T':>5} {'routing':>8} {'policy':>8} {'cost':>6} {'tok':>6}"
-    head += "".join(f" {d + ' us':>9} {'p99':>7}" for d in columns)
+    head += "".join(f" {d + ' us':>9} {'p99':>7}" for d in columns) + f" {'ref/cpu':>7}"
     print(head)
     for E, R, T, routing in itertools.product(args.experts, args.ranks, args.tokens, args.routing):
         if R > E:
             continue
-        rows = scenario(args, E, R, T, routing, "cpu", cost)
+        rows = scenario(args, E, R, T, routing, "cpu", cost, pool=pools.get(routing))
         if "cuda" in devices:
             for p in POLICIES:
                 pl = Placement.initial(E, R, args.redundant_for(E), (0,))
@@ -258,6 +314,8 @@ def main() -> None:
             for d in columns:
                 if f"{d}_us" in r:
                     line += f" {r[f'{d}_us']:>9.1f} {r[f'{d}_p99']:>7.1f}"
+            if "cpu_us" in r:
+                line += f" {r['ref_us'] / r['cpu_us']:>7.2f}"
             print(line, flush=True)
 
 
