@@ -114,16 +114,20 @@ def linear_quant_triton(
     tiles: LinearTiles | None = None,
     fp8_bits: bool | None = None,
 ) -> torch.Tensor:
-    """``y [T, N] = x [T, K] @ W^T + bias``, in x's dtype, reading ``w`` (a `QuantizedWeight`
-    ``[N, K]``, FP8 blocks or MXFP4; or a dense ``[N, K]`` tensor in x's dtype) in its stored
-    layout. ``bias [N]`` is added in float32 before the cast. ``tiles`` and ``fp8_bits``
-    (`moe_gemm.weight_args`) override the tile and FP8 decode choices (tests, benchmarks)."""
+    """``y [T, N] = x [T, K] @ W^T + bias``, in x's dtype (more leading dims of x are tokens
+    too), reading ``w`` (a `QuantizedWeight` ``[N, K]``, FP8 blocks or MXFP4; or a dense
+    ``[N, K]`` tensor in x's dtype) in its stored layout. ``bias [N]`` is added in float32
+    before the cast. ``tiles`` and ``fp8_bits`` (`moe_gemm.weight_args`) override the tile and
+    FP8 decode choices (tests, benchmarks)."""
     require_triton("linear_backend", x.device)
-    if x.dim() != 2 or len(w.shape) != 2 or w.shape[1] != x.shape[1]:
+    if x.dim() == 0 or len(w.shape) != 2 or w.shape[1] != x.shape[-1]:
         raise ValueError(
-            f"linear_quant_triton: x {tuple(x.shape)} and w {tuple(w.shape)} must be [T, K] "
+            f"linear_quant_triton: x {tuple(x.shape)} and w {tuple(w.shape)} must be [..., K] "
             "and [N, K]"
         )
+    if x.dim() != 2:  # leading dims are tokens
+        y = linear_quant_triton(x.reshape(-1, x.shape[-1]), w, bias, tiles, fp8_bits)
+        return y.view(*x.shape[:-1], w.shape[0])
     check_quantized_weights(x, w)
     N, K = w.shape
     if bias is not None and (bias.shape != (N,) or bias.device != x.device):

@@ -103,10 +103,19 @@ def test_float16_small_tiles_and_a_dense_weight():
 def test_rejects_what_it_cannot_read():
     g = torch.Generator().manual_seed(0)
     w = _fp8(32, 64, (16, 16), g)
-    with pytest.raises(ValueError, match=r"must be \[T, K\] and \[N, K\]"):
+    with pytest.raises(ValueError, match=r"must be \[..., K\] and \[N, K\]"):
         _linear(torch.randn(3, 32).to(DEVICE), w)
     with pytest.raises(ValueError, match="bias"):
         _linear(torch.randn(3, 64).to(DEVICE), w, torch.zeros(31, device=DEVICE))
     with pytest.raises(ValueError, match="float16/bfloat16/float32"):
         _linear(torch.randn(3, 64, dtype=torch.float64).to(DEVICE), w)
     assert _linear(torch.randn(0, 64).to(DEVICE), w).shape == (0, 32)
+
+
+def test_leading_dims_are_tokens():
+    g = torch.Generator().manual_seed(1)
+    w = _mxfp4(32, 64, g)
+    x = torch.randn(2, 3, 64, generator=g).to(DEVICE)
+    y = _linear(x, w)
+    assert y.shape == (2, 3, 32)
+    assert torch.equal(y, _linear(x.reshape(6, 64), w).view(2, 3, 32))
