@@ -4,6 +4,10 @@
     python scripts/bench_cpu_kernels.py --smoke     # tiny sizes, a few seconds
     python scripts/bench_cpu_kernels.py --threads 2 --only moe
     python scripts/bench_cpu_kernels.py --fresh     # measure every kernel choice again
+    python scripts/bench_cpu_kernels.py --dtypes bfloat16 --threads 2
+
+Each thread count runs in each of ``--dtypes`` (default: float32, and bfloat16 where the CPU
+multiplies it natively, `splitmoe.config.cpu_native_bf16`: what ``dtype="auto"`` runs there).
 
 Routed experts: `fused_moe` (``"torch"``, on CPU `fused_moe_cpu`) against `fused_moe_ref`, and
 each GEMM layout `fused_moe_cpu` chooses among (one oneDNN / MKL GEMM per expert, W-left grouped,
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import splitmoe.kernels.fused_moe as fm
+from splitmoe.config import cpu_native_bf16
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.cpu_choice import Decision, pow2_bucket
 from splitmoe.kernels.fused_moe import fused_moe, fused_moe_ref
@@ -57,13 +62,14 @@ def timed(fns: dict, rounds: int) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def moe_weights(cfg: dict, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def moe_weights(cfg: dict, dtype: torch.dtype, seed: int = 0):
+    """Each layer's ``(w13 [E, 2I, H], w2 [E, H, I])`` in ``dtype``."""
     g = torch.Generator().manual_seed(seed)
     E, H, I = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
     return [
         (
-            torch.randn(E, 2 * I, H, generator=g) * H**-0.5,
-            torch.randn(E, H, I, generator=g) * I**-0.5,
+            (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).to(dtype),
+            (torch.randn(E, H, I, generator=g) * I**-0.5).to(dtype),
         )
         for _ in range(cfg["num_hidden_layers"])
     ]
@@ -80,10 +86,10 @@ def why(decision: Decision | None) -> str:
 def moe_row(name: str, cfg: dict, layers, N: int, rounds: int) -> str:
     E, H, k = cfg["num_experts"], cfg["hidden_size"], cfg["num_experts_per_tok"]
     g = torch.Generator().manual_seed(N)
-    x = torch.randn(N, H, generator=g)
+    w13, w2 = layers[0]
+    x = torch.randn(N, H, generator=g).to(w13.dtype)
     ids = torch.randn(N, E, generator=g).topk(k, dim=1).indices.to(torch.int32)
     w = torch.rand(N, k, generator=g).softmax(-1)
-    w13, w2 = layers[0]
     err = (fused_moe(x, w13, w2, ids, w, "torch") - fused_moe_ref(x, w13, w2, ids, w)).abs().max()
     rows = N * k / len(ids.unique())
 
@@ -99,7 +105,7 @@ def moe_row(name: str, cfg: dict, layers, N: int, rounds: int) -> str:
     return f"{name:<10}{N:>6}{rows:>7.1f}{cells}{speedup:>8.2f}x{err:>9.1e}  {why(decision)}"
 
 
-def bench_moe(args) -> None:
+def bench_moe(args, dtype: torch.dtype) -> None:
     print("routed experts, ms per step (every layer, each its own weights)")
     print(
         f"{'preset':<10}{'tokens':>6}{'rows':>7}{'torch':>11}{'ref':>11}"
@@ -111,12 +117,12 @@ def bench_moe(args) -> None:
         cfg = PRESETS[name]
         if args.smoke:
             cfg = {**cfg, "num_hidden_layers": 1}
-        layers = moe_weights(cfg)
+        layers = moe_weights(cfg, dtype)
         for N in tokens:
             print(moe_row(name, cfg, layers, N, args.rounds if N <= 512 else 3))
 
 
-def bench_linear(args) -> None:
+def bench_linear(args, dtype: torch.dtype) -> None:
     print("\ndense projections (`linear`): oneDNN or MKL, as chosen, and why (ms per call)")
     print(f"{'preset':<10}{'weight':<8}{'[N, K]':>12}{'rows':>6}  chosen (why)")
     tokens = [1, 32] if args.smoke else [1, 8, 32, 128, 512]
@@ -133,9 +139,9 @@ def bench_linear(args) -> None:
         }
         g = torch.Generator().manual_seed(0)
         for wname, shape in weights.items():
-            w = torch.randn(*shape, generator=g)
+            w = torch.randn(*shape, generator=g).to(dtype)
             for T in tokens:
-                x = torch.randn(T, shape[1], generator=g)
+                x = torch.randn(T, shape[1], generator=g).to(dtype)
                 key = (pow2_bucket(T), *shape, False)
                 for _ in range(2 * CPU_LINEAR.max_rounds + 1):  # until decided
                     if CPU_LINEAR.decision(key, x.dtype) is not None:
@@ -146,9 +152,9 @@ def bench_linear(args) -> None:
                 print(f"{name:<10}{wname:<8}{label:>12}{T:>6}  {why(decision)}")
 
 
-def decode_case(cfg: dict, B: int, ctx: int, block_size: int = 16):
+def decode_case(cfg: dict, B: int, ctx: int, dtype: torch.dtype, block_size: int = 16):
     """A decode step of ``B`` sequences of ``ctx`` tokens over scattered cache blocks, each
-    layer its own pool; and the same K/V contiguous per sequence."""
+    layer its own pool, in ``dtype``; and the same K/V contiguous per sequence."""
     nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     g = torch.Generator().manual_seed(0)
     nblk = -(-ctx // block_size)
@@ -163,8 +169,8 @@ def decode_case(cfg: dict, B: int, ctx: int, block_size: int = 16):
     )
     pools = [
         (
-            torch.randn(B * nblk, block_size, nkv, d, generator=g),
-            torch.randn(B * nblk, block_size, nkv, d, generator=g),
+            torch.randn(B * nblk, block_size, nkv, d, generator=g).to(dtype),
+            torch.randn(B * nblk, block_size, nkv, d, generator=g).to(dtype),
         )
         for _ in range(cfg["num_hidden_layers"])
     ]
@@ -179,11 +185,11 @@ def decode_case(cfg: dict, B: int, ctx: int, block_size: int = 16):
         )
         for pool in pools
     ]
-    return torch.randn(B, nh, d, generator=g), pools, dense, meta
+    return torch.randn(B, nh, d, generator=g).to(dtype), pools, dense, meta
 
 
-def decode_row(name: str, cfg: dict, B: int, ctx: int, rounds: int) -> str:
-    q, pools, dense, meta = decode_case(cfg, B, ctx)
+def decode_row(name: str, cfg: dict, B: int, ctx: int, rounds: int, dtype: torch.dtype) -> str:
+    q, pools, dense, meta = decode_case(cfg, B, ctx, dtype)
     nh, nkv, d = q.shape[1], pools[0][0].shape[2], q.shape[2]
     scale = d**-0.5
 
@@ -204,7 +210,7 @@ def decode_row(name: str, cfg: dict, B: int, ctx: int, rounds: int) -> str:
     return f"{name:<10}{B:>6}{ctx:>7}{a:>11.1f}{b:>11.1f}{a / b:>8.2f}x{err:>9.1e}"
 
 
-def bench_decode(args) -> None:
+def bench_decode(args, dtype: torch.dtype) -> None:
     print(
         "\ndecode attention, us per layer: paged (torch path) against dense SDPA on contiguous K/V"
     )
@@ -220,7 +226,7 @@ def bench_decode(args) -> None:
         for B in batches:
             for ctx in contexts:
                 if B * ctx <= 1 << 17:  # pools under ~0.5 GB per layer
-                    print(decode_row(name, cfg, B, ctx, args.rounds))
+                    print(decode_row(name, cfg, B, ctx, args.rounds, dtype))
 
 
 def main() -> None:
@@ -235,7 +241,19 @@ def main() -> None:
         help="measure every kernel choice again (a throwaway cache file, not the machine's)",
     )
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per figure")
+    ap.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma-separated: float32, bfloat16 (default: float32, and bfloat16 where the CPU "
+        "has AMX / AVX512-BF16)",
+    )
     args = ap.parse_args()
+    names = args.dtypes.split(",") if args.dtypes else ["float32"]
+    if not args.dtypes and cpu_native_bf16():
+        names.append("bfloat16")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if not set(names) <= set(dtypes):
+        ap.error(f"--dtypes {args.dtypes!r}: use float32 and/or bfloat16")
     args.presets = args.presets.split(",")
     unknown = sorted(set(args.presets) - set(PRESETS))
     if unknown:
@@ -247,13 +265,15 @@ def main() -> None:
     with torch.inference_mode():
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
-            print(f"\n=== {threads} thread{'s' if threads > 1 else ''} ===")
-            if args.only in (None, "moe"):
-                bench_moe(args)
-            if args.only in (None, "linear"):
-                bench_linear(args)
-            if args.only in (None, "decode"):
-                bench_decode(args)
+            for name in names:
+                dtype = dtypes[name]
+                print(f"\n=== {threads} thread{'s' if threads > 1 else ''}, {name} ===")
+                if args.only in (None, "moe"):
+                    bench_moe(args, dtype)
+                if args.only in (None, "linear"):
+                    bench_linear(args, dtype)
+                if args.only in (None, "decode"):
+                    bench_decode(args, dtype)
 
 
 if __name__ == "__main__":
