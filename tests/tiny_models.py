@@ -324,7 +324,8 @@ def _quantizable(name: str, t: torch.Tensor) -> bool:
     """The tensors DeepSeek-V3's (and MiniMax-M2's) release stores in fp8: every projection
     weight (attention, dense MLP, shared and routed experts, MiniMax's w1/w2/w3 included), not
     the router, embeddings, LM head or norms."""
-    proj = name.endswith(("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
+    ends = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+    proj = name.endswith(ends)
     return t.dim() == 2 and proj and ".mlp.gate." not in name
 
 

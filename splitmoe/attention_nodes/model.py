@@ -20,7 +20,7 @@ from splitmoe.config import ModelConfig
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.backends import AttentionBackend
 from splitmoe.kernels.linear import linear
-from splitmoe.kernels.quant import QuantizedWeight, cat_rows
+from splitmoe.kernels.quant import QuantizedWeight, cat_rows, held_bytes
 from splitmoe.models import routing
 from splitmoe.models.rope import rope_inv_freq, yarn_softmax_scale
 
@@ -173,6 +173,12 @@ class AttentionModel:
             self.scale = yarn_softmax_scale(cfg, (cfg.qk_nope_head_dim + d) ** -0.5)
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
+
+    @property
+    def weight_bytes(self) -> int:
+        """Resident bytes of the weights held (FP8 projections at their released size, scales
+        included; a tied LM head once)."""
+        return held_bytes([self.embed, self.final_norm, self.lm_head, self.layers])
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -12,6 +12,7 @@ import torch
 from splitmoe.comm.transport import ExpertBatch
 from splitmoe.config import ModelConfig
 from splitmoe.kernels.backends import MoeBackend
+from splitmoe.kernels.quant import held_bytes
 from splitmoe.models.loader import load_expert_weights
 
 
@@ -93,7 +94,7 @@ class LocalExperts:
         self.layer_experts = {layer: list(ids) for layer, ids in expert_ids.items()}
         self.backend = backend
         # per MoE layer: w13 [n, 2I, H], w2 [n, H, I] (and with expert biases b13 [n, 2I],
-        # b2 [n, H])
+        # b2 [n, H]); w13 / w2 as `QuantizedWeight` from FP8 and MXFP4 checkpoints
         self.weights = load_expert_weights(cfg, self.layer_experts, dtype, str(device))
         # the clamped SwiGLU (GPT-OSS), passed with the biases to the backend
         self.act = (
@@ -102,6 +103,12 @@ class LocalExperts:
             else dict(swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
         )
         self.weights_reloaded = 0  # (layer, slot) weights replaced by rebalances
+
+    @property
+    def weight_bytes(self) -> int:
+        """Resident bytes of the experts held: data and scales of quantized ones (the released
+        size), biases included."""
+        return held_bytes(self.weights)
 
     @property
     def expert_ids(self) -> list[int]:

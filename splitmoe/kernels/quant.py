@@ -20,6 +20,7 @@ dequantizing at load computed.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -153,9 +154,8 @@ class QuantizedWeight:
 
     def select(self, idx: torch.Tensor) -> QuantizedWeight:
         """The weights of leading indices ``idx`` (``index_select`` along dim 0)."""
-        return QuantizedWeight(
-            self.data.index_select(0, idx), self.scale.index_select(0, idx), self.fmt, self.block
-        )
+        data = _bytes(self.data).index_select(0, idx).view(self.data.dtype)
+        return QuantizedWeight(data, self.scale.index_select(0, idx), self.fmt, self.block)
 
     def index_copy_(self, dim: int, idx: torch.Tensor, src: QuantizedWeight) -> QuantizedWeight:
         """In place, like ``Tensor.index_copy_`` along a leading ``dim`` (rebalances)."""
@@ -166,7 +166,7 @@ class QuantizedWeight:
             )
         if dim < 0 or dim >= self.dim() - 2:
             raise ValueError(f"index_copy_: dim {dim} is not a leading (stack) dim")
-        self.data.index_copy_(dim, idx, src.data)
+        _bytes(self.data).index_copy_(dim, idx, _bytes(src.data))  # (no float8 index_copy_)
         self.scale.index_copy_(dim, idx, src.scale)
         return self
 
@@ -190,6 +190,11 @@ class QuantizedWeight:
         groups = out.view(N, K // MXFP4_GROUP, MXFP4_GROUP)
         torch.ldexp(groups, self.scale.to(torch.int32)[..., None] - 127, out=groups)
         return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as uint8 (one byte elements): torch lacks some index ops for float8."""
+    return t.view(torch.uint8)
 
 
 _BUFFERS = threading.local()
@@ -218,13 +223,6 @@ def dequantize_reused(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     return cast.copy_(f32)
 
 
-def weight_bytes(t) -> int:
-    """Resident bytes of a tensor, a `QuantizedWeight`, or None (0)."""
-    if t is None:
-        return 0
-    return t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
-
-
 Weight = torch.Tensor | QuantizedWeight
 
 
@@ -248,7 +246,7 @@ def permute_rows(w: Weight, perm: torch.Tensor, dtype: torch.dtype) -> Weight:
     the result is dense ``dtype``."""
     if not isinstance(w, QuantizedWeight):
         return w.index_select(0, perm)
-    data = w.data.index_select(0, perm)
+    data = _bytes(w.data).index_select(0, perm).view(w.data.dtype)
     if w.fmt == "mxfp4":  # a scale per row
         return QuantizedWeight(data, w.scale.index_select(0, perm), w.fmt, w.block)
     bn = w.block[0]
@@ -261,3 +259,35 @@ def permute_rows(w: Weight, perm: torch.Tensor, dtype: torch.dtype) -> Weight:
 def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     """``w`` as a dense ``dtype`` tensor (dequantized if it is a `QuantizedWeight`)."""
     return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w
+
+
+def held_bytes(objs) -> int:
+    """Resident bytes of the tensors and `QuantizedWeight`s in ``objs`` (nested lists, tuples,
+    dicts and dataclasses), each storage counted once: a tied LM head, or a view of a weight
+    kept beside it, costs nothing more."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+
+    def walk(o) -> None:
+        nonlocal total
+        if isinstance(o, QuantizedWeight):
+            walk(o.data)
+            walk(o.scale)
+        elif isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            key = (str(o.device), st.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                walk(getattr(o, f.name))
+
+    walk(objs)
+    return total

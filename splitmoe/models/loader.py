@@ -347,18 +347,44 @@ class CheckpointReader:
         self._read_into(name, t)
         if dtype not in FP8_DTYPES:
             return t
-        scale_name = self.fp8_scale_name(name)
-        _, sdtype, sshape = self._entry(scale_name)
-        bn, bk = self.fp8_block
-        want = (-(-shape[0] // bn), -(-shape[1] // bk))
-        if tuple(sshape) != want:
-            raise CheckpointError(
-                f"{scale_name!r} has shape {tuple(sshape)}, but a {tuple(shape)} weight in "
-                f"{bn}x{bk} blocks (config.json's weight_block_size) needs {want}"
-            )
+        scale_name, want = self._fp8_scale(name, shape)
         scale = torch.empty(want, dtype=torch.float32)
         self._read_into(scale_name, scale)
-        return QuantizedWeight(t, scale, "fp8", (bn, bk))
+        return QuantizedWeight(t, scale, "fp8", self.fp8_block)
+
+    def _fp8_scale(self, name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, int]]:
+        """The name and shape of float8 ``name``'s block scales, checked."""
+        scale_name = self.fp8_scale_name(name)
+        _, _, have = self._entry(scale_name)
+        bn, bk = self.fp8_block
+        want = (-(-shape[0] // bn), -(-shape[1] // bk))
+        if tuple(have) != want:
+            raise CheckpointError(
+                f"{scale_name!r} has shape {tuple(have)}, but a {tuple(shape)} weight in "
+                f"{bn}x{bk} blocks (config.json's weight_block_size) needs {want}"
+            )
+        return scale_name, want
+
+    def read_weight(
+        self, name: str, shape: tuple[int, ...], out: torch.Tensor | QuantizedWeight
+    ) -> None:
+        """Tensor ``name``, which must have ``shape``, into ``out`` in place (a slot of a
+        stacked tensor): a dense tensor (converted to its dtype; float8 dequantized), or a
+        float8 `QuantizedWeight` whose data and block scales are read straight in."""
+        _, dtype, have = self._entry(name)
+        self._check_shape(name, have, shape)
+        if isinstance(out, QuantizedWeight):
+            if dtype != out.data.dtype:
+                raise CheckpointError(
+                    f"tensor {name!r} is {dtype}, unlike the first expert of its layer "
+                    f"({out.data.dtype}): mixed expert dtypes are not supported"
+                )
+            self._read_into(name, out.data)
+            self._read_into(self._fp8_scale(name, shape)[0], out.scale)
+        elif dtype in FP8_DTYPES:
+            out.copy_(self.get(name, shape).dequantize(torch.float32))
+        else:
+            self._read_into(name, out)
 
     def load(
         self,
@@ -456,6 +482,13 @@ def load_expert_weights(
     for layer, listed in per_layer.items():
         names = [{k: fam.expert_name(layer, e, k) for k in ("gate", "up", "down")} for e in listed]
         fp8 = bool(listed) and reader.is_fp8(names[0]["gate"])
+        if fp8 and I % reader.fp8_block[0]:
+            raise CheckpointError(
+                f"FP8 experts with moe_intermediate_size {I} and {reader.fp8_block[0]}-row "
+                "blocks (weight_block_size): gate and up stack into one block-scaled w13 only "
+                "when the size is a multiple of the block rows (true of the released FP8 "
+                "checkpoints)"
+            )
         w13 = _empty_stack(reader, len(listed), (2 * I, cfg.hidden_size), fp8, dtype, device)
         w2 = _empty_stack(reader, len(listed), (cfg.hidden_size, I), fp8, dtype, device)
         first: dict[int, int] = {}  # expert -> the slot that read it
@@ -466,8 +499,8 @@ def load_expert_weights(
                 continue
             first[e] = slot
             for k, dst, row in (("gate", w13, 0), ("up", w13, I), ("down", w2, 0)):
-                name = names[slot][k]
-                _put(dst, slot, row, reader.get(name, expected_shape(cfg, k)), name)
+                shape = expected_shape(cfg, k)
+                reader.read_weight(names[slot][k], shape, _rows(dst, slot, row, shape[0]))
         out[layer] = (w13, w2)
     return out
 
@@ -494,32 +527,16 @@ def _empty_stack(
     return QuantizedWeight(data, scale, "fp8", (bn, bk))
 
 
-def _put(
-    dst: torch.Tensor | QuantizedWeight, slot: int, row: int, t: torch.Tensor | QuantizedWeight,
-    name: str,
-) -> None:  # fmt: skip
-    """``t`` into ``dst[slot, row : row + len(t)]`` (float8: its scale rows too, which needs
-    ``row`` on a block boundary; gate and up are stacked so)."""
-    if isinstance(dst, QuantizedWeight) != isinstance(t, QuantizedWeight):
-        raise CheckpointError(
-            f"tensor {name!r} is {'not ' if isinstance(dst, QuantizedWeight) else ''}float8, "
-            "unlike the first expert of its layer: mixed expert dtypes are not supported"
-        )
-    if not isinstance(t, QuantizedWeight):
-        dst[slot, row : row + t.shape[0]].copy_(t)
-        return
-    bn = dst.block[0]
-    if row % bn or (row and t.shape[0] % bn):
-        raise CheckpointError(
-            f"{name!r}: the FP8 gate and up projections ({t.shape[0]} rows each) stack into one "
-            f"block-scaled w13 only when their rows are a multiple of the {bn}-row block "
-            "(moe_intermediate_size % weight_block_size[0] == 0, true of the released FP8 "
-            "checkpoints)"
-        )
-    if t.data.dtype != dst.data.dtype:
-        raise CheckpointError(f"{name!r} is {t.data.dtype}; FP8 experts must be float8_e4m3fn")
-    dst.data[slot, row : row + t.shape[0]].copy_(t.data)
-    dst.scale[slot, row // bn : row // bn + t.scale.shape[0]].copy_(t.scale)
+def _rows(
+    w: torch.Tensor | QuantizedWeight, slot: int, row: int, n: int
+) -> torch.Tensor | QuantizedWeight:
+    """Rows ``row : row + n`` of slot ``slot`` of a stack, a view (float8: its scale rows too;
+    ``row`` and ``n`` are whole blocks, which `load_expert_weights` checked)."""
+    if not isinstance(w, QuantizedWeight):
+        return w[slot, row : row + n]
+    bn = w.block[0]
+    scale = w.scale[slot, row // bn : -(-(row + n) // bn)]
+    return QuantizedWeight(w.data[slot, row : row + n], scale, w.fmt, w.block)
 
 
 def _copy_slot(dst: torch.Tensor | QuantizedWeight, slot: int, src: int) -> None:
