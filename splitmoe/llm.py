@@ -614,6 +614,11 @@ class LLM:
         from splitmoe.models.loader import CheckpointReader
 
         CheckpointReader(model)
+        # Each rank's bytes against the device memory, before any rank starts: a layout that
+        # does not fit fails here with the per-rank table (`splitmoe.memory`).
+        from splitmoe.memory import check_fits
+
+        check_fits(self.config, local_ranks=1 if launched is not None else None)
         self.tokenizer = Tokenizer.from_checkpoint(model)
         self._next_id = 0
         self._live: dict[int, RequestOutput] = {}

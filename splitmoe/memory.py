@@ -427,7 +427,8 @@ def engine_memory(cfg, capacity: int | None = None) -> MemoryTable:
         window_tokens=window * cache.block_size,
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_num_seqs=sched.max_num_seqs,
-        micro_batches=cfg.parallel.micro_batches or 2,
+        # "auto" chooses per step: count two, one ping-pong pair of exchange buffers
+        micro_batches=m_b if isinstance(m_b := cfg.parallel.micro_batches, int) else 2,
         redundant_experts=cfg.parallel.num_redundant,
         capacity=capacity,
     )

@@ -348,14 +348,15 @@ class MiniMaxM2(Family):
 
 @dataclass(frozen=True)
 class Deepseek(Family):
-    """DeepSeek-V3 / Kimi-K2 (``deepseek_v3``) and DeepSeek-V2 (``deepseek_v2``): multi-head
+    """DeepSeek-V3 (``deepseek_v3``), Kimi-K2 (``kimi_k2``: DeepSeek-V3's architecture and
+    tensor names, 384 experts, as released) and DeepSeek-V2 (``deepseek_v2``): multi-head
     latent attention, shared experts without a gate, the first layers dense. V3 routes by
     sigmoid with a correction bias over expert groups (noaux_tc); V2 by softmax, greedy or
     group-limited. V2's rotary pairs are always interleaved (HF's complex form); V3's when
     ``rope_interleave``."""
 
     def family_fields(self, raw, need, layers):
-        v3 = self.model_type == "deepseek_v3"
+        v3 = self.model_type in ("deepseek_v3", "kimi_k2")
         n_shared = int(raw.get("n_shared_experts") or 0)
         moe_inter = int(need("moe_intermediate_size"))
         rope_dim = int(need("qk_rope_head_dim"))
@@ -458,6 +459,7 @@ class GptOss(Family):
 
 FAMILIES: dict[str, Family] = {
     "deepseek_v3": Deepseek("deepseek_v3"),
+    "kimi_k2": Deepseek("kimi_k2"),
     "deepseek_v2": Deepseek("deepseek_v2"),
     "qwen3_moe": Qwen3Moe("qwen3_moe"),
     "qwen2_moe": Qwen2Moe("qwen2_moe"),

@@ -208,7 +208,7 @@ class ModelShape:
             p = shipped
         raw = json.loads(p.read_text())
         name = p.stem if p.name != "config.json" else p.parent.name
-        if raw.get("model_type") in ("deepseek_v2", "deepseek_v3"):
+        if raw.get("model_type") in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
             return cls._from_deepseek(raw, name)
         if raw.get("model_type") in ("step3_text", "step3v"):
             return cls._from_step3(raw.get("text_config", raw), name)
