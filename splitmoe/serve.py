@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, seconds that running requests have to finish",
     )
+    ap.add_argument(
+        "--frontend-cores",
+        type=int,
+        default=1,
+        help="on CPU without --threads-per-rank: cores the ranks leave to this process (HTTP, "
+        "tokenizing, streaming); each local rank gets (cores - this) // ranks threads, at least 1",
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     add_engine_args(ap)
     return ap
@@ -123,16 +130,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.max_queued_requests is not None and args.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 0")
+        if args.frontend_cores < 0:
+            raise ValueError(f"--frontend-cores {args.frontend_cores} must be >= 0")
         if not 0 < args.port < 65536:
             raise ValueError(f"--port {args.port} must be in 1..65535")
         config = engine_config(args.model, **options)
         if config.device_type == "cpu" and "threads_per_rank" not in options:
-            # The server process works too (HTTP, detokenizing): its ranks leave it a core. On
-            # 2 cores a rank with 2 threads next to a busy server took 3.5 s to first token
-            # where 1 thread took 8 ms (40 requests at 20/s, default model): a thread of the
-            # rank's pool that loses its core stalls the pool's every barrier.
+            # The server process works too (HTTP, detokenizing): a thread of a rank's pool that
+            # loses its core to it stalls the pool's every barrier, while a core left to it
+            # idles between requests. Which serves more depends on the machine and the load:
+            # --frontend-cores says how many the ranks leave it.
             ranks = env.local_world_size if launched else config.parallel.world_size
-            options["threads_per_rank"] = max(1, (cores - 1) // ranks)
+            options["threads_per_rank"] = rank_threads(cores, args.frontend_cores, ranks)
             config = engine_config(args.model, **options)
         CheckpointReader(args.model)
         tokenizer = Tokenizer.from_checkpoint(args.model)
@@ -194,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"splitmoe.serve: error: {state.engine.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def rank_threads(cores: int, frontend_cores: int, ranks: int) -> int:
+    """Threads of each of ``ranks`` local ranks when ``frontend_cores`` of ``cores`` are left to
+    the server process: an equal share of the rest, at least 1."""
+    return max(1, (cores - frontend_cores) // ranks)
 
 
 def _api_keys(args) -> tuple[str, ...]:
