@@ -105,10 +105,18 @@ class MailChannel(Channel, Protocol):
         unpickles) what is addressed to it."""
 
 
-def rank_stats(topo: Topology, worker, transport, balance: ExpertBalance | None = None) -> dict:
+def rank_stats(
+    topo: Topology,
+    worker,
+    transport,
+    balance: ExpertBalance | None = None,
+    chooser: MicroBatchChooser | None = None,
+) -> dict:
     """A JSON-able snapshot of one rank: role, memory, worker state, transport counters (and the
-    balancer's load statistics)."""
+    balancer's load statistics, and how many steps ran with each micro-batch count)."""
     out = rank_counters(topo, worker)
+    if chooser is not None:
+        out.update(chooser.stats())
     snapshot = getattr(transport, "stats_snapshot", None)
     out["comm"] = snapshot() if snapshot else None
     if balance is not None:
@@ -310,7 +318,7 @@ def _loop(
         idle = topo.is_attention and not (busy or worker.has_work)
         inbox = channel.poll(IDLE_POLL_S if idle else 0.0)
         if inbox.stats_wanted:
-            channel.send_stats(rank_stats(topo, worker, transport, balance))
+            channel.send_stats(rank_stats(topo, worker, transport, balance, chooser))
         rebalance_asked |= inbox.rebalance_wanted
         if inbox.trace_wanted:
             channel.send_stats(

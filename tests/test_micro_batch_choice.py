@@ -157,6 +157,7 @@ def test_auto_matches_hf(tiny_ckpt, hf_ref):
     ) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
         traces = llm.trace()
+        stats = llm.stats()
     for p, o in zip(PROMPTS, outs):
         assert o.token_ids == hf_ref(ckpt, p, 12)
     # the attention ranks ran the same count in every step (as the expert rank served)
@@ -167,3 +168,6 @@ def test_auto_matches_hf(tiny_ckpt, hf_ref):
     ]
     assert counts[0] == counts[1]
     assert {"forward m=1", "forward m=2"} <= set(counts[0].values())  # both explored
+    # every rank counted the same steps per count (`LLM.stats`)
+    steps = [r["micro_batch_steps"] for r in stats]
+    assert steps[0] == steps[1] == steps[2] and {"1", "2"} <= set(steps[0])
