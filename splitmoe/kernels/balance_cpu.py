@@ -195,25 +195,33 @@ class Layer:
         self._static, self._count = lib.smb_static, lib.smb_count
         self._local, self._global = lib.smb_local, lib.smb_global
 
+    # (each method: one C call; ``if rc`` before `check` saves a Python call on the way)
+
     def static(self, ids: torch.Tensor) -> torch.Tensor:
         ids = _int64(ids)
         out = torch.empty_like(ids)
-        check(self._static(self._at, ids.data_ptr(), ids.numel(), out.data_ptr(), self._load_at))
+        rc = self._static(self._at, ids.data_ptr(), ids.numel(), out.data_ptr(), self._load_at)
+        if rc:
+            check(rc)
         return out
 
     def count(self, ids: torch.Tensor, counts: torch.Tensor) -> None:
         """``counts [E]`` (int64, contiguous) = this call's pairs per expert; load += counts."""
         ids = _int64(ids)
         rc = self._count(ids.data_ptr(), ids.numel(), self._E, counts.data_ptr(), self._load_at)
-        check(rc)
+        if rc:
+            check(rc)
 
     def local(self, ids: torch.Tensor, attention_rank: int, counts: torch.Tensor) -> torch.Tensor:
         """``counts [E]``: scratch for this call's pairs per expert (`count`)."""
         ids = _int64(ids)
-        self.count(ids, counts)
+        P, at, c = ids.numel(), ids.data_ptr(), counts.data_ptr()
         out = torch.empty_like(ids)
-        P, at = ids.numel(), ids.data_ptr()
-        check(self._local(self._at, at, P, attention_rank, counts.data_ptr(), out.data_ptr()))
+        rc = self._count(at, P, self._E, c, self._load_at) or self._local(
+            self._at, at, P, attention_rank, c, out.data_ptr()
+        )
+        if rc:
+            check(rc)
         return out
 
     def global_(self, ids: torch.Tensor, attention_rank: int, all_counts: torch.Tensor,
@@ -226,7 +234,8 @@ class Layer:
             self._at, ids.data_ptr(), ids.numel(), attention_rank, all_counts.shape[0],
             all_counts.data_ptr(), counts.data_ptr(), activate, out.data_ptr(),
         )  # fmt: skip
-        check(rc)
+        if rc:
+            check(rc)
         return out
 
 
