@@ -9,6 +9,9 @@ returned, that its handle was still pending: a dispatch that waited for the expe
 from __future__ import annotations
 
 import os
+import re
+import signal
+import threading
 import time
 from datetime import timedelta
 
@@ -16,7 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from comm_ref import reference_layer
+from small_default import write_small_model
 
+from splitmoe import LLM, RankFailure, SamplingParams
 from splitmoe.comm.local_job import run_ranks
 from splitmoe.comm.shm import ShmHub, host_shm_supported
 from splitmoe.comm.topology import Topology
@@ -122,3 +127,61 @@ def test_dispatch_returns_before_experts_receive(
         for j in range(num_expert):
             for got, want in zip(out[num_attention + j]["received"][mb], received[j]):
                 assert torch.equal(got, want), (j, mb)
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["gloo", "shm"])
+def test_rank_killed_with_transfers_in_flight_fails_the_job(tmp_path, shared_memory):
+    """An expert rank killed mid-generate, two micro-batches per step (transfers posted and not
+    yet waited for on every rank): generate raises `RankFailure` naming it, and no rank is
+    left running or hanging in a communication thread."""
+    if shared_memory and not host_shm_supported():
+        pytest.skip("no shared memory on this host")
+    ckpt = write_small_model(tmp_path / "m")
+    llm = LLM(
+        str(ckpt),
+        attention_ranks=1,
+        expert_ranks=2,
+        device="cpu",
+        micro_batches=2,
+        shared_memory=shared_memory,
+        timeout_s=60,
+    )
+    pids = [p.pid for p in llm._procs]
+    stop, served, failure = threading.Event(), threading.Event(), []
+
+    def serve() -> None:
+        try:
+            while not stop.is_set():
+                llm.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=16, ignore_eos=True))
+                served.set()
+        except Exception as e:  # (what the test checks)
+            failure.append(e)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        assert served.wait(timeout=120), failure  # the job steps, generate after generate
+        time.sleep(0.2)
+        os.kill(pids[2], signal.SIGKILL)
+        start = time.monotonic()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "generate hung after a rank was killed"
+        assert time.monotonic() - start < 60
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        llm.close()
+    assert failure and isinstance(failure[0], RankFailure), failure
+    assert re.search(r"rank 2 \(expert\) died \(killed by SIGKILL\)", str(failure[0]))
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
