@@ -3,7 +3,7 @@
 A steady decode batch runs while the expert placement is recomputed, either once by
 ``llm.rebalance()`` (``--mode call``) or every ``--interval`` steps (``--mode interval``). Expert
 ranks read the new slots' weights in the background while serving the old placement, and all
-ranks then switch one changed layer per step boundary (`splitmoe.scheduler.expert_balance`).
+ranks then switch one changed layer per step boundary (`splitmoe.eplb.rebalance`).
 The script prints attention rank 0's step times (ms, from its step records) around each
 rebalance: the step after the plan (the load all-reduce and planning), the steps while the
 weights are read, and each switch step, with each one's ratio to the median of its
