@@ -598,7 +598,7 @@ class LLM:
         balancer: per-step replica choice, ``"static"`` (a fixed replica per attention rank and
             expert), ``"local"`` (each attention rank spreads its own tokens) or ``"global"``
             (attention ranks share per-expert counts and minimise the busiest expert rank's
-            cost); see `splitmoe.scheduler.balancer`.
+            cost); see `splitmoe.eplb.policy`.
         rebalance_interval: recompute the placement from observed load every this many steps
             (None: only on `rebalance`).
         shared_memory: ranks exchange tokens through shared memory (the ranks of `LLM` share

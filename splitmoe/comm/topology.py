@@ -22,7 +22,7 @@ class Topology:
 
     Each MoE layer has ``num_experts + redundant`` expert *slots*; ``slot_owner[s]`` is the
     index (0..E-1) of the expert rank holding slot ``s`` (contiguous, near-equal ranges, fixed for
-    the job). Which expert a slot holds is the `splitmoe.scheduler.placement.Placement`; at
+    the job). Which expert a slot holds is the `splitmoe.eplb.placement.Placement`; at
     start-up slot ``s`` holds expert ``s % num_experts`` (no replicas: slot id = expert id).
     """
 
