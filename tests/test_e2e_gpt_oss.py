@@ -15,12 +15,11 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from quant_models import write_mxfp4_checkpoint
 from tiny_models import cpu_llm, hf_greedy, prompt_ids
 
 from splitmoe import LLM, SamplingParams
 from splitmoe.config import ModelConfig
-from splitmoe.models.gpt_oss import quantize_mxfp4
 
 MAX_TOKENS = 20
 PROMPTS = [prompt_ids(n, seed=40 + i) for i, n in enumerate((1, 6, 19, 33))]
@@ -70,34 +69,8 @@ def test_greedy_matches_hf(attention_ranks, expert_ranks, options, tiny_ckpt, hf
         )
 
 
-def _write_mxfp4(src, out):
-    """``src``'s checkpoint with its experts in the released MXFP4 layout, and (for HF) a
-    plain one holding the weights that layout dequantizes to, by transformers' own code."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    quant, plain = out / "mxfp4", out / "dequantized"
-    for d in (quant, plain):
-        shutil.copytree(src, d)
-    t = load_file(str(src / "model.safetensors"))
-    q_t, p_t = dict(t), dict(t)
-    for name in [n for n in t if n.endswith(("gate_up_proj", "down_proj"))]:
-        rows = t[name].transpose(1, 2).contiguous()  # [E, out features, in features]
-        blocks, scales = quantize_mxfp4(rows)
-        del q_t[name]
-        q_t[name + "_blocks"], q_t[name + "_scales"] = blocks, scales
-        p_t[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
-        assert p_t[name].shape == t[name].shape
-        assert not torch.equal(p_t[name], t[name])  # rounding to FP4 changed the weights
-    save_file(q_t, str(quant / "model.safetensors"), metadata={"format": "pt"})
-    save_file(p_t, str(plain / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((quant / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
-    (quant / "config.json").write_text(json.dumps(cfg))
-    return quant, plain
-
-
 def test_mxfp4_checkpoint_matches_hf_on_dequantized_weights(tiny_ckpt, tmp_path):
-    quant, plain = _write_mxfp4(tiny_ckpt("gpt_oss"), tmp_path)
+    quant, plain = write_mxfp4_checkpoint(tiny_ckpt("gpt_oss"), tmp_path)
     assert ModelConfig.from_hf(quant).quantization == "mxfp4"
     expected = [hf_greedy(plain, p, MAX_TOKENS) for p in PROMPTS]
     with cpu_llm(quant, 1, 1, **SMALL) as llm:  # experts on their own rank: per-role loads
