@@ -80,8 +80,8 @@ def test_triton_backends(family, tiny_ckpt, hf_ref):
 
 def test_minimax_m2_fp8_release_format(tiny_ckpt, hf_ref, tmp_path):
     """MiniMax-M2 is released block-quantized like DeepSeek-V3 (float8_e4m3fn attention and
-    expert weights, a weight_scale_inv per block): loaded and dequantized, it generates HF's
-    tokens for the same (dequantized) weights."""
+    expert weights, a weight_scale_inv per block): served in FP8, it generates HF's tokens for
+    the dequantized weights."""
     from tiny_models import quantize_fp8_checkpoint
 
     fp8, dequant = quantize_fp8_checkpoint(

@@ -74,8 +74,8 @@ def test_mla_greedy_matches_hf(name, attention_ranks, expert_ranks, options, tin
 def test_fp8_block_quantized_checkpoint_matches_hf(tiny_ckpt, hf_ref, tmp_path):
     """DeepSeek-V3's released format (float8_e4m3fn projections with a weight_scale_inv per
     block, here 16x16 so that the tiny weights span several blocks, partial ones included):
-    the attention and expert ranks dequantize at load and generate HF's tokens for the same
-    (dequantized) weights."""
+    the attention and expert ranks keep them in FP8 (`QuantizedWeight`) and generate HF's tokens
+    for the dequantized weights."""
     from tiny_models import quantize_fp8_checkpoint
 
     fp8, dequant = quantize_fp8_checkpoint(
