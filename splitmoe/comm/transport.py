@@ -101,9 +101,8 @@ class Transfer:
         if self._future is not None:
             value, event = self._future.result()
             if event is not None:  # order this thread's stream after the transfers
-                stream = torch.cuda.current_stream(event.device)
-                stream.wait_event(event)
-                _record_stream(value, stream)
+                event.wait()
+                _record_stream(value, torch.cuda.current_stream())
             self._future = None
             self._value, self._finished = value, True
         elif not self._finished:

@@ -25,6 +25,7 @@ from splitmoe import LLM, RankFailure, SamplingParams
 from splitmoe.comm.local_job import run_ranks
 from splitmoe.comm.shm import ShmHub, host_shm_supported
 from splitmoe.comm.topology import Topology
+from splitmoe.comm.transport import _ThreadPoster
 from splitmoe.comm.transports import TRANSPORTS
 from splitmoe.config import ParallelConfig
 from splitmoe.kernels.fused_moe import fused_moe_ref
@@ -185,3 +186,21 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_transfers_run_on_their_own_stream_after_their_inputs():
+    """A posted function runs on the lane's stream, after the work that wrote its inputs on the
+    poster's stream (a missing event would let it read ``x`` half written), and the waiter's
+    stream is ordered after it."""
+    poster = _ThreadPoster("test-lane", torch.cuda.Stream())
+    a = torch.randn(2048, 2048, device="cuda")
+    try:
+        for _ in range(3):
+            x = a @ a @ a  # long enough on the compute stream to race a missing event
+            t = poster.post(lambda x=x: (torch.cuda.current_stream(), x * 2), False, (x,))
+            stream, y = t.wait()
+            assert stream != torch.cuda.current_stream()
+            assert torch.equal(y, x * 2)
+    finally:
+        poster.close()
