@@ -269,10 +269,10 @@ class MemoryTable:
             r = g[0]
             name = str(r.rank) if len(g) == 1 else f"{r.rank}-{g[-1].rank}"
             row = f"{name:>5} {r.role:<10}{r.experts or '-':>8}"
-            row += "".join(f"{gb(r.weights.get(k, 0)):>12}" for k in layouts)
+            row += "".join(f"{gb(r.weights[k]) if k in r.weights else '-':>12}" for k in layouts)
             limit = "-" if r.capacity is None else gb(r.capacity)
             row += f"{gb(r.kv_cache):>10}{gb(r.buffers):>12}{gb(r.total):>11}{limit:>10}"
-            row += "  " + ("yes" if r.fits else "NO")
+            row += "  " + ("-" if r.capacity is None else "yes" if r.fits else "NO")
             lines.append(row)
         lines += list(self.notes)
         return "\n".join(lines)
@@ -483,7 +483,7 @@ def check_fits(cfg, local_ranks: int | None = None) -> MemoryTable | str:
         return table
     raise LayoutDoesNotFit(
         f"{table}\nthe {len(ranks)} rank processes on this host need {need / 1e9:.1f} GB "
-        f"together but {avail / 1e9:.1f} GB is available: lower kv_cache_memory_gb, use fewer "
-        "ranks, or a smaller dtype",
+        f"together but {avail / 1e9:.1f} GB is available: lower kv_cache_memory_gb (or "
+        "num_kv_blocks), use fewer ranks, or a smaller dtype",
         table,
     )
