@@ -178,6 +178,7 @@ _DTYPES = {
     "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
 }  # fmt: skip
+_SIZED = frozenset(_DTYPES.values())
 
 
 class _Shard:
@@ -196,14 +197,17 @@ class _Shard:
                     raise ValueError(f"header length {n} does not fit a {size}-byte file")
                 header = json.loads(f.read(n))
             self.start = 8 + n
-            self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+            # name -> (dtype, or the header's name of one torch lacks; shape; file offset)
+            self.entries: dict[str, tuple[torch.dtype | str, tuple[int, ...], int]] = {}
             for name, e in header.items():
                 if name == "__metadata__":
                     continue
-                dtype, shape = _DTYPES[e["dtype"]], tuple(int(d) for d in e["shape"])
+                dtype = _DTYPES.get(e["dtype"], e["dtype"])
+                shape = tuple(int(d) for d in e["shape"])
                 begin, end = (int(o) for o in e["data_offsets"])
-                want = dtype.itemsize * int(torch.Size(shape).numel())
-                if end - begin != want or self.start + end > size:
+                # (a dtype torch lacks is refused only if the tensor is read: `_entry`)
+                want = dtype.itemsize * int(torch.Size(shape).numel()) if dtype in _SIZED else 0
+                if (want and end - begin != want) or not 0 <= begin <= end <= size - self.start:
                     raise ValueError(f"tensor {name!r} lies outside the file or has a bad size")
                 self.entries[name] = (dtype, shape, self.start + begin)
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -296,6 +300,8 @@ class CheckpointReader:
         if name not in shard.entries:
             raise CheckpointError(f"{shard.path} does not hold tensor {name!r} its index names")
         dtype, shape, _ = shard.entries[name]
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"tensor {name!r} in {shard.path} has dtype {dtype!r}, unknown")
         return shard, dtype, shape
 
     def _check_shape(self, name: str, have: tuple[int, ...], shape: tuple[int, ...]) -> None:
