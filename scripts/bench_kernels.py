@@ -471,6 +471,7 @@ def compile_plan(attention_models, moe_models, dtype: torch.dtype, arch: int) ->
             H=H, I=I, stride_xt=H, stride_we=2 * I * H, stride_wn=H, stride_ht=I, stride_yt=H,
             stride_be=2 * I, swiglu_limit=7.0, swiglu_alpha=1.702,
             s_ptr=t, stride_se=0, stride_sn=0, stride_sk=0,  # scales: quantized weights only
+            xs_ptr="fp32", hs_ptr="fp32", stride_xst=0, stride_hst=0,  # W8A8 only
         )  # fmt: skip
         for N in MOE_TOKENS:
             tiles = moe_gemm.moe_tiles(N * k, E, dtype)

@@ -9,7 +9,10 @@ at decode and prefill sizes, on DeepSeek-V3's and gpt-oss-120b's expert shapes; 
 
 Each format runs the same Triton kernels (`splitmoe.kernels.moe_gemm`), reading a weight tile
 as bf16, as FP8 bytes times their 128x128 block's scale, or as MXFP4 nibbles times their
-power of two. Decode is memory-bound: weight GB/s (bytes of the experts used, in the format's
+power of two; ``fp8-w8a8`` (sm >= 89) also quantizes the activations to FP8 in groups of 128
+and runs FP8 dots (``act_fp8=True``), as DeepSeek-V3's inference does.
+
+Decode is memory-bound: weight GB/s (bytes of the experts used, in the format's
 own size) is the figure of merit, and the ratio to bf16 is the point of keeping weights
 quantized. Prefill is compute-bound: TFLOP/s, where in-register dequantization costs. Before
 timing, each quantized kernel is checked against the bf16 kernel run on the same weights
@@ -46,7 +49,8 @@ def random_quantized(E: int, N: int, K: int, fmt: str, device) -> QuantizedWeigh
     g = torch.Generator(device=device).manual_seed(E + N + K)
     if fmt == "fp8":
         data = torch.randint(0, 256, (E, N, K), generator=g, device=device, dtype=torch.uint8)
-        data[(data & 0x7F) == 0x7F] = 0  # the two NaN codes
+        for d in data:  # one expert at a time: no mask the size of every expert
+            d[(d & 0x7F) == 0x7F] = 0  # the two NaN codes
         bn, bk = FP8_BLOCK
         scale = torch.rand(E, -(-N // bn), -(-K // bk), generator=g, device=device)
         scale = scale * (2 * K**-0.5 / 448)  # e4m3's largest value, 448, to about K^-0.5
@@ -57,9 +61,9 @@ def random_quantized(E: int, N: int, K: int, fmt: str, device) -> QuantizedWeigh
     return QuantizedWeight(data, scale.to(torch.uint8), "mxfp4", (1, 32))
 
 
-def check(w13q, w2q, H: int, k: int, dtype) -> float:
-    """Max error of the quantized kernel against the dense kernel on the same weights
-    dequantized (the first 8 experts), relative to the output's scale."""
+def check(w13q, w2q, H: int, k: int, dtype, **opts) -> float:
+    """Max error of the quantized kernel (``opts``: ``act_fp8``) against the dense kernel on the
+    same weights dequantized (the first 8 experts), relative to the output's scale."""
     from splitmoe.kernels.moe_gemm import fused_moe_triton
 
     E = 8
@@ -68,7 +72,7 @@ def check(w13q, w2q, H: int, k: int, dtype) -> float:
     g = torch.Generator(device=w13q.device).manual_seed(1)
     x = torch.randn(40, H, generator=g, device=w13q.device, dtype=dtype)
     w, ids = torch.rand(40, E, generator=g, device=w13q.device).topk(min(k, E), dim=-1)
-    got = fused_moe_triton(x, w13, w2, ids, w).float()
+    got = fused_moe_triton(x, w13, w2, ids, w, **opts).float()
     want = fused_moe_triton(x, w13.dequantize(dtype), w2.dequantize(dtype), ids, w).float()
     return ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
 
@@ -98,19 +102,24 @@ def run(models: dict, tokens, dtype) -> int:
     for model, (E, H, I, k, fmts) in models.items():
         dense13 = torch.empty(E, 2 * I, H, dtype=dtype, device=dev).normal_(std=H**-0.5)
         dense2 = torch.empty(E, H, I, dtype=dtype, device=dev).normal_(std=I**-0.5)
-        weights = {"bf16": (dense13, dense2)}
+        weights = {"bf16": (dense13, dense2, {})}
         notes = {"bf16": ""}
         for fmt in fmts:
             w13q = random_quantized(E, 2 * I, H, fmt, dev)
             w2q = random_quantized(E, H, I, fmt, dev)
-            err = check(w13q, w2q, H, k, dtype)
-            ok = err < 2e-2
-            bad += not ok
-            notes[fmt] = f"check {err:.1e}" + ("" if ok else " WRONG")
-            weights[fmt] = (w13q, w2q)
+            runs = {fmt: {}}
+            if fmt == "fp8" and torch.cuda.get_device_capability(dev) >= (8, 9):
+                runs["fp8-w8a8"] = {"act_fp8": True}
+            for name, opts in runs.items():
+                err = check(w13q, w2q, H, k, dtype, **opts)
+                # W8A8 rounds the activations to 3 mantissa bits: a few percent
+                ok = err < (0.1 if opts else 2e-2)
+                bad += not ok
+                notes[name] = f"check {err:.1e}" + ("" if ok else " WRONG")
+                weights[name] = (w13q, w2q, opts)
         per_expert = {
             name: (w13.nbytes + w2.nbytes) / E if name != "bf16" else 3 * H * I * 2
-            for name, (w13, w2) in weights.items()
+            for name, (w13, w2, _) in weights.items()
         }
         for N in tokens:
             g = torch.Generator(device=dev).manual_seed(N)
@@ -119,8 +128,8 @@ def run(models: dict, tokens, dtype) -> int:
             used = int(torch.unique(ids).numel())
             flops = 2 * N * k * 3 * H * I
             base = None
-            for name, (w13, w2) in weights.items():
-                ms = graph_ms(lambda: fused_moe_triton(x, w13, w2, ids, w))  # noqa: B023
+            for name, (w13, w2, opts) in weights.items():
+                ms = graph_ms(lambda: fused_moe_triton(x, w13, w2, ids, w, **opts))  # noqa: B023
                 base = ms if base is None else base
                 gbps = used * per_expert[name] / ms / 1e6
                 cells = (
@@ -150,14 +159,15 @@ def compile_only(models: dict, tokens, dtype, arch: int) -> int:
         "fp8": ("fp8e4nv", "fp32", dict(WFMT=1, K_UNIFORM=True, BN_Q=128, BK_Q=128)),
         "fp8-bits": ("u8", "fp32", dict(WFMT=2, K_UNIFORM=True, BN_Q=128, BK_Q=128)),
         "mxfp4": ("u8", "u8", dict(WFMT=3, K_UNIFORM=False, BN_Q=1, BK_Q=32)),
+        "w8a8": ("u8", "fp32", dict(WFMT=4, K_UNIFORM=True, BN_Q=128, BK_Q=128, A_FP8=True)),
     }
     plans = {}
     for E, H, I, k, _ in models.values():
         for N in tokens:
-            tiles = moe_gemm.moe_tiles(N * k, E, dtype)
             for name, (wp, sp, wc) in variants.items():
-                if name == "fp8" and arch < 89:
-                    continue  # no FP8 conversions: the bits decode runs there
+                if name in ("fp8", "w8a8") and arch < 89 or name == "fp8-bits" and arch >= 89:
+                    continue  # FP8 conversions and dots from sm_89; the bits decode below
+                tiles = moe_gemm.moe_tiles(N * k, E, dtype, act_fp8=name == "w8a8")
                 consts = dict(moe_gemm.moe_constexprs(dtype, tiles), **wc)
                 consts["BLOCK_K"] = min(tiles.block_k, 128)
                 args = dict(
@@ -165,21 +175,29 @@ def compile_only(models: dict, tokens, dtype, arch: int) -> int:
                     sorted_ids_ptr="i32", block_expert_ptr="i32", num_pairs=N * k + 1,
                     num_m_blocks=33, H=H, I=I, stride_xt=H, stride_we=2 * I * H, stride_wn=H,
                     stride_se=64, stride_sn=16, stride_sk=1, stride_ht=I, stride_yt=H,
-                    stride_be=2 * I, swiglu_limit=7.0, swiglu_alpha=1.702,
+                    stride_be=2 * I, swiglu_limit=7.0, swiglu_alpha=1.702, xs_ptr="fp32",
+                    hs_ptr="fp32", stride_xst=2, stride_hst=16,
                 )  # fmt: skip
+                if name == "w8a8":  # e4m3 activations, loaded as bytes
+                    args["x_ptr"] = "u8"
                 for bias in (False, True):
+                    if name == "w8a8" and bias:
+                        continue  # DeepSeek-style experts: no biases
                     up = dict(consts, TOP_K=k, HAS_BIAS=bias, CLAMPED=bias)
                     plans[("gate_up", name, *up.items())] = (
                         moe_gemm._gate_up_kernel, args, up, tiles
                     )  # fmt: skip
                     down = dict(consts, HAS_BIAS=bias)
+                    down_args = dict(args, h_ptr="u8") if name == "w8a8" else args
                     plans[("down", name, *down.items())] = (
-                        moe_gemm._down_kernel, args, down, tiles
+                        moe_gemm._down_kernel, down_args, down, tiles
                     )  # fmt: skip
             lt = linear_tiles(N, dtype)
             for name, (wp, sp, wc) in variants.items():
-                if name == "fp8" and arch < 89:
+                if name in ("fp8", "w8a8") and arch < 89 or name == "fp8-bits" and arch >= 89:
                     continue
+                if name == "w8a8":
+                    continue  # the linear has no W8A8 path
                 consts = dict(
                     wc, HAS_BIAS=False, BLOCK_M=lt.block_m, BLOCK_N=lt.block_n,
                     BLOCK_K=lt.block_k, GROUP_M=lt.group_m, DOT_PRECISION="tf32",

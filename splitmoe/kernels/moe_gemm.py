@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -44,6 +45,9 @@ WFMT_DENSE = tl.constexpr(0)  # x's dtype
 WFMT_FP8 = tl.constexpr(1)  # float8 pointer load + convert (CUDA sm >= 89, Triton's interpreter)
 WFMT_FP8_BITS = tl.constexpr(2)  # e4m3fn bytes decoded with integer ops (older GPUs)
 WFMT_MXFP4 = tl.constexpr(3)  # two e2m1 codes a byte, an e8m0 exponent per 32 values
+WFMT_FP8_RAW = tl.constexpr(4)  # W8A8: e4m3 bytes for an FP8 dot, the caller scales the product
+# Activation values sharing one FP8 scale in W8A8 (DeepSeek-V3's act_quant block_size).
+ACT_GROUP = tl.constexpr(128)
 
 
 @dataclass(frozen=True)
@@ -56,11 +60,18 @@ class MoeTiles:
     num_stages: int
 
 
-def moe_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeTiles:
+def moe_tiles(
+    num_pairs: int, num_experts: int, dtype: torch.dtype, act_fp8: bool = False
+) -> MoeTiles:
     """H100 tiles by rows per expert. Few rows per expert (decode): 16-row tiles, the GEMMs read
     each expert's weights once and are bandwidth-bound. Many: 128 x 128 tensor-core tiles with
     L2-friendly ordering."""
     per_expert = num_pairs / max(1, num_experts)
+    if act_fp8 and per_expert > 64:
+        # W8A8's gate/up holds two accumulators and two scaled dot results: at 128 x 128 it
+        # spills on sm_90 (ptxas, `bench_quant_moe.py --compile-only`); 128 x 64 does not.
+        # Not yet swept on a GPU.
+        return MoeTiles(block_m=128, block_n=64, block_k=128, group_m=8, num_warps=8, num_stages=3)
     if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: half the K depth per stage
         if per_expert <= 16:
             return MoeTiles(
@@ -116,6 +127,15 @@ def _e8m0_to_f32(s):
 
 
 @triton.jit
+def _row_scales(
+    s_ptr, rows, n_ok, k0, stride_sn, stride_sk, BN_Q: tl.constexpr, BK_Q: tl.constexpr
+):
+    """``[BLOCK_N]`` fp8 scales of weight ``rows`` at column ``k0`` (a K tile inside one block)."""
+    s_ptrs = s_ptr + (rows // BN_Q) * stride_sn + (k0 // BK_Q) * stride_sk
+    return tl.load(s_ptrs, mask=n_ok, other=0)
+
+
+@triton.jit
 def _weight_tile(
     w_ptr,  # this expert's data: [N, K] dense / fp8, [N, K // 2] uint8 mxfp4
     s_ptr,  # this expert's scales (not read when dense)
@@ -157,12 +177,14 @@ def _weight_tile(
             w = tl.load(w_ptrs, mask=mask, other=0)
         if WFMT == WFMT_FP8_BITS:
             w = _e4m3_bits_to_f32(w)
-        if WFMT != WFMT_DENSE:  # fp8: times its (bn x bk) block's scale
-            srow = rows // BN_Q
+        if WFMT == WFMT_FP8_RAW:
+            w = w.to(tl.float8e4nv, bitcast=True)  # loaded as bytes: `other=0` casts
+        elif WFMT != WFMT_DENSE:  # fp8: times its (bn x bk) block's scale
             if K_UNIFORM:
-                s = tl.load(s_ptr + srow * stride_sn + (k0 // BK_Q) * stride_sk, mask=n_ok, other=0)
+                s = _row_scales(s_ptr, rows, n_ok, k0, stride_sn, stride_sk, BN_Q, BK_Q)
                 w = w.to(tl.float32) * s[None, :]
             else:
+                srow = rows // BN_Q
                 s_ptrs = s_ptr + srow[None, :] * stride_sn + (offs_k // BK_Q)[:, None] * stride_sk
                 w = w.to(tl.float32) * tl.load(s_ptrs, mask=mask, other=0)
     return w
@@ -172,7 +194,8 @@ def _weight_tile(
 # each value class (1, multiples of 16, others), each a second or more of JIT in a live request.
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _gate_up_kernel(
-    x_ptr,  # [N, H]
+    x_ptr,  # [N, H] (A_FP8: e4m3 bytes)
+    xs_ptr,  # A_FP8: [N, ceil(H / ACT_GROUP)] float32 scales of x's groups
     w_ptr,  # [E, 2I, H]: gate rows, then up rows (its data, when quantized: `_weight_tile`)
     s_ptr,  # w's scales (read only when quantized)
     b_ptr,  # [E, 2I] gate then up biases (read only with HAS_BIAS)
@@ -184,6 +207,7 @@ def _gate_up_kernel(
     H,
     I,
     stride_xt,
+    stride_xst,
     stride_we,
     stride_wn,
     stride_se,
@@ -196,6 +220,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMPED: tl.constexpr,  # GPT-OSS's clamped SwiGLU instead of SiLU(gate) * up
+    A_FP8: tl.constexpr,  # W8A8: FP8 activations in groups, FP8 dots (WFMT_FP8_RAW)
     WFMT: tl.constexpr,
     K_UNIFORM: tl.constexpr,
     BN_Q: tl.constexpr,
@@ -224,17 +249,25 @@ def _gate_up_kernel(
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0)
         g = _weight_tile(
             w_e, s_e, offs_n, n_ok, k0, H, stride_wn, stride_sn, stride_sk,
             WFMT, K_UNIFORM, BN_Q, BK_Q, BLOCK_K, BLOCK_N,
         )  # fmt: skip
-        gate = tl.dot(a, g.to(a.dtype), acc=gate, input_precision=DOT_PRECISION)
         u = _weight_tile(
             w_e, s_e, I + offs_n, n_ok, k0, H, stride_wn, stride_sn, stride_sk,
             WFMT, K_UNIFORM, BN_Q, BK_Q, BLOCK_K, BLOCK_N,
         )  # fmt: skip
-        up = tl.dot(a, u.to(a.dtype), acc=up, input_precision=DOT_PRECISION)
+        if A_FP8:  # one K tile lies in one activation group and one weight block
+            a = a.to(tl.float8e4nv, bitcast=True)
+            a_s = tl.load(xs_ptr + token * stride_xst + k0 // ACT_GROUP, mask=row_ok, other=0)
+            g_s = _row_scales(s_e, offs_n, n_ok, k0, stride_sn, stride_sk, BN_Q, BK_Q)
+            u_s = _row_scales(s_e, I + offs_n, n_ok, k0, stride_sn, stride_sk, BN_Q, BK_Q)
+            gate += tl.dot(a, g) * (a_s[:, None] * g_s[None, :])
+            up += tl.dot(a, u) * (a_s[:, None] * u_s[None, :])
+        else:
+            gate = tl.dot(a, g.to(a.dtype), acc=gate, input_precision=DOT_PRECISION)
+            up = tl.dot(a, u.to(a.dtype), acc=up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
     if HAS_BIAS:
         b = b_ptr + expert * stride_be + offs_n
@@ -252,7 +285,8 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _down_kernel(
-    h_ptr,  # [R, I]: sorted rows
+    h_ptr,  # [R, I]: sorted rows (A_FP8: e4m3 bytes)
+    hs_ptr,  # A_FP8: [R, ceil(I / ACT_GROUP)] float32 scales of h's groups
     w_ptr,  # [E, H, I] (its data, when quantized: `_weight_tile`)
     s_ptr,  # w's scales (read only when quantized)
     b_ptr,  # [E, H] biases (read only with HAS_BIAS)
@@ -265,6 +299,7 @@ def _down_kernel(
     H,
     I,
     stride_ht,
+    stride_hst,
     stride_we,
     stride_wn,
     stride_se,
@@ -273,6 +308,7 @@ def _down_kernel(
     stride_yt,
     stride_be,
     HAS_BIAS: tl.constexpr,
+    A_FP8: tl.constexpr,
     WFMT: tl.constexpr,
     K_UNIFORM: tl.constexpr,
     BN_Q: tl.constexpr,
@@ -299,12 +335,18 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = offs_k < I - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0)
         w = _weight_tile(
             w_e, s_e, offs_n, n_ok, k0, I, stride_wn, stride_sn, stride_sk,
             WFMT, K_UNIFORM, BN_Q, BK_Q, BLOCK_K, BLOCK_N,
         )  # fmt: skip
-        acc = tl.dot(a, w.to(a.dtype), acc=acc, input_precision=DOT_PRECISION)
+        if A_FP8:
+            a = a.to(tl.float8e4nv, bitcast=True)
+            a_s = tl.load(hs_ptr + rows * stride_hst + k0 // ACT_GROUP, mask=row_ok, other=0)
+            w_s = _row_scales(s_e, offs_n, n_ok, k0, stride_sn, stride_sk, BN_Q, BK_Q)
+            acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
+        else:
+            acc = tl.dot(a, w.to(a.dtype), acc=acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
     if HAS_BIAS:
         b = tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0)
@@ -353,11 +395,18 @@ def fp8_decodes_natively(device: torch.device) -> bool:
 
 
 def weight_args(
-    w: torch.Tensor | QuantizedWeight, block_k: int, fp8_bits: bool | None = None
+    w: torch.Tensor | QuantizedWeight,
+    block_k: int,
+    fp8_bits: bool | None = None,
+    act_fp8: bool = False,
 ) -> WeightArgs:
     """The kernel operands of ``w`` (``[E, N, K]`` or ``[N, K]``, dense or quantized) for a
     GEMM with K tiles of ``block_k``. ``fp8_bits``: decode e4m3 bytes with integer ops instead
-    of float8 loads (None: where the device lacks FP8 conversions; tests force both)."""
+    of float8 loads (None: where the device lacks FP8 conversions; tests force both).
+    ``act_fp8``: the e4m3 bytes for FP8 dots against FP8 activations (W8A8; `act_quant_fp8`),
+    with K tiles inside one activation group and one weight block."""
+    if act_fp8:
+        return _w8a8_args(w, block_k)
     if not isinstance(w, QuantizedWeight):
         return WeightArgs(
             w, w, (_lead_stride(w), w.stride(-2)), (0, 0, 0), (1, 1), WFMT_DENSE.value, False,
@@ -389,6 +438,45 @@ def weight_args(
     )
 
 
+def _w8a8_args(w, block_k: int) -> WeightArgs:
+    if not isinstance(w, QuantizedWeight) or w.fmt != "fp8" or w.data.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"act_fp8 (W8A8) needs float8_e4m3fn weights, got {_describe(w)}")
+    bn, bk = w.block
+    fit = block_k
+    while fit > 16 and (bk % fit or ACT_GROUP.value % fit):
+        fit //= 2
+    if bk % fit or ACT_GROUP.value % fit:
+        raise ValueError(
+            f"act_fp8 (W8A8): fp8 blocks {bn}x{bk} split no K tile of 16 or more that also "
+            f"divides the activation group {ACT_GROUP.value}; run without act_fp8"
+        )
+    data, scale = w.data.view(torch.uint8), w.scale
+    return WeightArgs(
+        data, scale, (_lead_stride(data), data.stride(-2)),
+        (_lead_stride(scale), scale.stride(-2), scale.stride(-1)), (bn, bk),
+        WFMT_FP8_RAW.value, True, fit,
+    )  # fmt: skip
+
+
+def _describe(w) -> str:
+    if isinstance(w, QuantizedWeight):
+        return f"{w.fmt} {w.data.dtype}"
+    return f"dense {w.dtype}"
+
+
+def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, K]`` -> ``(q [T, K]`` float8_e4m3fn, ``scale [T, ceil(K / 128)]`` float32): each
+    group of `ACT_GROUP` values along K divided by its largest magnitude / 448 (DeepSeek-V3's
+    ``act_quant``), so that ``q * scale`` is x to e4m3's 3 mantissa bits."""
+    T, K = x.shape
+    g = ACT_GROUP.value
+    G = -(-K // g)
+    xf = F.pad(x.float(), (0, G * g - K)).view(T, G, g)
+    scale = xf.abs().amax(-1).clamp(min=1e-12) / 448.0  # [T, G]; an all-zero group stays 0
+    q = (xf / scale[..., None]).view(T, G * g)[:, :K].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
 def _lead_stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.dim() == 3 else 0  # a single [N, K] weight: no stack dim
 
@@ -417,16 +505,20 @@ def fused_moe_triton(
     weights: torch.Tensor,
     tiles: MoeTiles | None = None,
     fp8_bits: bool | None = None,
+    act_fp8: bool = False,
     **ffn,
 ) -> torch.Tensor:
     """Same contract as `fused_moe_ref`, with dense or `QuantizedWeight` experts; ``tiles`` and
-    ``fp8_bits`` (`weight_args`) override the tile and FP8 decode choices (tests)."""
+    ``fp8_bits`` (`weight_args`) override the tile and FP8 decode choices (tests); ``act_fp8``:
+    W8A8 (`launch_fused_moe`)."""
     require_triton("moe_backend", x.device)
     if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
         check_quantized_moe_inputs(x, w13, w2, expert_ids, weights)
     else:
         check_moe_inputs(x, w13, w2, expert_ids, weights)
-    return launch_fused_moe(x, w13, w2, expert_ids, weights, tiles, fp8_bits=fp8_bits, **ffn)
+    return launch_fused_moe(
+        x, w13, w2, expert_ids, weights, tiles, fp8_bits=fp8_bits, act_fp8=act_fp8, **ffn
+    )
 
 
 def check_quantized_moe_inputs(x, w13, w2, expert_ids, weights) -> None:
@@ -456,16 +548,25 @@ def launch_fused_moe(
     swiglu_limit: float | None = None,
     swiglu_alpha: float = 1.702,
     fp8_bits: bool | None = None,
+    act_fp8: bool = False,
 ) -> torch.Tensor:
     """`fused_moe_triton` for callers that have run `check_moe_inputs` (dense weights) or
     `check_quantized_moe_inputs` already. ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` are dense
     tensors in x's dtype or `QuantizedWeight`s of those logical shapes (FP8 blocks: W8A16;
     MXFP4: W4A16), dequantized tile by tile in registers. ``b13 [E, 2I]``, ``b2 [E, H]`` (both
-    or neither) and ``swiglu_limit``: GPT-OSS's experts (`fused_moe_ref`)."""
+    or neither) and ``swiglu_limit``: GPT-OSS's experts (`fused_moe_ref`).
+
+    ``act_fp8`` (W8A8, as DeepSeek-V3's inference runs; float8_e4m3fn experts on GPUs with FP8
+    tensor cores, sm >= 89): x, and the intermediate between the GEMMs, are quantized to e4m3
+    in groups of 128 along K (`act_quant_fp8`), and each K tile is one FP8 dot scaled by its
+    activation group's and weight block's scales. Not the dequantize-then-GEMM math: the
+    activations lose all but 3 mantissa bits."""
     if (b13 is None) != (b2 is None):
         raise ValueError("fused_moe: pass both expert biases b13 and b2, or neither")
     if b13 is not None and (b13.stride(-1) != 1 or b2.stride(-1) != 1):
         raise ValueError("fused_moe: expert biases must be contiguous in their last dim")
+    if act_fp8 and x.device.type == "cuda" and not fp8_decodes_natively(x.device):
+        raise ValueError("fused_moe: act_fp8 (W8A8) needs FP8 tensor cores (CUDA sm >= 89)")
     N, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
@@ -473,33 +574,45 @@ def launch_fused_moe(
     if N == 0 or k == 0:
         return torch.zeros_like(x)
     if tiles is None:
-        tiles = moe_tiles(N * k, E, x.dtype)
+        tiles = moe_tiles(N * k, E, x.dtype, act_fp8)
     order: ExpertSort = sort_by_expert(expert_ids, E, tiles.block_m)
     num_m_blocks = order.block_expert.numel()
     h = torch.empty(num_m_blocks * tiles.block_m, I, dtype=x.dtype, device=x.device)
     # Slots served elsewhere (-1) are never written: zeros make them drop out of the sum.
     y = torch.zeros(N * k, H, dtype=x.dtype, device=x.device)
     meta = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    meta.update(moe_constexprs(x.dtype, tiles))
-    wa = weight_args(w13, tiles.block_k, fp8_bits)
+    meta.update(moe_constexprs(x.dtype, tiles), A_FP8=act_fp8)
+    wa = weight_args(w13, tiles.block_k, fp8_bits, act_fp8)
+    a, a_s = _activations(x, act_fp8)
     grid = (num_m_blocks * triton.cdiv(I, tiles.block_n),)
     _gate_up_kernel[grid](
-        x, wa.data, wa.scale, wa.data if b13 is None else b13, h, order.sorted_ids,
-        order.block_expert, N * k, num_m_blocks, H, I, x.stride(0), *wa.kernel_args(),
-        h.stride(0), 0 if b13 is None else b13.stride(0),
+        a, a_s, wa.data, wa.scale, wa.data if b13 is None else b13, h, order.sorted_ids,
+        order.block_expert, N * k, num_m_blocks, H, I, a.stride(0), a_s.stride(0),
+        *wa.kernel_args(), h.stride(0), 0 if b13 is None else b13.stride(0),
         0.0 if swiglu_limit is None else float(swiglu_limit), float(swiglu_alpha),
         TOP_K=k, HAS_BIAS=b13 is not None, CLAMPED=swiglu_limit is not None,
         **dict(meta, **wa.constexprs()),
     )  # fmt: skip
-    wa = weight_args(w2, tiles.block_k, fp8_bits)
+    wa = weight_args(w2, tiles.block_k, fp8_bits, act_fp8)
+    # W8A8: h makes a round trip through memory to be quantized (a fused epilogue would not)
+    a, a_s = _activations(h, act_fp8)
     grid = (num_m_blocks * triton.cdiv(H, tiles.block_n),)
     _down_kernel[grid](
-        h, wa.data, wa.scale, wa.data if b2 is None else b2, y, weights.reshape(-1),
-        order.sorted_ids, order.block_expert, N * k, num_m_blocks, H, I, h.stride(0),
-        *wa.kernel_args(), y.stride(0), 0 if b2 is None else b2.stride(0),
+        a, a_s, wa.data, wa.scale, wa.data if b2 is None else b2, y, weights.reshape(-1),
+        order.sorted_ids, order.block_expert, N * k, num_m_blocks, H, I, a.stride(0),
+        a_s.stride(0), *wa.kernel_args(), y.stride(0), 0 if b2 is None else b2.stride(0),
         HAS_BIAS=b2 is not None, **dict(meta, **wa.constexprs()),
     )  # fmt: skip
     return y.view(N, k, H).sum(1) if k > 1 else y
+
+
+def _activations(a: torch.Tensor, act_fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GEMM's left operand and its group scales: ``a`` itself (the scales never read), or
+    `act_quant_fp8`'s e4m3 bytes (loaded as uint8: `other=0` casts) and scales."""
+    if not act_fp8:
+        return a, a
+    q, scale = act_quant_fp8(a)
+    return q.view(torch.uint8), scale
 
 
 def moe_constexprs(dtype: torch.dtype, tiles: MoeTiles) -> dict:
@@ -508,5 +621,5 @@ def moe_constexprs(dtype: torch.dtype, tiles: MoeTiles) -> dict:
     return dict(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, DOT_PRECISION=dot_precision(dtype),
-        WFMT=WFMT_DENSE.value, K_UNIFORM=False, BN_Q=1, BK_Q=1,
+        WFMT=WFMT_DENSE.value, K_UNIFORM=False, BN_Q=1, BK_Q=1, A_FP8=False,
     )  # fmt: skip

@@ -180,3 +180,60 @@ def test_rejects_what_the_kernels_cannot_read():
         run(x, w13, random_fp8((3, 32, 16), (16, 16), g), ids, w)
     with pytest.raises(ValueError, match="integers"):
         run(x, w13, w2, ids.float(), w)
+
+
+def act_quant_ref(t: torch.Tensor) -> torch.Tensor:
+    """``t`` through e4m3 in groups of 128 along its rows (amax -> 448), back to float32."""
+    out = torch.empty_like(t, dtype=torch.float32)
+    for c in range(0, t.shape[1], 128):
+        g = t[:, c : c + 128].float()
+        s = g.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448
+        out[:, c : c + 128] = (g / s).to(torch.float8_e4m3fn).float() * s
+    return out
+
+
+def w8a8_ref(x, w13, w2, ids, w):
+    """Per (token, slot): the FFN with x and the intermediate each rounded through e4m3."""
+    I = w2.shape[-1]
+    d13, d2 = dequant(w13), dequant(w2)
+    xq = act_quant_ref(x)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t, j in (ids >= 0).nonzero().tolist():
+        e = int(ids[t, j])
+        h = xq[t] @ d13[e].t()  # [2I]
+        h = torch.nn.functional.silu(h[:I]) * h[I:]
+        out[t] += w[t, j] * (act_quant_ref(h.to(x.dtype)[None])[0] @ d2[e].t())
+    return out
+
+
+@pytest.mark.parametrize(
+    "n,k,block", [(1, 1, (128, 128)), (5, 2, (32, 64)), (33, 2, (32, 64))], ids=str
+)
+def test_w8a8_fp8_activations_in_groups_of_128(n, k, block):
+    """H 160: a whole activation group and a partial one; K tiles inside both one group and one
+    weight block. Against the same math in PyTorch, and near the exact W8A16 result."""
+    g = torch.Generator().manual_seed(n)
+    E, H, I = 4, 160, 128
+    w13, w2 = random_fp8((E, 2 * I, H), block, g), random_fp8((E, H, I), block, g)
+    x = torch.randn(n, H, generator=g).to(DEVICE)
+    ids, w = routing(n, k, E, g)
+    out = run(x, w13, w2, ids, w, act_fp8=True)
+    ref = w8a8_ref(x, w13, w2, ids, w)
+    scale = ref.abs().max()
+    # an e4m3 rounding of h may fall the other way after float32 sums in another order
+    assert (out - ref).abs().max() <= 1e-2 * scale
+    assert (out - ref).abs().mean() <= 1e-4 * scale
+    exact = run(x, w13, w2, ids, w)
+    assert (out - exact).abs().max() <= 0.1 * scale  # 3 mantissa bits on the activations
+
+
+def test_w8a8_refuses_what_it_cannot_run():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64).to(DEVICE)
+    ids, w = routing(4, 2, 3, g)
+    w13, w2 = random_mxfp4((3, 64, 64), g), random_mxfp4((3, 64, 32), g)
+    with pytest.raises(ValueError, match="float8_e4m3fn weights"):
+        run(x, w13, w2, ids, w, act_fp8=True)
+    w13, w2 = random_fp8((3, 64, 64), (16, 24), g), random_fp8((3, 64, 32), (16, 24), g)
+    with pytest.raises(ValueError, match="no K tile"):
+        run(x, w13, w2, ids, w, act_fp8=True)
