@@ -58,7 +58,9 @@ class ModelDims:
     the rest. Built from a runtime `splitmoe.config.ModelConfig` (`from_config`) or the
     simulator's `splitmoe.sim.model.ModelShape` (its ``memory_dims``).
 
-    attention_linears: one layer's attention projections (quantized in an fp8 release);
+    attention_linears: one layer's attention projections as ``(canonical key, rows, cols)``; in
+        an fp8 release those the loader keeps fp8 (`splitmoe.models.loader.QUANTIZED_KEYS`)
+        count quantized, the rest (MLA's ``kv_b_proj``, split per head) in the run dtype;
     moe_layer_linears: what a MoE layer adds on the attention rank (shared expert);
     dense_layer_linears: a dense layer's MLP; expert_linears: one routed expert (gate+up rows,
     down), quantized in fp8 and mxfp4 releases; router_params: a MoE layer's router (and its
@@ -75,7 +77,7 @@ class ModelDims:
     num_experts: int
     top_k: int
     moe_intermediate: int
-    attention_linears: tuple[tuple[int, int], ...]
+    attention_linears: tuple[tuple[str, int, int], ...]
     expert_linears: tuple[tuple[int, int], ...]
     kv_values_per_token: int
     moe_layer_linears: tuple[tuple[int, int], ...] = ()
@@ -118,17 +120,26 @@ class ModelDims:
         if cfg.is_mla:
             qk = cfg.qk_nope_head_dim + hd
             q = cfg.q_lora_rank
-            attn = [(q, H), (heads * qk, q)] if q else [(heads * qk, H)]
+            attn = (
+                [("q_a_proj", q, H), ("q_b_proj", heads * qk, q)]
+                if q
+                else [("q_proj", heads * qk, H)]
+            )
             attn += [
-                (cfg.kv_lora_rank + hd, H),
-                (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-                (H, heads * cfg.v_head_dim),
+                ("kv_a_proj", cfg.kv_lora_rank + hd, H),
+                ("kv_b_proj", heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                ("o_proj", H, heads * cfg.v_head_dim),
             ]
             other += cfg.num_layers * ((q or 0) + cfg.kv_lora_rank)  # q_a / kv_a norms
             if cfg.attention_bias:
                 other += cfg.num_layers * ((q or 0) + cfg.kv_lora_rank + hd + H)
         else:
-            attn = [(heads * hd, H), (kv * hd, H), (kv * hd, H), (H, heads * hd)]
+            attn = [
+                ("q_proj", heads * hd, H),
+                ("k_proj", kv * hd, H),
+                ("v_proj", kv * hd, H),
+                ("o_proj", H, heads * hd),
+            ]
             per_layer = 0
             if cfg.qkv_bias:
                 per_layer += (heads + 2 * kv) * hd
@@ -176,16 +187,20 @@ class ModelDims:
     def attention_weight_bytes(self, dtype_bytes: float) -> dict[str, int]:
         """An attention rank's weights (all but the routed experts), by layout:
         ``{"fp8": ..., "dtype": ...}`` (fp8 bytes include the scales)."""
+        from splitmoe.models.loader import QUANTIZED_KEYS
+
         fp8 = "fp8" if self.quantization == "fp8" else None
+        kept = [(r, c) for key, r, c in self.attention_linears if key in QUANTIZED_KEYS]
+        dense = [(r, c) for key, r, c in self.attention_linears if key not in QUANTIZED_KEYS]
         linear = (
-            self.num_layers * self._linears(self.attention_linears, fp8, dtype_bytes)
+            self.num_layers * self._linears(kept, fp8, dtype_bytes)
             + self.num_moe_layers * self._linears(self.moe_layer_linears, fp8, dtype_bytes)
             + self.num_dense_layers * self._linears(self.dense_layer_linears, fp8, dtype_bytes)
         )
         embed = self.vocab * self.hidden * (1 if self.tie_word_embeddings else 2)
         plain = int(
             (embed + self.num_moe_layers * self.router_params + self.other_params) * dtype_bytes
-        )
+        ) + self.num_layers * self._linears(dense, None, dtype_bytes)
         if fp8:
             return {"fp8": linear, "dtype": plain}
         return {"dtype": linear + plain}
@@ -297,7 +312,7 @@ def _attention_buffers(dims: ModelDims, tokens: int, max_num_seqs: int, dtype_by
     if not tokens:
         return 0
     widest = max(
-        [r for r, _ in dims.attention_linears]
+        [r for _, r, _ in dims.attention_linears]
         + [r for r, _ in dims.moe_layer_linears + dims.dense_layer_linears]
     )
     acts = tokens * (6 * dims.hidden + 2 * widest) * dtype_bytes

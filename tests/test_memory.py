@@ -104,12 +104,49 @@ def test_fp8_weights_equal_the_released_checkpoint(tmp_path):
     assert dims.quantization == "fp8" and dims.block == (16, 32)
     table = rank_memory(dims, 1, 3, dtype_bytes=4)
     attn, experts = _file_bytes(fp8)
-    assert table.ranks[0].weight_bytes == attn
     assert sum(r.weight_bytes for r in table.role("expert")) == experts
+    # the attention rank keeps kv_b_proj dense (MLA splits it per head): its fp8 data and scales
+    # in the file are float32 on the rank
+    with safe_open(str(fp8 / "model.safetensors"), "pt") as f:
+        kv_b = [n for n in f.keys() if "kv_b_proj" in n]
+        stored = sum(f.get_tensor(n).numel() * f.get_tensor(n).element_size() for n in kv_b)
+        dense = sum(4 * f.get_tensor(n).numel() for n in kv_b if n.endswith(".weight"))
+        fp8_kept = sum(
+            f.get_tensor(n).numel() * f.get_tensor(n).element_size()
+            for n in f.keys()
+            if (n.endswith("weight_scale_inv") or n[: -len("weight")] + "weight_scale_inv"
+                in f.keys()) and "kv_b_proj" not in n and ".experts." not in n
+        )  # fmt: skip
+    assert len(kv_b) == 2 * dims.num_layers
+    assert table.ranks[0].weight_bytes == attn - stored + dense
+    assert table.ranks[0].weights["fp8"] == fp8_kept
     assert set(table.ranks[1].weights) == {"fp8"}
     # the dequantized copy holds every weight in float32: ~4x the expert bytes
     deq = rank_memory(dims.dequantized(), 1, 3, dtype_bytes=4)
     assert sum(r.weight_bytes for r in deq.role("expert")) > 3.5 * experts
+
+
+def test_weights_equal_what_the_ranks_hold(tmp_path):
+    """The contract with the runtime: each rank's ``weight_bytes`` in `LLM.stats` is the model's
+    figure, for FP8 attention and experts (DeepSeek-V3) and MXFP4 experts (GPT-OSS)."""
+    from quant_models import write_mxfp4_checkpoint
+
+    from splitmoe import LLM, SamplingParams
+
+    src = tiny_models.make_tiny_checkpoint("deepseek_v3", tmp_path / "ds", with_tokenizer=False)
+    fp8, _ = tiny_models.quantize_fp8_checkpoint(
+        src, tmp_path / "fp8", tmp_path / "deq", block=(16, 16)
+    )
+    _quantize_kv_a(fp8 / "model.safetensors", (16, 16))
+    oss = tiny_models.make_tiny_checkpoint("gpt_oss", tmp_path / "oss", with_tokenizer=False)
+    mxfp4, _ = write_mxfp4_checkpoint(oss, tmp_path / "oss-q")
+    opts = dict(attention_ranks=1, expert_ranks=1, device="cpu", dtype="float32")
+    for ckpt in (fp8, mxfp4):
+        table = engine_memory(engine_config(str(ckpt), **opts))
+        with LLM(str(ckpt), **opts) as llm:
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1))
+            held = {s["rank"]: s["weight_bytes"] for s in llm.stats()}
+        assert held == {r.rank: r.weight_bytes for r in table.ranks}, ckpt.name
 
 
 def test_expert_placement_and_kv():

@@ -145,20 +145,24 @@ class ModelShape:
         H = self.hidden
         if self.attention == "mla":
             qk = self.qk_nope_dim + self.qk_rope_dim
-            q = self.q_lora_rank
-            attn = [(q, H), (self.num_heads * qk, q)] if q else [(self.num_heads * qk, H)]
+            q, heads = self.q_lora_rank, self.num_heads
+            attn = (
+                [("q_a_proj", q, H), ("q_b_proj", heads * qk, q)]
+                if q
+                else [("q_proj", heads * qk, H)]
+            )
             attn += [
-                (self.kv_lora_rank + self.qk_rope_dim, H),
-                (self.num_heads * (self.qk_nope_dim + self.v_head_dim), self.kv_lora_rank),
-                (H, self.num_heads * self.v_head_dim),
+                ("kv_a_proj", self.kv_lora_rank + self.qk_rope_dim, H),
+                ("kv_b_proj", heads * (self.qk_nope_dim + self.v_head_dim), self.kv_lora_rank),
+                ("o_proj", H, heads * self.v_head_dim),
             ]
-            kv_values = self.kv_bytes_per_token(1)
-        else:
+        else:  # (Step-3's low-rank query: a q_a / q_b pair)
             d, q = self.head_dim, self.q_lora_rank
-            heads_out = self.num_heads * d
-            attn = [(q, H), (heads_out, q)] if q else [(heads_out, H)]
-            attn += [(self.num_kv_heads * d, H)] * 2 + [(H, heads_out)]
-            kv_values = self.kv_bytes_per_token(1)
+            out = self.num_heads * d
+            attn = [("q_a_proj", q, H), ("q_b_proj", out, q)] if q else [("q_proj", out, H)]
+            kv = self.num_kv_heads * d
+            attn += [("k_proj", kv, H), ("v_proj", kv, H), ("o_proj", H, out)]
+        kv_values = self.kv_bytes_per_token(1)
         S, D, I = self.shared_intermediate, self.dense_intermediate, self.moe_intermediate
         quant = "mxfp4" if self.mxfp4_experts else ("fp8" if self.fp8_weights else None)
         return ModelDims(
