@@ -196,16 +196,15 @@ def compile_only(models: dict, tokens, dtype, arch: int) -> int:
             for name, (wp, sp, wc) in variants.items():
                 if name in ("fp8", "w8a8") and arch < 89 or name == "fp8-bits" and arch >= 89:
                     continue
-                if name == "w8a8":
-                    continue  # the linear has no W8A8 path
                 consts = dict(
-                    wc, HAS_BIAS=False, BLOCK_M=lt.block_m, BLOCK_N=lt.block_n,
-                    BLOCK_K=lt.block_k, GROUP_M=lt.group_m, DOT_PRECISION="tf32",
+                    {"A_FP8": False, **wc}, HAS_BIAS=False, BLOCK_M=lt.block_m,
+                    BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, GROUP_M=lt.group_m,
+                    DOT_PRECISION="tf32",
                 )  # fmt: skip
                 args = dict(
-                    x_ptr=t, w_ptr=wp, s_ptr=sp, b_ptr=t, y_ptr=t, T=N, N=2 * I, K=H,
-                    stride_xt=H, stride_we=0, stride_wn=H, stride_se=0, stride_sn=16,
-                    stride_sk=1, stride_yt=2 * I,
+                    x_ptr="u8" if name == "w8a8" else t, xs_ptr="fp32", w_ptr=wp, s_ptr=sp,
+                    b_ptr=t, y_ptr=t, T=N, N=2 * I, K=H, stride_xt=H, stride_xst=2, stride_we=0,
+                    stride_wn=H, stride_se=0, stride_sn=16, stride_sk=1, stride_yt=2 * I,
                 )  # fmt: skip
                 plans[("linear", name, *consts.items())] = (_quant_linear_kernel, args, consts, lt)
     print(f"sm_{arch}  {'kernel':<8} {'weights':<8} {'regs':>4} {'spill B':>7} {'smem KB':>7}")

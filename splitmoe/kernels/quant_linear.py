@@ -18,9 +18,13 @@ import triton
 import triton.language as tl
 
 from splitmoe.kernels.moe_gemm import (
+    ACT_GROUP,
+    _activations,
+    _row_scales,
     _tile_ids,
     _weight_tile,
     check_quantized_weights,
+    fp8_decodes_natively,
     weight_args,
 )
 from splitmoe.kernels.quant import QuantizedWeight
@@ -51,7 +55,8 @@ def linear_tiles(num_tokens: int, dtype: torch.dtype) -> LinearTiles:
 
 @triton.jit(do_not_specialize=["T"])
 def _quant_linear_kernel(
-    x_ptr,  # [T, K]
+    x_ptr,  # [T, K] (A_FP8: e4m3 bytes)
+    xs_ptr,  # A_FP8: [T, ceil(K / ACT_GROUP)] float32 scales of x's groups
     w_ptr,  # [N, K] weight data (`_weight_tile`)
     s_ptr,  # its scales (read only when quantized)
     b_ptr,  # [N] bias (read only with HAS_BIAS)
@@ -60,6 +65,7 @@ def _quant_linear_kernel(
     N,
     K,
     stride_xt,
+    stride_xst,
     stride_we,  # unused: one weight, no stack dim (kept for `WeightArgs.kernel_args`)
     stride_wn,
     stride_se,
@@ -67,6 +73,7 @@ def _quant_linear_kernel(
     stride_sk,
     stride_yt,
     HAS_BIAS: tl.constexpr,
+    A_FP8: tl.constexpr,  # W8A8 (`moe_gemm.launch_fused_moe`'s act_fp8)
     WFMT: tl.constexpr,
     K_UNIFORM: tl.constexpr,
     BN_Q: tl.constexpr,
@@ -86,12 +93,18 @@ def _quant_linear_kernel(
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]  # [M, K]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & (offs_k < K - k0)[None, :], other=0)
         w = _weight_tile(
             w_ptr, s_ptr, offs_n, n_ok, k0, K, stride_wn, stride_sn, stride_sk,
             WFMT, K_UNIFORM, BN_Q, BK_Q, BLOCK_K, BLOCK_N,
         )  # fmt: skip
-        acc = tl.dot(a, w.to(a.dtype), acc=acc, input_precision=DOT_PRECISION)
+        if A_FP8:  # one K tile lies in one activation group and one weight block
+            a = a.to(tl.float8e4nv, bitcast=True)
+            a_s = tl.load(xs_ptr + rows * stride_xst + k0 // ACT_GROUP, mask=row_ok, other=0)
+            w_s = _row_scales(s_ptr, offs_n, n_ok, k0, stride_sn, stride_sk, BN_Q, BK_Q)
+            acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
+        else:
+            acc = tl.dot(a, w.to(a.dtype), acc=acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -113,12 +126,15 @@ def linear_quant_triton(
     bias: torch.Tensor | None = None,
     tiles: LinearTiles | None = None,
     fp8_bits: bool | None = None,
+    act_fp8: bool = False,
 ) -> torch.Tensor:
     """``y [T, N] = x [T, K] @ W^T + bias``, in x's dtype (more leading dims of x are tokens
     too), reading ``w`` (a `QuantizedWeight` ``[N, K]``, FP8 blocks or MXFP4; or a dense
     ``[N, K]`` tensor in x's dtype) in its stored layout. ``bias [N]`` is added in float32
     before the cast. ``tiles`` and ``fp8_bits`` (`moe_gemm.weight_args`) override the tile and
-    FP8 decode choices (tests, benchmarks)."""
+    FP8 decode choices (tests, benchmarks). ``act_fp8``: W8A8 for float8_e4m3fn weights on GPUs
+    with FP8 tensor cores: x quantized to e4m3 per 128 values along K, FP8 dots
+    (`moe_gemm.launch_fused_moe`; not the dequantize-then-GEMM math)."""
     require_triton("linear_backend", x.device)
     if x.dim() == 0 or len(w.shape) != 2 or w.shape[1] != x.shape[-1]:
         raise ValueError(
@@ -126,7 +142,7 @@ def linear_quant_triton(
             "and [N, K]"
         )
     if x.dim() != 2:  # leading dims are tokens
-        y = linear_quant_triton(x.reshape(-1, x.shape[-1]), w, bias, tiles, fp8_bits)
+        y = linear_quant_triton(x.reshape(-1, x.shape[-1]), w, bias, tiles, fp8_bits, act_fp8)
         return y.view(*x.shape[:-1], w.shape[0])
     check_quantized_weights(x, w)
     N, K = w.shape
@@ -135,6 +151,8 @@ def linear_quant_triton(
             f"linear_quant_triton: bias {tuple(bias.shape)} on {bias.device} must be [{N}] on "
             f"{x.device}"
         )
+    if act_fp8 and x.device.type == "cuda" and not fp8_decodes_natively(x.device):
+        raise ValueError("linear_quant_triton: act_fp8 (W8A8) needs FP8 tensor cores (sm >= 89)")
     if x.stride(-1) != 1:
         x = x.contiguous()
     T = x.shape[0]
@@ -143,11 +161,13 @@ def linear_quant_triton(
         return y
     if tiles is None:
         tiles = linear_tiles(T, x.dtype)
-    wa = weight_args(w, tiles.block_k, fp8_bits)
+    wa = weight_args(w, tiles.block_k, fp8_bits, act_fp8)
+    a, a_s = _activations(x, act_fp8)
     grid = (triton.cdiv(T, tiles.block_m) * triton.cdiv(N, tiles.block_n),)
     _quant_linear_kernel[grid](
-        x, wa.data, wa.scale, wa.data if bias is None else bias, y, T, N, K, x.stride(0),
-        *wa.kernel_args(), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=tiles.block_m,
+        a, a_s, wa.data, wa.scale, wa.data if bias is None else bias, y, T, N, K, a.stride(0),
+        a_s.stride(0), *wa.kernel_args(), y.stride(0), HAS_BIAS=bias is not None, A_FP8=act_fp8,
+        BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, GROUP_M=tiles.group_m, DOT_PRECISION=dot_precision(x.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **wa.constexprs(),
     )  # fmt: skip

@@ -119,3 +119,24 @@ def test_leading_dims_are_tokens():
     y = _linear(x, w)
     assert y.shape == (2, 3, 32)
     assert torch.equal(y, _linear(x.reshape(6, 64), w).view(2, 3, 32))
+
+
+def test_w8a8_matches_fp8_activations_times_fp8_weights():
+    """x through e4m3 in groups of 128 along K (the test's own rounding), then the product with
+    the dequantized weight: K 200 is a whole group and a partial one; 64 x 64 weight blocks."""
+    g = torch.Generator().manual_seed(2)
+    w = _fp8(48, 200, (64, 64), g)
+    x = torch.randn(9, 200, generator=g).to(DEVICE)
+    xq = torch.empty_like(x)
+    for c in range(0, 200, 128):
+        grp = x[:, c : c + 128]
+        s = grp.abs().amax(1, keepdim=True) / 448
+        xq[:, c : c + 128] = (grp / s).to(torch.float8_e4m3fn).float() * s
+    bias = torch.randn(48, generator=g).to(DEVICE)
+    y = _linear(x, w, bias, act_fp8=True)
+    ref = F.linear(xq, w.dequantize(torch.float32), bias)
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    exact = F.linear(x, w.dequantize(torch.float32), bias)
+    assert 1e-4 < (y - exact).abs().max() / exact.abs().max() < 0.1  # it is W8A8, not W8A16
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        _linear(x[:, :192], _mxfp4(48, 192, g), act_fp8=True)
