@@ -237,3 +237,18 @@ def test_w8a8_refuses_what_it_cannot_run():
     w13, w2 = random_fp8((3, 64, 64), (16, 24), g), random_fp8((3, 64, 32), (16, 24), g)
     with pytest.raises(ValueError, match="no K tile"):
         run(x, w13, w2, ids, w, act_fp8=True)
+
+
+def test_k_tiles_narrow_to_one_scale_per_row_where_they_can():
+    """FP8 K tiles that fit inside one bk block load one scale per row, not a gathered tile."""
+    from splitmoe.kernels.moe_gemm import WFMT_FP8, WFMT_FP8_BITS, weight_args
+
+    g = torch.Generator().manual_seed(0)
+    cases = [((128, 128), 64, 64, True), ((32, 96), 128, 32, True), ((16, 24), 64, 64, False)]
+    for block, block_k, want_k, uniform in cases:
+        wa = weight_args(random_fp8((2, 32, 96), block, g), block_k, fp8_bits=False)
+        assert (wa.block_k, wa.k_uniform, wa.wfmt) == (want_k, uniform, WFMT_FP8.value)
+    wa = weight_args(random_fp8((2, 32, 96), (32, 32), g), 64, fp8_bits=True)
+    assert wa.wfmt == WFMT_FP8_BITS.value and wa.data.dtype == torch.uint8
+    # W8A8: inside one activation group of 128 too
+    assert weight_args(random_fp8((2, 32, 96), (32, 256), g), 256, act_fp8=True).block_k == 128
