@@ -141,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --attention-ranks and --expert-ranks, or --gpus for a proposal")
     if not 0 < args.memory_fraction <= 1:
         ap.error("--memory-fraction must be in (0, 1]")
+    if not args.gpu_memory_gb > 0:
+        ap.error("--gpu-memory-gb must be > 0")
+    for name in ("kv_tokens", "max_num_batched_tokens", "max_num_seqs", "redundant_experts"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0")
     try:
         dims = model_dims(args.model)
     except (OSError, ValueError) as e:
@@ -156,10 +161,14 @@ def main(argv: list[str] | None = None) -> int:
         memory_fraction=args.memory_fraction,
         redundant_experts=args.redundant_experts,
     )
-    if args.gpus is not None:
-        table = propose(dims, args.gpus, args.gpu_memory_gb, **kw)
-    else:
-        table = plan(dims, args.attention_ranks, args.expert_ranks, args.gpu_memory_gb, **kw)
+    try:
+        if args.gpus is not None:
+            table = propose(dims, args.gpus, args.gpu_memory_gb, **kw)
+        else:
+            table = plan(dims, args.attention_ranks, args.expert_ranks, args.gpu_memory_gb, **kw)
+    except ValueError as e:
+        print(f"plan_memory: {e}", file=sys.stderr)
+        return 2
     A = len(table.role("attention"))
     E = len(table.role("expert"))
     print(table)

@@ -1,10 +1,11 @@
 """Model shapes for the simulator, from a ``config.json`` of any supported family or DeepSeek-V2/V3.
 
 Only shapes matter here: parameters, FLOPs and bytes per token of each part of a layer, and the
-KV cache per token. The runtime's own family adapters parse the supported families (Qwen3-MoE,
-Qwen2-MoE, Mixtral, OLMoE); DeepSeek-V2/V3 (MLA attention, shared experts, leading dense layers),
-which the runtime does not run yet, are parsed here. Shipped configs: ``splitmoe/sim/configs/``
-(``qwen3-235b-a22b.json``, ``deepseek-v3.json``).
+KV cache per token. The runtime's own family adapters parse the families it runs; DeepSeek-V2/V3
+and Kimi-K2 (MLA attention, shared experts, leading dense layers) and Step-3 are parsed here.
+Memory goes through the runtime's one memory model (`memory_dims`, `splitmoe.memory`). Shipped
+configs: ``splitmoe/sim/configs/`` (``qwen3-235b-a22b.json``, ``deepseek-v3.json``,
+``kimi-k2.json``, ...).
 """
 
 from __future__ import annotations
