@@ -580,8 +580,8 @@ class LLM:
         micro_batches: split each step into this many micro-batches so that attention and the
             experts overlap (ping-pong); None chooses per step (2 with expert ranks and enough
             tokens, else 1).
-        dtype: ``"auto"`` (float32 on CPU, the checkpoint's dtype on CUDA), ``"float32"``,
-            ``"bfloat16"`` or ``"float16"``.
+        dtype: ``"auto"`` (on CPU bfloat16 where it has AMX / AVX512-BF16, else float32; the
+            checkpoint's dtype on CUDA), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         block_size, num_kv_blocks, kv_cache_memory_gb: paged KV cache (see `CacheConfig`).
         max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits per attention rank.
