@@ -252,7 +252,16 @@ def build_app(state: ServerState) -> FastAPI:
         # attention ranks' KV agents and block counts, from their latest published counters
         kv = state.config.kv_transfer
         ranks = [s for s in state.engine.latest_stats() if "kv_blocks_used" in s]
-        keys = ("rank", "kv_agent", "kv_blocks_used", "kv_window_blocks_used", "kv_parked")
+        keys = (
+            "rank",
+            "kv_agent",
+            "kv_blocks_used",
+            "kv_window_blocks_used",
+            "kv_parked",
+            "kv_transfers",
+            "kv_transfer_failures",
+            "kv_transfer_bytes",
+        )
         return {
             "kv_role": kv.kv_role,
             "kv_connector": kv.kv_connector,

@@ -85,6 +85,18 @@ def wait_all_free(*servers: Server, timeout: float = 15) -> list[dict]:
         time.sleep(0.3)
 
 
+def near_tie(ref, got, tol: float = 1e-4) -> bool:
+    """Whether the first token where ``got`` leaves ``ref`` was (nearly) tied with ``ref``'s
+    token there: float32 sums in another order (1+1 against 1+0, ~1e-6 apart in logprob) may
+    pick either. Wrong KV moves logits by far more than ``tol``."""
+    a, b = ref.choices[0].logprobs, got.choices[0].logprobs
+    for k, (x, y) in enumerate(zip(a.tokens, b.tokens)):
+        if x != y:
+            top = a.top_logprobs[k]
+            return y in top and abs(top[y] - a.token_logprobs[k]) < tol
+    return False
+
+
 def completion(client: openai.OpenAI, prompt: list[int], **kw):
     return client.completions.create(
         model="m",
@@ -99,24 +111,18 @@ def completion(client: openai.OpenAI, prompt: list[int], **kw):
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def pd(request, tiny_ckpt):
     ckpt = tiny_ckpt(request.param)
-    servers = []
+    flags = [
+        ("--kv-role", "prefill", *MOONCAKE),
+        ("--expert-ranks", "1", "--kv-role", "decode", *MOONCAKE),
+        (),  # kv_role="both": the oracle
+    ]
+    with ThreadPoolExecutor(3) as pool:  # (started side by side: most of the test's time)
+        starts = [pool.submit(Server, ckpt, "--attention-ranks", "1", *f, *NAME) for f in flags]
+    servers = [f.result() for f in starts if f.exception() is None]
     try:
-        prefill = Server(ckpt, "--attention-ranks", "1", "--kv-role", "prefill", *MOONCAKE, *NAME)
-        servers.append(prefill)
-        decode = Server(
-            ckpt,
-            "--attention-ranks",
-            "1",
-            "--expert-ranks",
-            "1",
-            "--kv-role",
-            "decode",
-            *MOONCAKE,
-            *NAME,
-        )
-        servers.append(decode)
-        both = Server(ckpt, "--attention-ranks", "1", *NAME)
-        servers.append(both)
+        if len(servers) < len(starts):
+            raise next(f.exception() for f in starts if f.exception() is not None)
+        prefill, decode, both = servers
         router = Router([prefill.url], [decode.url])
     except Exception:
         for s in servers:
@@ -135,18 +141,28 @@ def test_pd_gives_the_tokens_of_one_instance(pd, tiny_ckpt, hf_ref):
     client = router.client()
     prompts = [prompt_ids(3 + (7 * i) % 45, seed=100 + i) for i in range(NUM_REQUESTS)]
     with ThreadPoolExecutor(8) as pool:
-        ref = list(pool.map(lambda p: completion(ref_client, p), prompts))
-        got = list(pool.map(lambda p: completion(client, p), prompts))
+        ref = list(pool.map(lambda p: completion(ref_client, p, logprobs=2), prompts))
+        got = list(pool.map(lambda p: completion(client, p, logprobs=2), prompts))
+    ties = 0
     for p, r, g in zip(prompts, ref, got):
-        if g.choices[0].text != r.choices[0].text:  # (HF says which side is off)
-            hf = hf_ref(tiny_ckpt(family), p, MAX_TOKENS)
+        if g.choices[0].text != r.choices[0].text:
+            if near_tie(r, g):
+                ties += 1
+                continue
+            hf = hf_ref(tiny_ckpt(family), p, MAX_TOKENS)  # (HF says which side is off)
             ids = [x.choices[0].model_extra.get("token_ids") for x in (r, g)]
             raise AssertionError(f"prompt {p}: one instance {ids[0]}, PD {ids[1]}, HF {hf}")
         assert g.choices[0].finish_reason == r.choices[0].finish_reason
         assert g.usage.completion_tokens == r.usage.completion_tokens
-    # every transfer was a pull, none recomputed
-    decode_ranks = kv_state(decode)["ranks"]
-    assert decode_ranks and all("kv_agent" in r for r in decode_ranks)
+    assert ties <= 2, f"{ties} near-ties of {NUM_REQUESTS}: more than float32 noise explains"
+    # the prompts' KV came through the connector: every request pulled, none recomputed
+    ranks = kv_state(decode)["ranks"]
+    deadline = time.monotonic() + 10
+    while sum(r.get("kv_transfers", 0) for r in ranks) < NUM_REQUESTS:
+        assert time.monotonic() < deadline, ranks  # (published counters lag ~1 s)
+        time.sleep(0.3)
+        ranks = kv_state(decode)["ranks"]
+    assert sum(r.get("kv_transfer_failures", 0) for r in ranks) == 0
 
     # streamed deltas concatenate to the text; n copies; stop strings; usage
     p = prompts[5]
