@@ -147,3 +147,14 @@ def test_transfer_params_are_checked():
     with pytest.raises(ValueError, match="unknown key"):
         SamplingParams(kv_transfer_params={"transfer_id": "t", "do_remote_decode": True, "x": 1})
     assert transfer_key("t", [1, 2]) != transfer_key("t", [1, 3])
+
+
+def test_roles_need_a_connector():
+    from splitmoe.config import KVTransferConfig
+
+    assert KVTransferConfig().kv_role == "both"
+    with pytest.raises(ValueError, match="kv_connector='mooncake'"):
+        KVTransferConfig(kv_role="prefill")
+    with pytest.raises(ValueError, match="kv_role"):
+        KVTransferConfig(kv_role="decoder", kv_connector="mooncake")
+    assert KVTransferConfig(kv_role="decode", kv_connector="mooncake").kv_connector == "mooncake"
