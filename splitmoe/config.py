@@ -264,7 +264,7 @@ class ParallelConfig:
         "seconds a collective, a step or start-up may take before the job fails",
         flag="--timeout",
     )
-    # Expert load balancing (see splitmoe.scheduler.balancer)
+    # Expert load balancing (see splitmoe.eplb)
     redundant_experts: int = option(
         0, "extra expert slots per MoE layer for replicas of hot experts"
     )
@@ -484,6 +484,46 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill-decode disaggregation (`splitmoe.kv_transfer`, docs/pd.md): what this instance
+    does with requests and how KV blocks move between instances.
+
+    ``kv_role``: "both" (the default) computes prompts and decodes them; "prefill" computes
+    prompts and hands their KV blocks to a decode instance; "decode" receives them. A request
+    takes part only when it carries ``kv_transfer_params`` (the router sets them).
+    """
+
+    kv_role: str = option(
+        "both",
+        "this instance's part: prefill, decode or both",
+        choices=("prefill", "decode", "both"),
+    )
+    kv_connector: str | None = option(
+        None,
+        "what moves KV blocks between instances (needed unless kv_role=both)",
+        choices=("mooncake",),
+    )
+    kv_host: str = option("127.0.0.1", "address other instances reach this one's KV at")
+    kv_transfer_timeout: float = option(
+        30.0, "seconds a prefill instance keeps a request's blocks for its decode instance"
+    )
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in ("prefill", "decode", "both"):
+            raise ValueError(f"kv_role={self.kv_role!r} must be 'prefill', 'decode' or 'both'")
+        if self.kv_connector not in (None, "mooncake"):
+            raise ValueError(f"kv_connector={self.kv_connector!r} must be None or 'mooncake'")
+        if self.kv_role != "both" and self.kv_connector is None:
+            raise ValueError(
+                f"kv_role={self.kv_role!r} needs a connector: set kv_connector='mooncake'"
+            )
+        if not isinstance(self.kv_host, str) or not self.kv_host:
+            raise ValueError(f"kv_host={self.kv_host!r} must be a host name or address")
+        if not self.kv_transfer_timeout > 0:
+            raise ValueError(f"kv_transfer_timeout={self.kv_transfer_timeout!r} must be > 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything a rank process needs to build its role."""
 
@@ -491,6 +531,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     dtype: str = option(
         "auto",
         "auto (on CPU bfloat16 where it has AMX / AVX512-BF16, else float32; on CUDA the "
@@ -584,7 +625,12 @@ def _int_or_auto(text: str) -> int | str:
 
 
 # ---- engine options: one declaration, for LLM(**options) and the launchers' flags ------------
-_SECTIONS = {"parallel": ParallelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_SECTIONS = {
+    "parallel": ParallelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "kv_transfer": KVTransferConfig,
+}
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "int | str": _int_or_auto}
 _DEST = "engine:"  # the flags' namespace in a parser (a front end's own flags may share names)
 
