@@ -169,7 +169,7 @@ def compile_only(models: dict, tokens, dtype, arch: int) -> int:
                     continue  # FP8 conversions and dots from sm_89; the bits decode below
                 tiles = moe_gemm.moe_tiles(N * k, E, dtype, act_fp8=name == "w8a8")
                 consts = dict(moe_gemm.moe_constexprs(dtype, tiles), **wc)
-                consts["BLOCK_K"] = min(tiles.block_k, 128)
+                consts["BLOCK_K"] = min(tiles.block_k, 64 if name == "mxfp4" else 128)
                 args = dict(
                     x_ptr=t, w_ptr=wp, s_ptr=sp, b_ptr=t, h_ptr=t, y_ptr=t, router_w_ptr="fp32",
                     sorted_ids_ptr="i32", block_expert_ptr="i32", num_pairs=N * k + 1,
@@ -196,6 +196,8 @@ def compile_only(models: dict, tokens, dtype, arch: int) -> int:
             for name, (wp, sp, wc) in variants.items():
                 if name in ("fp8", "w8a8") and arch < 89 or name == "fp8-bits" and arch >= 89:
                     continue
+                if name == "bf16":
+                    continue  # dense linears run in cuBLAS (`kernels.linear`), not this kernel
                 consts = dict(
                     {"A_FP8": False, **wc}, HAS_BIAS=False, BLOCK_M=lt.block_m,
                     BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, GROUP_M=lt.group_m,

@@ -417,9 +417,11 @@ def weight_args(
     strides = (_lead_stride(data), data.stride(-2))
     scale_strides = (_lead_stride(scale), scale.stride(-2), scale.stride(-1))
     if w.fmt == "mxfp4":
+        # K tiles of at most 64: at 128, the nibble unpacking of the 16-row decode tile spills
+        # on sm_90 (ptxas, `bench_quant_moe.py --compile-only`); at 64 it does not
         return WeightArgs(
             data, scale, strides, scale_strides, (1, MXFP4_GROUP), WFMT_MXFP4.value, False,
-            max(block_k, 2),
+            min(max(block_k, 2), 64),
         )  # fmt: skip
     if fp8_bits is None:
         fp8_bits = not fp8_decodes_natively(data.device)
