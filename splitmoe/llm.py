@@ -314,6 +314,10 @@ class _QueueChannel:
     def ready(self, topo: Topology) -> None:
         self.out.put(("ready", self.rank, topo.role))
 
+    def recovered(self, membership: dict) -> None:
+        """The job lost expert ranks and goes on (fault tolerance): its new membership."""
+        self.out.put(("recovered", self.rank, membership))
+
 
 def _step_message(rank: int, updates, record) -> tuple[tuple, bool]:
     """A step's updates as the front end's ``"step"`` message, and whether a request finished.
@@ -633,6 +637,10 @@ class LLM:
         # progress read while `stats` / `rebalance` waited for their answers: the next `poll`
         # returns it (a server asks for stats while requests run)
         self._backlog: list[tuple[RequestOutput, list[int]]] = []
+        # fault tolerance: ranks seen gone (start-up rank -> time.monotonic() when seen), and
+        # the recoveries the ranks reported (`recoveries`)
+        self._lost: dict[int, float] = {}
+        self._recoveries: list[dict] = []
         self.reset_metrics()
         self._start()
 
@@ -694,6 +702,8 @@ class LLM:
             except _Woken:
                 raise
             except queue.Empty:
+                if self._survive_losses(what):
+                    continue
                 died = self._dead_ranks(exclude=-1, grace_s=0)
                 if died or any(p.exitcode is not None for p in self._procs):
                     hint = _spawn_failure_hint(self._procs) if what == "start-up" else ""
@@ -706,6 +716,9 @@ class LLM:
             if msg[0] == "snapshot":  # (kept, never handed to a caller)
                 self._keep_snapshot(msg[1], msg[2])
                 continue
+            if msg[0] == "recovered":  # (kept, never handed to a caller)
+                self._note_recovery(msg[2])
+                continue
             if msg[0] == "error":
                 _, rank, role, detail, tb = msg
                 died = self._dead_ranks(exclude=rank)
@@ -715,6 +728,44 @@ class LLM:
                     f"--- rank {rank} traceback ---\n{tb}"
                 )
             return msg
+
+    def _survive_losses(self, what: str) -> bool:
+        """With fault tolerance, notes expert ranks that exited (their peers recover without
+        them: the job is `health` "degraded" until they report it); True if every rank that
+        exited is such a one, so the job goes on."""
+        if not self.config.parallel.fault_tolerance or what == "start-up":
+            return False
+        exited = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
+        if not exited or any(self._role(r) != "expert" for r in exited):
+            return False
+        now = time.monotonic()
+        for r in exited:
+            if r not in self._lost:
+                logger.warning("rank %d (expert) exited; the job recovers without it", r)
+                self._lost[r] = now
+        return True
+
+    def _note_recovery(self, membership: dict) -> None:
+        for rec in membership["recoveries"][len(self._recoveries) :]:
+            seen = [self._lost[r] for r in rec["lost"] if r in self._lost]
+            rec = dict(rec, noticed_s_ago=time.monotonic() - min(seen) if seen else None)
+            self._recoveries.append(rec)
+
+    @property
+    def health(self) -> str:
+        """``"ok"``, or ``"degraded"`` while the job recovers from a lost expert rank (fault
+        tolerance): from when this front end saw the rank exit until its peers report that
+        they go on without it."""
+        recovered = {r for rec in self._recoveries for r in rec["lost"]}
+        return "degraded" if set(self._lost) - recovered else "ok"
+
+    @property
+    def recoveries(self) -> list[dict]:
+        """Each recovery from lost expert ranks (fault tolerance), as the ranks reported it:
+        ``lost`` and ``members`` (ranks as at start-up), ``seconds`` (from the failure to the
+        rebuilt job, on the reporting rank), ``weights_read`` (that rank's (layer, slot)
+        weights read again from the checkpoint), ``placement_version``."""
+        return list(self._recoveries)
 
     def _dead_ranks(self, exclude: int, grace_s: float = 0.5) -> str:
         """Ranks that died without reporting (killed, out of memory): usually the root cause when
@@ -1031,7 +1082,9 @@ class LLM:
         """A snapshot from every rank, in rank order: role, resident memory (``rss_mb``,
         ``peak_rss_mb``), KV blocks / running / waiting / preemptions and the backends (attention
         ranks), tokens served
-        (expert ranks), and the transport's counters under ``"comm"``."""
+        (expert ranks), and the transport's counters under ``"comm"``. With fault tolerance,
+        only the ranks still in the job answer, each with ``"membership"``: the ranks (as at
+        start-up) in the job now and the recoveries so far."""
         return self._ask("stats", timeout)
 
     def latest_stats(self) -> list[dict]:
@@ -1058,14 +1111,19 @@ class LLM:
         if not self._procs:
             raise RuntimeError("this LLM is closed; create a new one")
         self._stats = {}
-        for q in reversed(self._to_rank):
-            q.put((command,))
+        for r in reversed(range(len(self._to_rank))):
+            if r not in self._lost:
+                self._to_rank[r].put((command,))
         deadline = time.monotonic() + (
             self.config.parallel.timeout_s if timeout is None else timeout
         )
-        while len(self._stats) < len(self._to_rank):
+        while any(r not in self._stats for r in self._live_ranks()):
             self._await_answer(deadline, "answer a stats request")
-        return [self._stats[r] for r in range(len(self._to_rank))]
+        return [self._stats[r] for r in self._live_ranks()]
+
+    def _live_ranks(self) -> list[int]:
+        """Ranks (as at start-up) still in the job: all but those a fault-tolerant job lost."""
+        return [r for r in range(len(self._to_rank)) if r not in self._lost]
 
     def rebalance(self, timeout: float | None = None) -> dict:
         """Recomputes the expert placement from the load observed since the last rebalance and

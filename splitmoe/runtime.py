@@ -15,18 +15,20 @@ import os
 import pickle
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
-from splitmoe.attention_nodes.worker import AttentionWorker, RequestUpdate
-from splitmoe.comm.control import StepSync
-from splitmoe.comm.distributed import Groups, init_groups, new_collective, rank_device
-from splitmoe.comm.shm import CONTROL_CAPACITY, CONTROL_SPIN_S, OWN_CORE_SPIN_S
+from splitmoe.attention_nodes.worker import AttentionWorker, RemoteExperts, RequestUpdate
+from splitmoe.comm.control import StepSync, agree_membership
+from splitmoe.comm.distributed import Groups, init_groups, new_collective, rank_device, rejoin
+from splitmoe.comm.shm import CONTROL_CAPACITY, CONTROL_SPIN_S, OWN_CORE_SPIN_S, PeerExited
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transports import TRANSPORTS
 from splitmoe.config import EngineConfig
+from splitmoe.eplb.placement import Placement
 from splitmoe.eplb.rebalance import ExpertBalance
 from splitmoe.expert_nodes.worker import ExpertWorker
 from splitmoe.metrics import StepRecord
@@ -111,10 +113,13 @@ def rank_stats(
     transport,
     balance: ExpertBalance | None = None,
     chooser: MicroBatchChooser | None = None,
+    origin: int | None = None,
 ) -> dict:
     """A JSON-able snapshot of one rank: role, memory, worker state, transport counters (and the
-    balancer's load statistics, and how many steps ran with each micro-batch count)."""
-    out = rank_counters(topo, worker)
+    balancer's load statistics, and how many steps ran with each micro-batch count).
+    ``origin``: the rank's rank at start-up, which its front end knows it by (default: its
+    rank; they differ after a fault-tolerant job lost an expert rank)."""
+    out = rank_counters(topo, worker, origin)
     if chooser is not None:
         out.update(chooser.stats())
     snapshot = getattr(transport, "stats_snapshot", None)
@@ -124,14 +129,14 @@ def rank_stats(
     return out
 
 
-def rank_counters(topo: Topology, worker) -> dict:
+def rank_counters(topo: Topology, worker, origin: int | None = None) -> dict:
     """`rank_stats` without the transport's and the balancer's per-layer records (which grow
     with the model): role, memory and worker state, what a rank publishes on its own."""
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out = {
-        "rank": topo.rank,
+        "rank": topo.rank if origin is None else origin,
         "role": topo.role,
         "rss_mb": rss / 2**20,
         "peak_rss_mb": peak_kb / 1024,
@@ -224,6 +229,78 @@ class RankContext:
     groups: Groups
 
 
+@dataclass
+class _Membership:
+    """Who is in the job now (fault tolerance): ``ranks[r]`` is the rank at start-up of the
+    current rank ``r`` (a front end knows its ranks by those); ``recoveries``: what each
+    recovery found and how long it took."""
+
+    ranks: list[int]
+    recoveries: list[dict] = field(default_factory=list)
+
+    def stats(self) -> dict:
+        return {"members": list(self.ranks), "recoveries": list(self.recoveries)}
+
+
+@dataclass
+class _Rank:
+    """One rank's parts that a recovery rebuilds (fault tolerance): the topology, groups,
+    transport, balance and control plane of the world it is in now; the worker, with its
+    requests and KV cache (attention) or weights (experts), lives on."""
+
+    cfg: EngineConfig
+    topo: Topology
+    groups: Groups
+    device: torch.device
+    spin_s: float
+    worker: object
+    transport: object = None
+    balance: ExpertBalance | None = None
+    sync: StepSync | None = None
+    members: _Membership | None = None
+
+    @property
+    def origin(self) -> int:
+        """This rank's rank at start-up."""
+        return self.members.ranks[self.topo.rank]
+
+    def connect(self, placement: Placement | None = None) -> None:
+        """The data plane (transport and balance, over ``placement``: default the initial one)
+        of ``topo`` over ``groups``; every rank calls it in the same order (it makes groups and
+        shared-memory lanes)."""
+        cfg, topo, groups = self.cfg, self.topo, self.groups
+        self.transport = self.balance = None
+        if topo.colocated:
+            return
+        self.transport = TRANSPORTS[cfg.parallel.transport](
+            topo,
+            groups.data,
+            groups.comm_device,
+            cfg.model.hidden_size,
+            cfg.model.top_k,
+            cfg.torch_dtype,
+            self.device,
+            timeout=cfg.parallel.timeout,
+            hub=groups.hub,
+        )
+        self.balance = ExpertBalance(cfg, topo, groups, self.device, placement)
+
+    def control(self) -> None:
+        """The per-step all-gather of the whole world (after `connect`, on every rank)."""
+        world = range(self.topo.world_size)
+        par, groups = self.cfg.parallel, self.groups
+        control = new_collective(
+            world,
+            groups.hub,
+            par.timeout,
+            CONTROL_CAPACITY,
+            group=groups.cpu,
+            max_spin_s=CONTROL_SPIN_S,
+        )
+        self.sync = StepSync(control, self.topo.world_size, groups.cpu)
+        self.sync.warm_up(groups.data, groups.comm_device)
+
+
 def run_rank(
     cfg: EngineConfig,
     rank: int,
@@ -240,6 +317,8 @@ def run_rank(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     par = cfg.parallel
+    # a rank with cores of its own polls rather than sleeps through short waits
+    spin_s = OWN_CORE_SPIN_S if own_cores else 0.0
     groups = init_groups(
         rank,
         topo.world_size,
@@ -248,42 +327,22 @@ def run_rank(
         topo.local_world_size,
         par.timeout,
         shared_memory=par.shared_memory and topo.world_size > 1,
-        # a rank with cores of its own polls rather than sleeps through short waits
-        spin_s=OWN_CORE_SPIN_S if own_cores else 0.0,
+        spin_s=spin_s,
+        fault_tolerance=par.fault_tolerance,
     )
-    transport = balance = None
-    if not topo.colocated:
-        transport = TRANSPORTS[cfg.parallel.transport](
-            topo,
-            groups.data,
-            groups.comm_device,
-            cfg.model.hidden_size,
-            cfg.model.top_k,
-            cfg.torch_dtype,
-            device,
-            timeout=par.timeout,
-            hub=groups.hub,
-        )
-        balance = ExpertBalance(cfg, topo, groups, device)
+    me = _Rank(cfg, topo, groups, device, spin_s, worker=None)
+    me.members = _Membership(list(range(topo.world_size)))
+    me.connect()
+    transport, balance = me.transport, me.balance
     if topo.is_attention:
-        worker = AttentionWorker(
+        me.worker = AttentionWorker(
             cfg, transport, device, rank, balance.balancer if balance else None
         )
     else:
-        worker = ExpertWorker(topo, cfg, transport, device, balance.placement)
+        me.worker = ExpertWorker(topo, cfg, transport, device, balance.placement)
     if balance is not None and par.balancer == "global":
-        balance.calibrate(worker)
-    world = range(topo.world_size)
-    control = new_collective(
-        world,
-        groups.hub,
-        par.timeout,
-        CONTROL_CAPACITY,
-        group=groups.cpu,
-        max_spin_s=CONTROL_SPIN_S,
-    )
-    sync = StepSync(control, topo.world_size, groups.cpu)
-    sync.warm_up(groups.data, groups.comm_device)
+        balance.calibrate(me.worker)
+    me.control()
     # Everything built so far (torch, the model, the groups) lives as long as the rank: moved out
     # of the collector's sight, a full collection during a step walks only what steps create.
     # 1+1 ranks on CPU, batch 128, four alternated runs each: m=2 / m=1 went ~1.06x -> ~1.19x.
@@ -293,20 +352,12 @@ def run_rank(
     logger.info("%s ready on %s", topo.describe(), device)
     # GPU ranks that exchange through the host share their GPUs (see `init_groups`)
     shared_gpu = device.type == "cuda" and groups.comm_device.type != "cuda"
-    _loop(topo, worker, channel, sync, transport, cfg, balance, shared_gpu)
-    return RankContext(topo=topo, groups=groups)
+    _loop(me, channel, shared_gpu)
+    return RankContext(topo=me.topo, groups=me.groups)
 
 
-def _loop(
-    topo: Topology,
-    worker,
-    channel: Channel,
-    sync: StepSync,
-    transport,
-    cfg: EngineConfig,
-    balance: ExpertBalance | None = None,
-    shared_gpu: bool = False,
-) -> None:
+def _loop(me: _Rank, channel: Channel, shared_gpu: bool = False) -> None:
+    worker, cfg = me.worker, me.cfg
     busy = False
     chooser = MicroBatchChooser(cfg.parallel, shared_gpu)
     times = None  # this rank's times in its last step, shared in the next exchange
@@ -314,17 +365,25 @@ def _loop(
     answer_pending = False  # a rebalance this rank asked for has begun, not finished
     relays = hasattr(channel, "outgoing")  # (a `MailChannel`)
     publication = _Publication() if hasattr(channel, "publish") else None  # `PublishingChannel`
+    replay = None  # (fault tolerance) the row of a step a failure interrupted, to run again
     while True:
-        idle = topo.is_attention and not (busy or worker.has_work)
-        inbox = channel.poll(IDLE_POLL_S if idle else 0.0)
+        topo, transport, balance, sync = me.topo, me.transport, me.balance, me.sync
+        if replay is None:
+            idle = topo.is_attention and not (busy or worker.has_work)
+            inbox = channel.poll(IDLE_POLL_S if idle else 0.0)
+        else:  # (the planned step stands: nothing may change it before it runs again)
+            inbox = Inbox()
         if inbox.stats_wanted:
-            channel.send_stats(rank_stats(topo, worker, transport, balance, chooser))
+            stats = rank_stats(topo, worker, transport, balance, chooser, me.origin)
+            channel.send_stats(_with_members(stats, me))
         rebalance_asked |= inbox.rebalance_wanted
         if inbox.trace_wanted:
             channel.send_stats(
-                {"rank": topo.rank, "role": topo.role, "timeline": worker.timeline.export()}
+                {"rank": me.origin, "role": topo.role, "timeline": worker.timeline.export()}
             )
-        if topo.is_attention:
+        if replay is not None:
+            row = replay
+        elif topo.is_attention:
             with worker.timeline.span("schedule", "compute"):
                 refused = [u for spec in inbox.requests if (u := worker.add_request(spec))]
                 if refused:  # (requests whose admission raised: they fail alone)
@@ -342,51 +401,153 @@ def _loop(
         if publication is not None:
             publication.note(False, urgent=bool(inbox.requests or inbox.aborts))
             due = publication.due(time.monotonic())
-        with worker.timeline.span("sync", "wait"):
-            decision = sync.exchange(*row, rebalance_asked, ready, len(blob), due, times)
-            if decision.mail:
-                channel.deliver(sync.relay(blob))
-        if decision.finished:
-            return
-        chooser.observe(decision.times)
-        times = None
-        if publication is not None:
-            if decision.publish:  # (some rank's are due: all go out together)
-                counters = rank_counters(topo, worker)
-                counters["published_at"] = time.time()
-                channel.publish(counters)
-                publication.sent(time.monotonic())
-            # (the step about to run changes them; the job going idle, urgently)
-            publication.note(decision.run, urgent=busy and not decision.run)
-        if balance is not None:  # colocated: nothing to rebalance; asks answered at once
-            if balance.in_transition and decision.ready:
-                with worker.timeline.span("rebalance", "compute"):
-                    if balance.advance(worker) and answer_pending:
-                        _answer_rebalance(channel, balance)
-                        answer_pending = False
-            if decision.rebalance and not balance.in_transition:  # else: after this one
-                balance.begin()
-                answer_pending, rebalance_asked = rebalance_asked, False
-        elif rebalance_asked:
-            _answer_rebalance(channel, None)
-            rebalance_asked = False
-        busy = decision.run
-        if not busy:
+        try:
+            with worker.timeline.span("sync", "wait"):
+                decision = sync.exchange(*row, rebalance_asked, ready, len(blob), due, times)
+                if decision.mail:
+                    channel.deliver(sync.relay(blob))
+            if decision.finished:
+                return
+            chooser.observe(decision.times)
+            times = None
+            if publication is not None:
+                if decision.publish:  # (some rank's are due: all go out together)
+                    counters = rank_counters(topo, worker, me.origin)
+                    counters["published_at"] = time.time()
+                    channel.publish(_with_members(counters, me))
+                    publication.sent(time.monotonic())
+                # (the step about to run changes them; the job going idle, urgently)
+                publication.note(decision.run, urgent=busy and not decision.run)
+            if balance is not None:  # colocated: nothing to rebalance; asks answered at once
+                if balance.in_transition and decision.ready:
+                    with worker.timeline.span("rebalance", "compute"):
+                        if balance.advance(worker) and answer_pending:
+                            _answer_rebalance(channel, balance)
+                            answer_pending = False
+                if decision.rebalance and not balance.in_transition:  # else: after this one
+                    balance.begin()
+                    answer_pending, rebalance_asked = rebalance_asked, False
+            elif rebalance_asked:
+                _answer_rebalance(channel, None)
+                rebalance_asked = False
+            busy = decision.run
+            if not busy:
+                replay = None
+                continue
+            worker.timeline.step += 1
+            m = chooser.choose(decision.tokens[: topo.num_attention])
+            worker.timeline.take_times()  # (this step's times start here)
+            if topo.is_attention:
+                updates, record = worker.execute(m)
+            else:
+                worker.step(m)
+        except Exception as error:
+            if not _survivable(me, error):
+                raise
+            _recover(me, error, channel)
+            # Replayed: the exchange (and the step) this failure interrupted. An attention
+            # rank's planned batch still stands: a step commits its tokens only at its end
+            # (one micro-batch under fault tolerance), and the replay writes the same KV again.
+            replay, times, answer_pending = row, None, False
             continue
-        worker.timeline.step += 1
-        m = chooser.choose(decision.tokens[: topo.num_attention])
-        worker.timeline.take_times()  # (this step's times start here)
-        if topo.is_attention:
-            updates, record = worker.execute(m)
-            times = worker.timeline.take_times()
-            if record is not None:
-                with worker.timeline.span("emit", "comm"):
-                    channel.emit(updates, record)
-        else:
-            worker.step(m)
-            times = worker.timeline.take_times()
+        replay = None
+        times = worker.timeline.take_times()
+        if topo.is_attention and record is not None:
+            with worker.timeline.span("emit", "comm"):
+                channel.emit(updates, record)
         if balance is not None and balance.due() and not balance.in_transition:
             balance.begin()
+
+
+def _with_members(stats: dict, me: _Rank) -> dict:
+    """A rank's stats with the job's membership when it runs fault-tolerant."""
+    if me.cfg.parallel.fault_tolerance:
+        stats["membership"] = me.members.stats()
+    return stats
+
+
+def _survivable(me: _Rank, error: Exception) -> bool:
+    """Whether a failure inside a sync or step is a lost peer that fault tolerance recovers
+    from: some rank of this host has exited, or a wait or collective timed out or broke (a
+    peer on another host: the membership protocol then decides who is gone)."""
+    if not me.cfg.parallel.fault_tolerance or me.topo.world_size == 1:
+        return False
+    if me.groups.gone(me.topo.rank):
+        return True
+    return isinstance(error, (TimeoutError, PeerExited, dist.DistBackendError))
+
+
+def _recover(me: _Rank, error: Exception, channel: Channel) -> None:
+    """The survivors' side of losing expert ranks (fault tolerance): agree on who is left,
+    rejoin as a new world, re-place the lost experts and rebuild the data and control planes;
+    the caller then replays the interrupted step. Raises `RankLost` where the loss is not
+    survivable (an attention rank, or an expert that fits nowhere)."""
+    t0 = time.monotonic()
+    topo, par = me.topo, me.cfg.parallel
+    logger.warning("%s: a peer failed (%s); recovering", topo.describe(), error)
+    gone = me.groups.gone(topo.rank)
+    if me.transport is not None:
+        me.transport.close()
+    if me.groups.hub is not None:
+        me.groups.hub.close()
+    epoch = len(me.members.recoveries) + 1
+    members = agree_membership(
+        me.groups.store, epoch, topo.rank, topo.world_size, gone, par.timeout_s
+    )
+    lost = [r for r in range(topo.world_size) if r not in members]
+    origin_lost = [me.members.ranks[r] for r in lost]
+    if any(r < topo.num_attention for r in lost):
+        raise RankLost(
+            f"attention rank(s) {origin_lost} lost: their requests are not recovered"
+        ) from error
+    placement = me.balance.placement.without([r - topo.num_attention for r in lost])
+    new_par = replace(
+        par,
+        expert_ranks=topo.num_expert - len(lost),
+        redundant_experts=placement.redundant,
+    )
+    me.cfg = replace(me.cfg, parallel=new_par)
+    rank = members.index(topo.rank)
+    me.topo = Topology.build(
+        rank, new_par, me.cfg.model.num_experts, topo.local_rank, topo.local_world_size
+    )
+    me.groups = rejoin(
+        me.groups,
+        epoch,
+        rank,
+        me.topo.world_size,
+        me.device,
+        topo.local_world_size,
+        new_par.timeout,
+        shared_memory=new_par.shared_memory,
+        spin_s=me.spin_s,
+    )
+    old = me.balance
+    me.connect(placement)
+    me.balance.keep_cost(old)
+    read = 0
+    if me.topo.is_attention:
+        me.worker.experts = RemoteExperts(me.transport, me.worker.timeline, me.balance.balancer)
+    else:
+        read = me.worker.adopt(me.topo, me.transport, placement)
+    me.control()
+    me.members.ranks = [me.members.ranks[r] for r in members]
+    took = time.monotonic() - t0
+    me.members.recoveries.append(
+        {"lost": origin_lost, "members": list(me.members.ranks), "seconds": took,
+         "weights_read": read, "placement_version": placement.version}
+    )  # fmt: skip
+    logger.warning(
+        "%s (was rank %d): recovered without rank(s) %s in %.2f s",
+        me.topo.describe(), me.origin, origin_lost, took,
+    )  # fmt: skip
+    recovered = getattr(channel, "recovered", None)
+    if recovered is not None:
+        recovered(me.members.stats())
+
+
+class RankLost(RuntimeError):
+    """A rank was lost and the job cannot go on without it (even with fault tolerance)."""
 
 
 def _answer_rebalance(channel: Channel, balance: ExpertBalance | None) -> None:

@@ -6,6 +6,7 @@ local state, so the collective pattern of the data plane can never diverge betwe
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -133,3 +134,62 @@ def _ns(seconds: float) -> int:
 
 def _times(ns) -> StepTimes:
     return StepTimes(*(v / 1e9 for v in ns))
+
+
+# How often a survivor polls the store while the membership of a recovery is being agreed.
+_AGREE_POLL_S = 0.01
+
+
+def agree_membership(
+    store: dist.Store,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    gone: list[int],
+    timeout_s: float,
+) -> list[int]:
+    """The ranks (of the current world) that survive a failure, the same list on every survivor:
+    the fault-tolerant control plane, over the job's rendezvous store rather than the process
+    groups (which a dead member has broken).
+
+    Every survivor checks in under recovery ``epoch``'s prefix with the ranks it saw exit
+    (``gone``); the leader, the lowest rank no survivor saw exit, waits until every rank that
+    nobody saw exit has checked in (or ``timeout_s`` passed: a rank silent that long is left
+    out, as gone), then writes the membership, which the others read. A rank left out of it
+    raises (it must not rejoin). The leader's own death is not survivable here (attention
+    rank 0 leads, and losing an attention rank is not recovered)."""
+    prefix = f"splitmoe-membership-{epoch}/"
+    store.set(f"{prefix}here/{rank}", ",".join(map(str, gone)))
+    leader = min(r for r in range(world_size) if r not in gone)
+    key = f"{prefix}members"
+    if rank == leader:
+        deadline = time.monotonic() + timeout_s
+        seen: dict[int, set[int]] = {}
+        while True:
+            for r in range(world_size):
+                if r not in seen and store.check([f"{prefix}here/{r}"]):
+                    told = store.get(f"{prefix}here/{r}").decode()
+                    seen[r] = {int(x) for x in told.split(",") if x}
+            dead = set(gone).union(*seen.values())
+            waiting = [r for r in range(world_size) if r not in seen and r not in dead]
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(_AGREE_POLL_S)
+        members = [r for r in sorted(seen) if r not in dead]
+        store.set(key, ",".join(map(str, members)))
+    else:
+        deadline = time.monotonic() + 2 * timeout_s
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rank {rank}: no membership from the leader (rank {leader}) within "
+                    f"{2 * timeout_s:g} s of recovery {epoch}"
+                )
+            time.sleep(_AGREE_POLL_S)
+        members = [int(x) for x in store.get(key).decode().split(",") if x]
+    if rank not in members:
+        raise RuntimeError(
+            f"rank {rank} was left out of the job's membership after recovery {epoch} "
+            f"(members: {members}): it was silent past the timeout"
+        )
+    return members

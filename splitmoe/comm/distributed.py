@@ -4,6 +4,8 @@ that carries the collectives of ranks sharing a host (`splitmoe.comm.shm`)."""
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -11,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from splitmoe.comm.shm import DATA_CAPACITY, ShmHub, ShmLane
+from splitmoe.comm.shm import DATA_CAPACITY, ShmHub, ShmLane, process_alive
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,20 @@ class Groups:
     cpu: dist.ProcessGroup
     comm_device: torch.device
     hub: ShmHub | None = None
+    # fault tolerance: the job's rendezvous store (a fresh rendezvous of the survivors meets
+    # there under a new prefix) and every rank's (host, pid), to tell who is gone
+    store: dist.Store | None = None
+    where: tuple[tuple[str, int], ...] = ()
+
+    def gone(self, me: int) -> list[int]:
+        """Ranks of this host whose process has exited (``me``: this rank, never counted)."""
+        if not self.where:
+            return []
+        host = self.where[me][0]
+        return [
+            r for r, (h, pid) in enumerate(self.where)
+            if r != me and h == host and not process_alive(pid)
+        ]  # fmt: skip
 
 
 class DistGroup:
@@ -114,26 +130,84 @@ def init_groups(
     timeout: timedelta,
     shared_memory: bool = True,
     spin_s: float = 0.0,
+    fault_tolerance: bool = False,
 ) -> Groups:
     """Joins the job. NCCL only when every rank of a node has a GPU of its own; a shared-memory
     hub when the data plane is on the CPU and ``shared_memory`` allows it (``spin_s``: its
-    waits' polling, see `ShmHub`)."""
+    waits' polling, see `ShmHub`). ``fault_tolerance``: keeps the rendezvous store and every
+    rank's (host, pid) for `rejoin`, and the hub's waits watch every rank of the host."""
+    return _join(
+        rank, world_size, device, local_world_size, timeout, shared_memory, spin_s,
+        fault_tolerance, init_method=init_method,
+    )  # fmt: skip
+
+
+def rejoin(
+    groups: Groups,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    local_world_size: int,
+    timeout: timedelta,
+    shared_memory: bool = True,
+    spin_s: float = 0.0,
+) -> Groups:
+    """A fresh rendezvous of the survivors after a failure (fault tolerance): every survivor
+    destroys its process groups (whose dead member can never answer again) and joins a new
+    world of ``world_size`` ranks, as ``rank``, over the old job's store under the prefix of
+    recovery ``epoch`` (the same on every survivor); the shared-memory hub is rebuilt too (new
+    lanes, new segment names). The hub's old lanes must be closed by the caller first."""
+    if groups.store is None:
+        raise ValueError("rejoin needs the groups of a job started with fault_tolerance=True")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    store = dist.PrefixStore(f"splitmoe-recovery-{epoch}/", groups.store)
+    return _join(
+        rank, world_size, device, local_world_size, timeout, shared_memory, spin_s, True,
+        store=store, base_store=groups.store,
+    )  # fmt: skip
+
+
+def _join(
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    local_world_size: int,
+    timeout: timedelta,
+    shared_memory: bool,
+    spin_s: float,
+    fault_tolerance: bool,
+    init_method: str | None = None,
+    store: dist.Store | None = None,
+    base_store: dist.Store | None = None,
+) -> Groups:
     use_nccl = device.type == "cuda" and local_world_size <= torch.cuda.device_count()
     backend = "nccl" if use_nccl else "gloo"
     kwargs = {"device_id": device} if use_nccl else {}
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        **kwargs,
-    )
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     data = dist.group.WORLD
     cpu = dist.new_group(backend="gloo", timeout=timeout) if use_nccl else data
     comm_device = device if use_nccl else torch.device("cpu")
-    hub = ShmHub(rank, world_size, cpu, timeout, spin_s) if shared_memory and not use_nccl else None
-    return Groups(data=data, cpu=cpu, comm_device=comm_device, hub=hub)
+    hub = (
+        ShmHub(rank, world_size, cpu, timeout, spin_s, watch_all=fault_tolerance)
+        if shared_memory and not use_nccl
+        else None
+    )
+    where: tuple = ()
+    if fault_tolerance:
+        if base_store is None:  # (the store the launcher's rendezvous made: kept alive here)
+            base_store = dist.distributed_c10d._get_default_store()
+        everyone: list = [None] * world_size
+        dist.all_gather_object(everyone, (socket.gethostname(), os.getpid()), group=cpu)
+        where = tuple(everyone)
+    return Groups(
+        data=data, cpu=cpu, comm_device=comm_device, hub=hub, store=base_store, where=where
+    )
 
 
 def shutdown_groups() -> None:

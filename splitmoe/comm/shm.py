@@ -126,6 +126,15 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X", "x")
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie counts as gone)."""
+    return _alive(pid)
+
+
+class PeerExited(RuntimeError):
+    """A rank this one waited on (or, with ``watch_all``, any rank of its host) has exited."""
+
+
 class _Completed:
     """The work handle of a shared-memory send: done once `all_to_all_single` returns."""
 
@@ -163,12 +172,17 @@ class ShmHub:
         group: dist.ProcessGroup,
         timeout: timedelta,
         spin_s: float = 0.0,
+        watch_all: bool = False,
     ):
         """``spin_s``: how long a wait polls before it sleeps (beyond the first `SPIN` polls);
-        more than 0 only for a rank that has its cores to itself."""
+        more than 0 only for a rank that has its cores to itself. ``watch_all``: a long wait
+        also checks every other rank of the host, not only the peer it waits for (fault
+        tolerance: a rank waiting on a live peer learns that a third one died, so every
+        survivor leaves its step within `LIVENESS_S`)."""
         self.rank = rank
         self.timeout_s = timeout.total_seconds()
         self.spin_s = spin_s
+        self.watch_all = watch_all
         key = [secrets.token_hex(6) if rank == 0 else None]
         dist.broadcast_object_list(key, src=0, group=group)
         self.key = key[0]
@@ -181,6 +195,16 @@ class ShmHub:
         self.pids = [p for _, p in everyone]
         self.lanes: list[ShmLane] = []
         self._next_lane = 0
+
+    def check_peers(self, what: str) -> None:
+        """Raises `PeerExited` if a rank of this host has exited (``what``: what this rank was
+        waiting for)."""
+        for r, (host, pid) in enumerate(zip(self.hosts, self.pids)):
+            if r != self.rank and host == self.hosts[self.rank] and not _alive(pid):
+                raise PeerExited(
+                    f"rank {self.rank}: rank {r} (pid {pid}) exited while this rank waited "
+                    f"for rank(s) to {what}"
+                )
 
     def shares_host(self, ranks: Sequence[int]) -> bool:
         return len({self.hosts[r] for r in ranks}) == 1
@@ -287,9 +311,11 @@ class ShmLane:
     # ---- waiting ------------------------------------------------------------------------------
     def _check_wait(self, rank: int, deadline: float, what: str) -> None:
         now = time.monotonic()
+        if self.hub.watch_all:
+            self.hub.check_peers(f"{what} on shared-memory {self.name}")
         pid = self.hub.pids[rank]
         if not _alive(pid):
-            raise RuntimeError(
+            raise PeerExited(
                 f"rank {self.hub.rank}: rank {rank} (pid {pid}) exited while this rank waited "
                 f"for it to {what} on shared-memory {self.name}"
             )

@@ -93,6 +93,45 @@ class Placement:
         row = torch.arange(num_experts + redundant) % num_experts  # [S]
         return cls(num_experts, num_ranks, tuple(layers), row.repeat(len(layers), 1))
 
+    def without(self, lost: list[int]) -> Placement:
+        """The placement after losing expert ranks ``lost`` (indices 0..num_ranks-1): the
+        survivors keep every slot they hold, in order, and are renumbered 0..n-1; each expert
+        that only a lost rank held takes a slot holding a replica (an expert held more than once
+        among the survivors: the most replicated first, its last slot), whose weights the rank
+        reads again from the checkpoint. ValueError when an expert fits nowhere (no replica
+        slot left), or no rank survives. Version + 1; every rank computes the same."""
+        keep = [r for r in range(self.num_ranks) if r not in lost]
+        if not keep:
+            raise ValueError(f"every expert rank is lost ({sorted(lost)}): no expert survives")
+        kept = torch.isin(self.slot_rank, torch.tensor(keep))  # [S]
+        rows = []
+        for i, layer in enumerate(self.layers):
+            row = self.slot_expert[i, kept].tolist()
+            missing = sorted(set(range(self.num_experts)) - set(row))
+            for e in missing:
+                counts = {x: row.count(x) for x in row}
+                spare = [j for j, x in enumerate(row) if counts[x] > 1]
+                if not spare:
+                    raise ValueError(
+                        f"layer {layer}: expert {e} was held only by the lost expert rank(s) "
+                        f"{sorted(lost)} and no survivor has a replica slot to take it "
+                        "(more redundant_experts would leave room)"
+                    )
+                j = max(spare, key=lambda j: (counts[row[j]], j))
+                row[j] = e
+            rows.append(row)
+        out = Placement(
+            self.num_experts, len(keep), self.layers, torch.tensor(rows), self.version + 1
+        )
+        # contiguous slots per rank, near-equal counts: the survivors' kept counts are that
+        # distribution again (a non-increasing run of base / base + 1), so local slots stay put
+        if out.slots_per_rank.tolist() != self.slots_per_rank[keep].tolist():
+            raise ValueError(
+                f"the survivors' slot counts {self.slots_per_rank[keep].tolist()} are not "
+                f"contiguous near-equal ranges of {out.num_slots} slots"
+            )
+        return out
+
     def plan(self, load: torch.Tensor) -> Placement:
         """The next placement from ``load [L, E]`` (int, tokens per expert over a window, the
         same on every rank); version + 1."""

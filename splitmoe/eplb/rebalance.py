@@ -67,12 +67,15 @@ class ExpertBalance:
         topo: Topology,
         groups: Groups,
         device: torch.device,
+        placement: Placement | None = None,
     ):
+        """``placement``: the one in use (default: `Placement.initial`); a job that lost an
+        expert rank rebuilds this object around `Placement.without`."""
         par, m = cfg.parallel, cfg.model
         self.cfg = cfg
         self.topo = topo
         self.groups = groups
-        self.placement = Placement.initial(
+        self.placement = placement or Placement.initial(
             m.num_experts, par.expert_ranks, par.num_redundant, m.moe_layers
         )
         # The global policy's count all-gather runs on a group of the attention ranks only
@@ -128,6 +131,14 @@ class ExpertBalance:
             self.topo.describe(), 1e6 * per_expert, 1e6 * per_pair, cost.activate,
         )  # fmt: skip
         return cost
+
+    def keep_cost(self, other: ExpertBalance) -> None:
+        """Takes ``other``'s calibrated `ExpertCost` (the expert ranks measured it at start-up;
+        a rebuilt balance keeps it rather than measuring again mid-run)."""
+        self.cost, self.measured_cost_s = other.cost, other.measured_cost_s
+        self.events.extend(other.events)
+        if self.balancer is not None and other.cost is not None:
+            self.balancer.cost = other.cost
 
     def due(self) -> bool:
         """Counts a step; True when ``rebalance_interval`` says a rebalance follows it."""

@@ -59,6 +59,17 @@ class ExpertWorker:
         self.experts.apply(staged, layer)
         self.placement = placement
 
+    def adopt(self, topo: Topology, transport: Transport, placement: Placement) -> int:
+        """After an expert rank was lost (fault tolerance): this rank's place in the rebuilt
+        world, its new transport, and ``placement`` (`Placement.without`), whose changed slots
+        it reads from the checkpoint now, before the interrupted step is replayed; returns how
+        many (layer, slot) weights it read."""
+        self.topo, self.transport = topo, transport
+        staged = self.experts.stage(placement.experts_on(topo.expert_index))
+        read = sum(self.experts.apply(staged, layer) for layer in self.moe_layers)
+        self.placement = placement
+        return read
+
     def step(self, micro_batches: int = 1) -> None:
         """One engine step: the MoE layers in order, each micro-batch in order, as every
         attention rank runs them. The receive of the next micro-batch is posted before this one
