@@ -23,6 +23,10 @@ class RequestMetrics:
     num_output_tokens: int
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # prefill-decode disaggregation (decode side): the pull of the prompt's KV from the prefill
+    # instance, part of ``ttft`` (0 and 0 when the request pulled nothing)
+    kv_transfer_time: float = 0.0
+    kv_transfer_bytes: int = 0
     tbt: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:

@@ -17,6 +17,11 @@ skipped for the next one; with none left the decode instance computes the prompt
 also does when its pull fails). A decode instance that cannot be reached is skipped likewise;
 with none left, or one that fails mid-stream, the client gets an error, never a hang (every
 call has a timeout).
+
+``GET /metrics`` gives the client's TTFT as the router sees it, split: the prefill stage
+(``splitmoe:pd_prefill_seconds``, retries included) and the decode instance's part up to the
+first streamed token (``splitmoe:pd_decode_first_token_seconds``), which its own ``/metrics``
+splits again into the KV pull and the first step (`splitmoe.server.metrics`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -35,6 +41,15 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from splitmoe.server.metrics import _LATENCY_BUCKETS
 
 logger = logging.getLogger("splitmoe.router")
 
@@ -90,6 +105,33 @@ def prefix_chunks(body: dict) -> list[bytes]:
     return out
 
 
+class RouterMetrics:
+    """The router's ``/metrics``: where a client's time to first token went."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+
+        def histogram(name, doc):
+            return Histogram(f"splitmoe:{name}", doc, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.prefill = histogram(
+            "pd_prefill_seconds", "Prefill stage: the prefill instance's answer, retries included"
+        )
+        self.decode_first = histogram(
+            "pd_decode_first_token_seconds",
+            "Streamed requests: end of the prefill stage to the decode instance's first token",
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Streamed requests: arrival to first token"
+        )
+        self.counters = Gauge("splitmoe:router_events", "Router counters", ["event"], registry=r)
+
+    def render(self, counters: dict) -> bytes:
+        for k, v in counters.items():
+            self.counters.labels(event=k).set(v)
+        return generate_latest(self.registry)
+
+
 class RouterError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -111,6 +153,7 @@ class Router:
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.client: httpx.AsyncClient | None = None
         self.counters = {"requests": 0, "prefill_retries": 0, "prefill_fallbacks": 0}
+        self.metrics = RouterMetrics()
 
     async def start(self) -> None:
         self.client = httpx.AsyncClient(timeout=self.timeout)
@@ -205,16 +248,20 @@ class Router:
         headers = {}
         if "authorization" in request.headers:
             headers["Authorization"] = request.headers["authorization"]
+        t0 = time.perf_counter()
         handoff, refused = await self.prefill_step(path, body, headers, uuid.uuid4().hex)
         if refused is not None:
             return refused
+        t1 = time.perf_counter()
+        if handoff is not None:
+            self.metrics.prefill.observe(t1 - t0)
         dec = dict(body)
         cached = None
         if handoff is not None:
             dec["kv_transfer_params"] = handoff["params"]
             cached = handoff["cached"]
         if body.get("stream"):
-            return await self._stream(path, dec, headers, cached)
+            return await self._stream(path, dec, headers, cached, (t0, t1))
         for inst in self.decode_order():
             inst.inflight += 1
             try:
@@ -233,7 +280,9 @@ class Router:
             return JSONResponse(out)
         return _error(503, "no decode instance could be reached")
 
-    async def _stream(self, path: str, body: dict, headers: dict, cached) -> Response:
+    async def _stream(
+        self, path: str, body: dict, headers: dict, cached, times: tuple[float, float]
+    ) -> Response:
         for inst in self.decode_order():
             inst.inflight += 1
             try:
@@ -250,13 +299,17 @@ class Router:
                 await r.aclose()
                 inst.inflight -= 1
                 return Response(content, r.status_code, media_type="application/json")
-            return StreamingResponse(self._relay(inst, r, cached), media_type="text/event-stream")
+            relay = self._relay(inst, r, cached, times)
+            return StreamingResponse(relay, media_type="text/event-stream")
         return _error(503, "no decode instance could be reached")
 
-    async def _relay(self, inst: Instance, r: httpx.Response, cached) -> AsyncIterator[str]:
+    async def _relay(
+        self, inst: Instance, r: httpx.Response, cached, times: tuple[float, float]
+    ) -> AsyncIterator[str]:
         """The decode instance's events as they come (usage's cached tokens replaced); an error
-        event if it fails mid-stream."""
-        done = False
+        event if it fails mid-stream. ``times``: when the request came and its prefill stage
+        ended (`perf_counter`), for the first token's metrics."""
+        done = first = False
         try:
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
@@ -264,6 +317,11 @@ class Router:
                 data = line[len("data: ") :]
                 if data == "[DONE]":
                     done = True
+                elif not first and _has_token(data):
+                    first = True
+                    now = time.perf_counter()
+                    self.metrics.ttft.observe(now - times[0])
+                    self.metrics.decode_first.observe(now - times[1])
                 elif cached is not None and '"usage"' in data:
                     obj = json.loads(data)
                     _set_cached(obj, cached)
@@ -278,6 +336,20 @@ class Router:
             err = {"error": {"message": "the decode instance failed", "type": "server_error"}}
             yield f"data: {json.dumps(err)}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _has_token(data: str) -> bool:
+    """Whether a stream event carries output (a completion's text, a chat delta's content or
+    tool call; not the opening role-only delta)."""
+    try:
+        choices = json.loads(data).get("choices") or []
+    except (ValueError, AttributeError):
+        return False
+    for c in choices:
+        delta = c.get("delta") or {}
+        if c.get("text") or delta.get("content") or delta.get("tool_calls"):
+            return True
+    return False
 
 
 def _set_cached(obj: dict, cached) -> None:
@@ -318,6 +390,10 @@ def build_app(router: Router) -> FastAPI:
                 continue
             return Response(r.content, r.status_code, media_type="application/json")
         return _error(503, "no decode instance could be reached")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(router.counters), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health():

@@ -116,12 +116,14 @@ def pool_layouts(kv_cache) -> list[PoolLayout]:
 
 @dataclass
 class PullResult:
-    """What a decode-side pull did: blocks and bytes moved, or why it failed (``error``)."""
+    """What a decode-side pull did: blocks and bytes moved, or why it failed (``error``);
+    ``seconds``: the whole pull (lease, reads, done), what the request's TTFT spent on it."""
 
     ok: bool
     num_blocks: int = 0
     num_bytes: int = 0
     error: str | None = None
+    seconds: float = 0.0
 
 
 class KVConnector(ABC):

@@ -176,11 +176,12 @@ class MooncakeConnector(KVConnector):
         else:
             if not params.remote_agents:
                 result = PullResult(False, error="no remote agents")
+        result.seconds = time.perf_counter() - t0
         c = self.counters
         if result.ok:
             c["kv_transfers"] += 1
             c["kv_transfer_bytes"] += result.num_bytes
-            c["kv_transfer_seconds"] += time.perf_counter() - t0
+            c["kv_transfer_seconds"] += result.seconds
         else:
             c["kv_transfer_failures"] += 1
         return result

@@ -49,6 +49,8 @@ class Request:
     num_cached_tokens: int = 0
     # prefill-decode disaggregation: whether this (decode-side) request tried its pull already
     kv_pulled: bool = False
+    kv_transfer_time: float = 0.0  # seconds its pull took (`RequestMetrics`)
+    kv_transfer_bytes: int = 0
     # fixed at creation; the step loop reads them once per request and token
     prompt_len: int = field(init=False)
     _stop_ids: frozenset[int] = field(init=False, repr=False)
@@ -131,5 +133,7 @@ class Request:
             num_output_tokens=n,
             num_preemptions=self.num_preemptions,
             num_cached_tokens=self.num_cached_tokens,
+            kv_transfer_time=self.kv_transfer_time,
+            kv_transfer_bytes=self.kv_transfer_bytes,
             tbt=tuple(b - a for a, b in zip(times, times[1:])),
         )

@@ -212,6 +212,8 @@ class Scheduler:
         first = [len(cached)] + ([skip] if self.window_blocks else [])
         key = transfer_key(kv.transfer_id, req.prompt_token_ids)
         result = self.kv_connector.pull(kv, key, tables, first, last)
+        req.kv_transfer_time = result.seconds  # (a failed pull's time is in the TTFT too)
+        req.kv_transfer_bytes = result.num_bytes
         if not result.ok:
             self.kv_pull_failures += 1
             logger.warning(

@@ -76,9 +76,47 @@ class ServerMetrics:
             "Age of the rank's latest published counters, which the gauges above read",
             ("rank",),
         )
+        # prefill-decode disaggregation (docs/pd.md): a decode instance's TTFT is its queue
+        # time, the pull of the prompt's KV from the prefill instance and its first step; a
+        # prefill instance's TTFT is the prefill (it computes one token per request)
+        self.kv_transfer_time = histogram(
+            "kv_transfer_time_seconds", "Decode side: a request's pull of its prompt's KV"
+        )
+        self.first_decode_step = histogram(
+            "first_decode_step_seconds",
+            "Decode side: TTFT less the queue time and the KV pull, for pulled requests",
+        )
+        # (the attention ranks' connector counters, summed; named as in their stats)
+        self.kv_transfer_gauges = {
+            name: gauge(name, doc)
+            for name, doc in (
+                ("kv_transfers", "Prompts' KV pulled from prefill instances since start-up"),
+                ("kv_transfer_failures", "Pulls that failed (the prompt was computed here)"),
+                ("kv_transfer_bytes", "Bytes pulled since start-up"),
+                ("kv_transfer_seconds", "Seconds spent pulling since start-up"),
+                ("kv_parked", "Prompts whose blocks wait for a decode instance"),
+                ("kv_parked_expired", "Parked prompts nobody came for in time"),
+            )
+        }
+        self.kv_bandwidth = gauge(
+            "kv_transfer_bandwidth_bytes_per_second",
+            "Bytes pulled over the seconds spent pulling, since start-up (0 before any)",
+        )
+        # fault tolerance (docs/fault_tolerance.md): recoveries from a lost expert rank
+        self.recoveries = counter("recoveries", "Recoveries from a lost expert rank")
+        self.recovery_time = histogram(
+            "recovery_time_seconds",
+            "A recovery on attention rank 0: from the failure seen to the job rebuilt",
+        )
         self._queries = self._hits = 0
         self._finished = 0  # requests counted: a scrape re-renders only when something moved
         self._scraped: tuple[tuple, bytes] | None = None
+
+    def recovered(self, seconds: float) -> None:
+        """Counts a recovery from a lost expert rank (the engine thread calls this)."""
+        self.recoveries.labels(**self._label).inc()
+        self.recovery_time.labels(**self._label).observe(seconds)
+        self._scraped = None  # (the next scrape shows it)
 
     def finished(self, out: RequestOutput, now: float) -> None:
         """Counts a finished request (the engine thread calls this)."""
@@ -106,6 +144,11 @@ class ServerMetrics:
         tbt = self.tbt.labels(**lab)
         for gap in m.tbt:
             tbt.observe(gap)
+        if m.kv_transfer_bytes:
+            self.kv_transfer_time.labels(**lab).observe(m.kv_transfer_time)
+            if m.num_output_tokens:
+                step = m.ttft - m.queue_time - m.kv_transfer_time
+                self.first_decode_step.labels(**lab).observe(max(0.0, step))
 
     def update_from_stats(
         self, stats: list[dict], unfinished: int, now: float | None = None
@@ -136,6 +179,11 @@ class ServerMetrics:
         loads = [n for _, n in served]
         mean = sum(loads) / len(loads) if loads else 0
         self.imbalance.labels(**lab).set(max(loads) / mean if mean else 0.0)
+        kv = {k: sum(s.get(k, 0) for s in attn) for k in self.kv_transfer_gauges}
+        for k, g in self.kv_transfer_gauges.items():
+            g.labels(**lab).set(kv[k])
+        secs = kv["kv_transfer_seconds"]
+        self.kv_bandwidth.labels(**lab).set(kv["kv_transfer_bytes"] / secs if secs else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

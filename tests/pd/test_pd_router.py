@@ -199,6 +199,49 @@ def test_pd_gives_the_tokens_of_one_instance(pd, tiny_ckpt, hf_ref):
     wait_all_free(prefill, decode)
 
 
+def scrape(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = httpx.get(url + "/metrics", timeout=10).text
+    return {
+        s.name: s.value
+        for fam in text_string_to_metric_families(body)
+        for s in fam.samples
+        if "le" not in s.labels and "rank" not in s.labels
+    }
+
+
+def test_metrics_split_the_ttft(pd):
+    """Issue 43 item 5: the router's prefill stage, the decode instance's pull and first step,
+    the transfer bytes and bandwidth."""
+    _, prefill, decode, _, router = pd
+    client = router.client()
+    for i in range(4):
+        completion(client, prompt_ids(20 + i, seed=700 + i))
+    stream = client.completions.create(
+        model="m", prompt=prompt_ids(30, seed=710), max_tokens=4, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices)
+    deadline = time.monotonic() + 10
+    while True:  # (the ranks' published counters lag ~1 s behind the finished requests)
+        dec = scrape(decode.url)
+        pulled = dec["splitmoe:kv_transfer_time_seconds_count"]
+        if dec["splitmoe:kv_transfers"] == pulled or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert pulled >= 5 and dec["splitmoe:kv_transfers"] == pulled
+    assert dec["splitmoe:first_decode_step_seconds_count"] == pulled
+    assert dec["splitmoe:kv_transfer_bytes"] > 0 and dec["splitmoe:kv_transfer_seconds"] > 0
+    bw = dec["splitmoe:kv_transfer_bytes"] / dec["splitmoe:kv_transfer_seconds"]
+    assert dec["splitmoe:kv_transfer_bandwidth_bytes_per_second"] == pytest.approx(bw)
+    assert scrape(prefill.url)["splitmoe:time_to_first_token_seconds_count"] >= 5
+    rt = scrape(router.url)
+    assert rt["splitmoe:pd_prefill_seconds_count"] >= 5
+    assert rt["splitmoe:pd_prefill_seconds_sum"] > 0
+    assert rt["splitmoe:time_to_first_token_seconds_count"] >= 1  # (streamed requests)
+    assert rt["splitmoe:pd_decode_first_token_seconds_count"] >= 1
+
+
 def test_pd_survives_a_dead_prefill_instance(pd, tiny_ckpt):
     family, _, decode, both, _ = pd
     if family != "qwen3_moe":
