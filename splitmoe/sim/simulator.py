@@ -13,7 +13,9 @@ tokens; ``T = B`` in decode) is, with ``m`` micro-batches (primes: one micro-bat
                                  ranks that are host processes add their own collective calls,
                                  n_coll o_coll(W), to each micro-batch of m Ta' and m Te')
                  ranks sharing cores (more rank processes than cores: waits sleep):
-                                 m Tc' + max(m Ta' + Te', Ta' + m Te', m (A Ta' + E Te') / cores)
+                                 m Tc' + `shared_cores_compute`: at m = 1 one side after the
+                                 other; at m >= 2 the side an exchange wakes takes the cores
+                                 first, the slower side computes on what it leaves free
                colocated:     max(m (Ta' + Te'), m Tc') + min(Ta' + Te', Tc')   (Tc = 0 when each
                                  rank holds every expert)
     step       o_step + o_seqstep * B + o_coll(W) [+ (A + E) o_shared] + LM head + sum over layers
@@ -483,10 +485,11 @@ class Simulator:
         elif sleeping:
             # ranks sharing cores sleep while they wait (the transport's waits spin only on a
             # core of one's own): the micro-batches' exchanges, each waking its peers, run one
-            # after another; compute overlaps only as far as the cores go (one side's work plus
-            # one micro-batch of the other's, or all ranks' work over the cores)
-            work = (dep.attention_ranks * ta + dep.expert_ranks * te) * full / hw.cores
-            layer = mb * tc + max(full * ta + te, ta + full * te, work)
+            # after another; the compute takes turns on the cores (`shared_cores_compute`)
+            compute = shared_cores_compute(
+                ta, te, dep.attention_ranks, dep.expert_ranks, full, hw.cores
+            )
+            layer = mb * tc + compute
         else:
             # ranks that are host processes (``cores`` set) make their own collective calls on
             # their own core: that part of each micro-batch's exchange does not overlap their
@@ -634,6 +637,40 @@ class Simulator:
             prefill=prefill,
             decode=decode,
         )
+
+
+def shared_cores_compute(
+    ta: float, te: float, attention: int, experts: int, micro_batches: int, cores: float
+) -> float:
+    """Seconds of one MoE layer's compute where ``attention + experts`` rank processes share
+    ``cores`` and sleep while they wait (the exchanges are counted apart). ``ta`` / ``te``: one
+    micro-batch's work on one attention / expert rank.
+
+    A side's micro-batch alone takes ``t * max(1, ranks / cores)`` (more ranks than cores take
+    turns). One micro-batch: the two sides one after the other. With two or more, each
+    micro-batch of the slower side (the bottleneck, which keeps computing) runs beside one of
+    the faster side, whose ranks have just been woken by an exchange, and the woken ranks take
+    the cores first: the scheduler (EEVDF) runs the eligible task with the earliest virtual
+    deadline, and a rank that has slept is owed time while the bottleneck, running without a
+    pause, has used its share; a woken rank lands on an idle core if there is one, else beside
+    the waker. So the bottleneck side computes, during the woken side's work, only on the cores
+    that side leaves free (2 attention ranks + 1 expert rank on 2 cores: none, and the expert
+    rank's micro-batch waits for the attention ranks' one, ``ta + te``; 1 + 2: one core for
+    two expert ranks, ``te + ta / 2``).
+    """
+    phase_a = ta * max(1.0, attention / cores)
+    phase_e = te * max(1.0, experts / cores)
+    if micro_batches <= 1:
+        return phase_a + phase_e
+    if phase_e >= phase_a:  # (the side that keeps computing, and the side it wakes)
+        t_b, n_b, woken, n_w = te, experts, phase_a, attention
+    else:
+        t_b, n_b, woken, n_w = ta, attention, phase_e, experts
+    free = max(0.0, cores - n_w)  # cores the woken side leaves the bottleneck side
+    during = min(1.0, free / n_b)  # the bottleneck side's speed while the woken side works
+    after = min(1.0, cores / n_b)
+    slot = woken + max(0.0, t_b - woken * during) / after
+    return micro_batches * slot
 
 
 def _link_times(

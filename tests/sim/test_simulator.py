@@ -11,7 +11,7 @@ import pytest
 from splitmoe.sim.hardware import HardwareProfile, Overheads, load_profile
 from splitmoe.sim.imbalance import expert_load, place
 from splitmoe.sim.model import ModelShape
-from splitmoe.sim.simulator import Deployment, Simulator
+from splitmoe.sim.simulator import Deployment, Simulator, shared_cores_compute
 
 
 def test_published_model_sizes():
@@ -206,11 +206,13 @@ def test_ranks_sharing_cores_take_turns():
                    wake_s=1e-4, shared_step_s=5e-4)  # fmt: skip
     cpu = Simulator(TINY, _roofline_only(overheads=oh, cores=2.0, oversubscribed=1.5))
     # 1 + 2 rank processes on 2 cores: they sleep while they wait, so the two micro-batches'
-    # exchanges run one after the other; compute overlaps as far as the 2 cores go
+    # exchanges run one after the other; the compute takes turns on the 2 cores
     two = cpu.step(Deployment(1, 2, micro_batches=2), 8, 100)
     ta, te, tc = two.t_attn / 2, two.t_expert / 2, two.t_comm / 2
-    work = (2 * ta + 2 * 2 * te) / 2  # 1 attention and 2 expert ranks' work over 2 cores
-    assert two.t_moe_layer == pytest.approx(2 * tc + max(2 * ta + te, ta + 2 * te, work))
+    assert ta > te  # (the attention rank is the bottleneck here)
+    # each of its micro-batches runs after the woken expert ranks' one, which takes both cores
+    assert two.t_moe_layer == pytest.approx(2 * tc + 2 * (te + ta))
+    assert two.t_moe_layer == pytest.approx(2 * tc + shared_cores_compute(ta, te, 1, 2, 2, 2.0))
     assert two.t_moe_layer > max(2 * ta, 2 * te, ta + te + tc)  # (where ranks have cores)
     # ... each exchange wakes the 2 expert ranks and the attention rank, and every step wakes
     # the 3 ranks at its boundary; ranks with a core each do none of it
@@ -227,6 +229,25 @@ def test_ranks_sharing_cores_take_turns():
     assert two_a.t_comm == pytest.approx(cpu.run(Deployment(1, 2), 1, 4, 4).decode.t_comm)
     two_own = unshared.step(Deployment(1, 2, micro_batches=2), 8, 100)
     assert two_own.overlap_saved > 0
+
+
+def test_shared_cores_compute_woken_ranks_take_the_cores_first():
+    # 2 attention + 1 expert rank on 2 cores, the expert rank the bottleneck (3 s a micro-batch
+    # against 1 s): the attention ranks woken by each exchange take both cores, so each of the
+    # expert rank's micro-batches waits for their 1 s; a fair share would have lost 0.5 s
+    assert shared_cores_compute(1.0, 3.0, 2, 1, 2, 2.0) == pytest.approx(2 * (1.0 + 3.0))
+    # 1 + 2: the woken attention rank leaves one core to the two expert ranks (half speed)
+    assert shared_cores_compute(1.0, 3.0, 1, 2, 2, 2.0) == pytest.approx(2 * (1.0 + 3.0 - 0.5))
+    # the attention side the bottleneck: the woken expert rank leaves one core to two ranks
+    assert shared_cores_compute(3.0, 1.0, 2, 1, 2, 2.0) == pytest.approx(2 * (1.0 + 3.0 - 0.5))
+    # one micro-batch: one side after the other; 4 attention ranks on 2 cores take turns
+    assert shared_cores_compute(1.0, 3.0, 2, 1, 1, 2.0) == pytest.approx(4.0)
+    assert shared_cores_compute(1.0, 3.0, 4, 1, 1, 2.0) == pytest.approx(2.0 + 3.0)
+    # never faster than every rank's work over the cores
+    for a, e, m in ((2, 1, 2), (1, 2, 2), (2, 2, 3), (4, 1, 2)):
+        for ta, te in ((1.0, 3.0), (3.0, 1.0), (1.0, 1.0)):
+            work = m * (a * ta + e * te) / 2.0
+            assert shared_cores_compute(ta, te, a, e, m, 2.0) >= work - 1e-12
 
 
 def test_global_balancer_all_gathers_counts_among_attention_ranks():
