@@ -8,6 +8,8 @@
     python scripts/plan.py --verdict-matrix            # AF vs colocated: 3 models x 4 GPUs
     python scripts/plan.py --model path/to/config.json --hardware h200 --gpus 32 --tpot-slo 30ms \\
         --context 8192 --skew 0.5
+    python scripts/plan.py --model qwen3-235b-a22b --gpus 64 --tpot-slo 50ms --pd --ttft-slo 1.5s \\
+        --prompt-len 2048 --output-len 256 --transfer-bandwidth 25   # PD + AF vs one pool
 
 ``--reproduce`` exits 1 when a counted case misses (see `splitmoe.sim.reproduce`).
 
@@ -31,6 +33,13 @@ and against a colocated baseline held to EP4, EP16 and EP64 (a few minutes);
 ``context`` (mean tokens) or ``sparsity`` (top-k / experts at the same expert parameters) varies;
 ``--plot DIR``: throughput per GPU against TPOT (Pareto fronts, AF and colocated), the A:E ratio
 sweep with the closed-form ratio, and the crossover.
+
+``--pd``: prefill-decode disaggregation (`splitmoe.sim.pd`): prefill instances (colocated EP)
+beside AF decode instances, against one AF pool and one colocated pool running prefill and
+decode together (chunked prefill), at ``--ttft-slo`` and ``--tpot-slo`` (``--tpot-p99``: the
+target bounds a step that carries a prompt chunk, not the mean) for prompts of ``--prompt-len``
+tokens generating ``--output-len``; ``--transfer-bandwidth`` GB/s: the KV link (default: the
+profile's network); ``--max-num-batched-tokens``: an attention rank's tokens per step.
 """
 
 from __future__ import annotations
@@ -101,6 +110,15 @@ def parse_args(argv=None):
     ap.add_argument("--verdict", action="store_true", help="does AF beat colocated, and why")
     ap.add_argument("--crossover", type=crossover_arg, default=None, metavar="PARAM=v1,v2,...")
     ap.add_argument("--plot", default=None, metavar="DIR", help="write the planner's figures")
+    ap.add_argument("--pd", action="store_true", help="PD + AF against one pool (TTFT, TPOT)")
+    ap.add_argument("--ttft-slo", type=seconds, default=2.0, help="--pd: e.g. 1500ms")
+    ap.add_argument("--tpot-p99", action="store_true", help="--pd: bound the p99 TPOT")
+    ap.add_argument("--prompt-len", type=int, default=2048, help="--pd: prompt tokens")
+    ap.add_argument("--output-len", type=int, default=256, help="--pd: output tokens")
+    ap.add_argument("--transfer-bandwidth", type=float, default=None, metavar="GB/s",
+                    help="--pd: the KV link (default: the profile's network link)")  # fmt: skip
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="--pd: an attention rank's tokens per step")  # fmt: skip
     args = ap.parse_args(argv)
     if args.sensitivity and not args.reproduce:
         ap.error("--sensitivity goes with --reproduce")
@@ -144,6 +162,8 @@ def main(argv=None) -> int:
         + f"\n{args.gpus} GPUs, TPOT <= {args.tpot_slo * 1e3:.0f} ms, mean context "
         f"{args.context:.0f} tokens, routing skew {args.skew}\n"
     )
+    if args.pd:
+        return explain_pd(sim, args)
     if args.verdict or args.crossover or args.plot:
         return explain(sim, args)
     space = SearchSpace()
@@ -169,6 +189,29 @@ def main(argv=None) -> int:
         gain = disagg[0].per_gpu / colocated[0].per_gpu
         print(f"\nbest disaggregated / best colocated throughput per GPU: {gain:.2f}x")
     return 0
+
+
+def explain_pd(sim: Simulator, args) -> int:
+    """--pd: the best PD + AF, AF and colocated plans at the TTFT and TPOT targets."""
+    from splitmoe.sim.pd import Workload, compare
+    from splitmoe.sim.pd import table as pd_table
+
+    wl = Workload(
+        args.prompt_len, args.output_len, args.ttft_slo, args.tpot_slo,
+        args.max_num_batched_tokens, "p99" if args.tpot_p99 else "mean",
+    )  # fmt: skip
+    bw = args.transfer_bandwidth * 1e9 if args.transfer_bandwidth else None
+    link = bw or sim.hw.links.inter.bytes_per_s
+    print(
+        f"PD: prompts of {wl.prompt_len} tokens, {wl.output_len} out; TTFT <= "
+        f"{wl.ttft_slo * 1e3:.0f} ms, {wl.tpot_of} TPOT <= {wl.tpot_slo * 1e3:.0f} ms; KV link "
+        f"{link / 1e9:.0f} GB/s\n"
+    )
+    v = compare(sim, args.gpus, wl, bandwidth=bw)
+    print(v.text())
+    print()
+    print(pd_table(v.plans, args.top))
+    return 0 if v.plans else 1
 
 
 def explain(sim: Simulator, args) -> int:
