@@ -21,6 +21,12 @@ usage, are the ranks' and stay 0 here: see the server's ``/metrics``). ``--model
 name the checkpoint the server serves (its vocabulary and context are read from it).
 ``--shared-prefix-len N --num-prefixes K`` starts every prompt with one of K random prefixes of N
 tokens (chat and agent traffic: system prompts, history), which the prefix cache serves.
+
+When ``--url`` is a prefill-decode router (``python -m splitmoe.router``, docs/pd.md), the
+table is followed by the TTFT split from the ``/metrics`` of the router and of its instances,
+scraped before and after the run: the prefill stage (router to prefill instance and back), the
+decode instance's KV pull and first step, what is left (queues, HTTP), and the bytes moved
+and their bandwidth (``"pd"`` in ``--json``).
 """
 
 from __future__ import annotations
@@ -211,6 +217,7 @@ async def _run_http(args, items, arrivals):
             }
 
         await _one_http(http, url, body([1, 2, 3], 2, 0), not args.no_stream)  # warm-up
+        pd_before = pd_snapshot(args.url)  # (None unless a PD router)
         start = time.perf_counter()
         t_start = time.time()
 
@@ -229,18 +236,148 @@ async def _run_http(args, items, arrivals):
         ),
         default=t_start,
     )
-    return outs, end - t_start
+    return outs, end - t_start, pd_before
+
+
+def _scrape(http, url: str) -> dict[tuple[str, str], float]:
+    """``/metrics`` of one server: ``(sample name, le or event label)`` -> value, summed over
+    the other labels (model, rank)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, str], float] = {}
+    for fam in text_string_to_metric_families(http.get(url + "/metrics").text):
+        for s in fam.samples:
+            key = (s.name, s.labels.get("le") or s.labels.get("event", ""))
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def _pd_servers(http, url: str) -> dict[str, list[str]] | None:
+    """The router's instances (``{"router": [url], "prefill": [...], "decode": [...]}``), or
+    None when ``url`` is not a router."""
+    try:
+        health = http.get(url + "/health").json()
+    except ValueError:
+        return None
+    if not isinstance(health.get("prefill"), dict) or not isinstance(health.get("decode"), dict):
+        return None
+    return {"router": [url], "prefill": list(health["prefill"]), "decode": list(health["decode"])}
+
+
+def pd_snapshot(url: str) -> dict | None:
+    """Every PD server's metrics now, or None when ``url`` is not a router."""
+    import httpx
+
+    with httpx.Client(timeout=30) as http:
+        servers = _pd_servers(http, url.rstrip("/"))
+        if servers is None:
+            return None
+        snap = {}
+        for role, urls in servers.items():
+            total: dict[tuple[str, str], float] = {}
+            for u in urls:
+                for k, v in _scrape(http, u).items():
+                    total[k] = total.get(k, 0.0) + v
+            snap[role] = total
+        return snap
+
+
+def _hist(before: dict, after: dict, name: str) -> dict:
+    """Count, mean, p50, p99 of histogram ``name`` over the run (from the bucket deltas, as
+    Prometheus's histogram_quantile interpolates them)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k[0].startswith(name)}
+    count = d.get((f"{name}_count", ""), 0.0)
+    out = {"count": int(count), "mean": d.get((f"{name}_sum", ""), 0.0) / count if count else 0.0}
+    buckets = sorted(
+        (float(le), v) for (n, le), v in d.items() if n == f"{name}_bucket" and le != "+Inf"
+    )
+    for q in (0.5, 0.99):
+        rank, lo, below, value = q * count, 0.0, 0.0, 0.0
+        for le, cum in buckets:
+            if count and cum >= rank:
+                value = lo + (le - lo) * (rank - below) / (cum - below) if cum > below else le
+                break
+            lo, below, value = le, cum, le
+        out[f"p{round(q * 100)}"] = value
+    return out
+
+
+def pd_split(before: dict, after: dict, client_ttft_mean: float) -> dict:
+    """The TTFT split and the transfer figures between two `pd_snapshot`s."""
+    r0, r1 = before["router"], after["router"]
+    d0, d1 = before["decode"], after["decode"]
+    p0, p1 = before["prefill"], after["prefill"]
+
+    def delta(a, b, name):
+        return b.get((name, ""), 0.0) - a.get((name, ""), 0.0)
+
+    split = {
+        "prefill": _hist(r0, r1, "splitmoe:pd_prefill_seconds"),
+        "prefill_instance_ttft": _hist(p0, p1, "splitmoe:time_to_first_token_seconds"),
+        "transfer": _hist(d0, d1, "splitmoe:kv_transfer_time_seconds"),
+        "first_decode_step": _hist(d0, d1, "splitmoe:first_decode_step_seconds"),
+        "decode_queue": _hist(d0, d1, "splitmoe:request_queue_time_seconds"),
+    }
+    parts = ("prefill", "transfer", "first_decode_step")
+    split["other"] = {"mean": client_ttft_mean - sum(split[k]["mean"] for k in parts)}
+    nbytes = delta(d0, d1, "splitmoe:kv_transfer_bytes")
+    secs = delta(d0, d1, "splitmoe:kv_transfer_seconds")
+    split["kv_transfers"] = int(delta(d0, d1, "splitmoe:kv_transfers"))
+    split["kv_transfer_failures"] = int(delta(d0, d1, "splitmoe:kv_transfer_failures"))
+    split["kv_transfer_bytes"] = int(nbytes)
+    split["kv_transfer_bandwidth"] = nbytes / secs if secs else 0.0
+    event = ("splitmoe:router_events", "prefill_fallbacks")
+    split["prefill_fallbacks"] = int(r1.get(event, 0.0) - r0.get(event, 0.0))
+    return split
+
+
+def pd_snapshot_after(url: str, before: dict, timeout: float = 5.0) -> dict:
+    """`pd_snapshot` once the decode ranks' published counters caught up with the requests
+    their servers counted (they lag about a second)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = pd_snapshot(url)
+        d0, d1 = before["decode"], snap["decode"]
+        pulls = d1.get(("splitmoe:kv_transfers", ""), 0) - d0.get(("splitmoe:kv_transfers", ""), 0)
+        name = ("splitmoe:kv_transfer_time_seconds_count", "")
+        counted = d1.get(name, 0) - d0.get(name, 0)
+        if pulls >= counted or time.monotonic() > deadline:
+            return snap
+        time.sleep(0.3)
+
+
+def pd_table(split: dict) -> str:
+    rows = [f"{'TTFT split (PD)':<24}{'n':>6}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}"]
+    for k in ("prefill", "transfer", "first_decode_step", "other"):
+        h = split[k]
+        row = f"{k:<24}{h.get('count', ''):>6}{h['mean'] * 1e3:>10.1f}"
+        if "p50" in h:
+            row += f"{h['p50'] * 1e3:>10.1f}{h['p99'] * 1e3:>10.1f}"
+        rows.append(row)
+    rows.append(
+        f"KV moved: {split['kv_transfers']} pulls, {split['kv_transfer_bytes'] / 2**20:.2f} MiB "
+        f"at {split['kv_transfer_bandwidth'] / 2**30:.2f} GiB/s, "
+        f"{split['kv_transfer_failures']} failed"
+    )
+    return "\n".join(rows)
 
 
 def run_http(args, items, arrivals):
-    outs, duration = asyncio.run(_run_http(args, items, arrivals))
+    """As `run_in_process`, plus the PD split (`pd_split`) when ``--url`` is a router."""
+    outs, duration, pd_before = asyncio.run(_run_http(args, items, arrivals))
     errors = [o for o in outs if not isinstance(o, RequestOutput)]
     for e in errors[:5]:
         print(f"request failed: {e}", file=sys.stderr)
     done = [o for o in outs if isinstance(o, RequestOutput)]
     expected = {i: o for i, (_, o) in enumerate(items)}
     finished = {i: len(o.token_ids) for i, o in enumerate(outs) if isinstance(o, RequestOutput)}
-    return summarize(done, [], duration), expected, finished, 0
+    metrics = summarize(done, [], duration)
+    split = None
+    if pd_before is not None:
+        ttfts = [o.metrics.ttft for o in done]
+        mean = sum(ttfts) / len(ttfts) if ttfts else 0.0
+        split = pd_split(pd_before, pd_snapshot_after(args.url, pd_before), mean)
+    return metrics, expected, finished, 0, split
 
 
 def main() -> None:
@@ -278,10 +415,11 @@ def main() -> None:
 
     t0 = time.perf_counter()
     if args.url:
-        metrics, expected, finished, duplicates = run_http(args, items, arrivals)
+        metrics, expected, finished, duplicates, split = run_http(args, items, arrivals)
         where = f"server {args.url} ({'streamed' if not args.no_stream else 'whole responses'})"
     else:
         metrics, expected, finished, duplicates = run_in_process(args, items, arrivals)
+        split = None
         where = (
             f"{args.attention_ranks} attention + {args.expert_ranks} expert ranks "
             f"({args.transport})"
@@ -295,11 +433,19 @@ def main() -> None:
         f"({cfg.num_layers} layers, {cfg.num_experts} experts), wall {wall:.1f} s"
     )
     print(metrics.table())
+    if split is not None:
+        print(pd_table(split))
     print(f"lost: {len(lost)}  duplicated: {duplicates}  wrong length: {len(wrong)}")
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {**metrics.to_dict(), **vars(args), "lost": len(lost), "duplicates": duplicates}
+                {
+                    **metrics.to_dict(),
+                    **vars(args),
+                    "lost": len(lost),
+                    "duplicates": duplicates,
+                    "pd": split,
+                }
             )
         )
     if lost or duplicates or wrong:
