@@ -2,6 +2,7 @@
 of the cluster simulator against what was measured.
 
     python scripts/scaling_study.py --quick --out out/scaling           # a few minutes, 2 cores
+    python scripts/scaling_study.py --held-out --out out/heldout        # issue 41's held-out check
     python scripts/scaling_study.py --attention-ranks 1,2,4 --expert-ranks 0,1,2 \\
         --batch 1,8,32 --rate inf,20 --micro-batches 1,2 --transport flat,two_phase \\
         --balancer static,global --replicas 1,2 --out out/scaling
@@ -31,6 +32,15 @@ Outputs under ``--out``:
 With a check (``--validate``, or ``--from-csv`` with ``--profile``) the study exits 1 when it
 fails: some validation run is outside the tolerance, or there was none to check
 (`exit_code`).
+
+``--held-out``: the held-out check of docs/scaling.md §4 in one command. On the realistic preset
+(``--model`` to change it) it measures the calibration runs (`CALIBRATION_RUNS`) and the 16
+held-out points (`splitmoe.sim.validate.HELD_OUT_RUNS`: closed batches 8 and 32 on 1A+0E, 1A+1E,
+2A+0E, 2A+1E, each at one and two micro-batches, pinned) in the same 5 passes, fits the profile
+on the calibration runs alone (``--profile`` takes a frozen one instead), predicts the held-out
+points, prints the table and ``held-out: N/16 within ±15%`` last, and exits 1 below
+`HELD_OUT_PASS` (15). It also prints the commit of ``splitmoe/sim/`` it ran (the frozen model).
+With ``--from-csv`` and ``--profile`` it re-checks saved rows without running.
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ from tqdm import tqdm  # noqa: E402
 from splitmoe import LLM, SamplingParams  # noqa: E402
 from splitmoe.config import ModelConfig  # noqa: E402
 from splitmoe.metrics import summarize  # noqa: E402
-from splitmoe.models.default_model import default_model_path
+from splitmoe.models.default_model import default_model_path, realistic_model_path  # noqa: E402
 from splitmoe.sim.calibrate import decode_step_time  # noqa: E402
 
 # axis -> (LLM keyword, default value); the default runs even when the keyword does not exist.
@@ -173,6 +183,48 @@ def plan_topologies(args, notes: list[str]) -> list[Topology]:
     return topos
 
 
+def held_out_plan() -> tuple[list[Topology], dict[Topology, list[int]]]:
+    """The held-out sweep's topologies and each one's closed batches: every calibration run and
+    every held-out point (flat transport, static balancer, micro-batches pinned)."""
+    from splitmoe.sim.calibrate import CALIBRATION_RUNS
+    from splitmoe.sim.validate import HELD_OUT_RUNS
+
+    batches: dict[Topology, list[int]] = {}
+    for a, e, b, m in sorted(set(CALIBRATION_RUNS) | set(HELD_OUT_RUNS)):
+        topo = Topology(a, e, "flat", m, "static", 0, 1)
+        batches.setdefault(topo, []).append(b)
+    return list(batches), batches
+
+
+# what the held-out check's predictions depend on: the model is frozen when none of them changes
+MODEL_FILES = tuple(
+    f"splitmoe/sim/{name}.py"
+    for name in ("simulator", "model", "calibrate", "validate", "hardware", "imbalance")
+)
+
+
+def frozen_model() -> str:
+    """The last commit that changed the simulator's model (`MODEL_FILES`: what a held-out check
+    freezes), and whether the working tree changes it since."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "log", "-1", "--format=%h %s", "--", *MODEL_FILES],
+            cwd=root, capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", *MODEL_FILES],
+            cwd=root, capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "model: splitmoe/sim (no git history here)"
+    return f"model: splitmoe/sim at {commit}" + (
+        " PLUS UNCOMMITTED CHANGES (not a frozen model)" if dirty else ""
+    )
+
+
 # ---- one run point ----------------------------------------------------------------------------
 def stats_counters(llms: list[LLM]) -> tuple[float, list[float]]:
     """(attention ranks' seconds in collectives, tokens served per expert rank), cumulative."""
@@ -274,16 +326,24 @@ def pass_order(topos: list[Topology], i: int, seed: int) -> list[Topology]:
     return order
 
 
-def sweep(args, topos: list[Topology], bar: tqdm) -> list[dict]:
+def sweep(
+    args, topos: list[Topology], bar: tqdm, batches: dict[Topology, list[int]] | None = None
+) -> list[dict]:
     """Every topology x workload point, ``--passes`` times over the whole sweep (so repeats of a
     point are minutes apart, not back to back: the machine's other load changes slowly) and
-    ``--repeats`` times per pass; each row keeps the medians."""
-    points = [(b, math.inf) for b in args.batch] + [(args.num_requests, r) for r in args.rate]
+    ``--repeats`` times per pass; each row keeps the medians. ``batches``: each topology's own
+    closed batches (the held-out sweep), instead of ``--batch`` and ``--rate`` for all."""
+    every = [(b, math.inf) for b in args.batch] + [(args.num_requests, r) for r in args.rate]
+
+    def points_of(topo: Topology) -> list[tuple[int, float]]:
+        return [(b, math.inf) for b in batches[topo]] if batches else every
+
     rng = random.Random(args.seed)
     runs: dict[tuple[Topology, int], list[dict]] = {}
     failed: dict[Topology, str] = {}
     for pass_i in range(args.passes):
         for topo in pass_order(topos, pass_i, args.seed):
+            points = points_of(topo)
             if topo in failed:
                 bar.update(len(points))
                 continue
@@ -296,7 +356,7 @@ def sweep(args, topos: list[Topology], bar: tqdm) -> list[dict]:
                             args.model,
                             device="cpu",
                             threads_per_rank=1,
-                            max_num_seqs=max(64, max(args.batch)),
+                            max_num_seqs=max(64, *(n for n, _ in points)),
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             timeout_s=120,
                             **topo.llm_kwargs(),
@@ -334,7 +394,7 @@ def sweep(args, topos: list[Topology], bar: tqdm) -> list[dict]:
             max_tokens=args.max_tokens,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
-        for i, (n, rate) in enumerate(points):
+        for i, (n, rate) in enumerate(points_of(topo)):
             measured = runs.get((topo, i))
             if not measured:
                 rows.append({**base, "status": failed.get(topo, "not run"), "num_requests": n,
@@ -551,7 +611,18 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--from-csv", default=None, help="redo plots (and the check with --profile) "
                     "from an earlier scaling.csv instead of running")  # fmt: skip
+    ap.add_argument("--held-out", action="store_true", help="the held-out check (issue 41): "
+                    "calibration runs and the 16 held-out points of the realistic preset, "
+                    "exit 1 below 15 within ±15%%")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.held_out and args.quick:
+        ap.error("--held-out and --quick are different sweeps: pass one")
+    if args.held_out:
+        from splitmoe.sim.calibrate import CALIBRATION_PROMPT, CALIBRATION_TOKENS
+
+        # the calibration runs' workload; every other sweep option is the plan's
+        args.prompt_len, args.max_tokens, args.rate = CALIBRATION_PROMPT, CALIBRATION_TOKENS, []
+        args.repeats, args.passes, args.validate = 1, 5, True
     if args.quick:
         args.attention_ranks, args.expert_ranks = [1, 2], [0, 1, 2]
         args.batch, args.rate = [1, 16], []
@@ -564,7 +635,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.model = args.model or default_model_path()
+    if not args.model:  # (the held-out sweep's preset is the realistic one)
+        args.model = realistic_model_path() if args.held_out else default_model_path()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
@@ -577,12 +649,17 @@ def main(argv=None) -> int:
             by_key = {id_key(r): r for r in check.rows}
             rows = [by_key.get(id_key(r), r) for r in rows]
             print(check.table())
-            print(check.verdict())
+            print(held_out_line(check) if args.held_out else check.verdict())
         write_csv(rows, out / "scaling.csv")
         for p in write_plots(rows, out / "plots", notes):
             print(f"plot: {p}")
-        return exit_code(check) if args.profile else 0
-    topos = plan_topologies(args, notes)
+        return exit_code(check, args.held_out) if args.profile else 0
+    batches = None
+    if args.held_out:
+        topos, batches = held_out_plan()
+        print(frozen_model())
+    else:
+        topos = plan_topologies(args, notes)
     cfg = ModelConfig.from_hf(args.model)
     for n in notes:
         print(f"note: {n}")
@@ -598,15 +675,16 @@ def main(argv=None) -> int:
         # (`CALIBRATION_RUNS`), measured in the same passes as the runs they are checked on.
         print("measuring this machine's roofline and component overheads ...")
         hw = measure_hardware(args.model, log=print)
-    total = len(topos) * (len(args.batch) + len(args.rate)) * args.passes
+    per_topo = [len(batches[t]) if batches else len(args.batch) + len(args.rate) for t in topos]
+    total = sum(per_topo) * args.passes
     print(
-        f"{len(topos)} topologies x {len(args.batch) + len(args.rate)} workload points, "
+        f"{len(topos)} topologies, {sum(per_topo)} workload points, "
         f"model {cfg.model_type} ({cfg.num_layers} layers, {cfg.num_experts} experts, "
         f"top-{cfg.top_k}), {os.cpu_count()} cores"
     )
     t0 = time.time()
     with tqdm(total=total, unit="point", file=sys.stdout, mininterval=1.0) as bar:
-        rows = sweep(args, topos, bar)
+        rows = sweep(args, topos, bar, batches)
     write_csv(rows, out / "scaling.csv")  # before anything else can fail
     check = None
     if hw is not None:
@@ -622,19 +700,37 @@ def main(argv=None) -> int:
     ]
     (out / "notes.txt").write_text("\n".join(notes) + ("\n" if notes else ""))
     print("\n" + table(rows))
+    verdict = None
     if check is not None:
-        text = check.table() + "\n" + check.verdict()
+        verdict = held_out_line(check) if args.held_out else check.verdict()
+        if args.held_out:
+            verdict = frozen_model() + "\n" + verdict
+        text = check.table() + "\n" + verdict
         (out / "validation.txt").write_text(text + "\n")
         print("\nsimulator vs measured (closed batches):\n" + text)
     print("\n" + "\n".join(summary))
-    if check is not None:
-        print(check.verdict())  # last, where a reader of the log looks
-    return exit_code(check)
+    if verdict is not None:
+        print(verdict)  # last, where a reader of the log looks
+    return exit_code(check, args.held_out)
 
 
-def exit_code(check) -> int:
-    """The study's exit status: 1 when a check ran and failed (`Check.passed`), else 0."""
-    return 1 if check is not None and not check.passed else 0
+def held_out_line(check) -> str:
+    from splitmoe.sim.validate import held_out
+
+    return held_out(check)[2]
+
+
+def exit_code(check, held_out: bool = False) -> int:
+    """The study's exit status: 1 when a check ran and failed, else 0. The check fails where a
+    validation run is outside the tolerance (`Check.passed`); the held-out check where fewer
+    than `HELD_OUT_PASS` held-out points are within it."""
+    if check is None:
+        return 0
+    if held_out:
+        from splitmoe.sim.validate import held_out as count
+
+        return 0 if count(check)[1] else 1
+    return 0 if check.passed else 1
 
 
 def validate(args, hw, rows: list[dict], out: Path):

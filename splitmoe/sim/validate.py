@@ -24,6 +24,15 @@ from splitmoe.sim.simulator import Deployment, Simulator
 
 TOLERANCE = 0.15
 
+# The held-out sweep (issue 41; docs/scaling.md §4): configurations never used while developing
+# the model, (attention ranks, expert ranks, closed batch, micro-batches) on the realistic
+# preset, flat transport, static balancer; predicted with a profile fitted on the calibration
+# runs alone. The check passes with `HELD_OUT_PASS` of them within `TOLERANCE`.
+HELD_OUT_RUNS = tuple(
+    (a, e, b, m) for a, e in ((1, 0), (1, 1), (2, 0), (2, 1)) for b in (8, 32) for m in (1, 2)
+)
+HELD_OUT_PASS = 15
+
 
 def measured_step_ms(row: dict) -> float:
     """The decode step time a row measured: the ranks' own step period (``step_p50_ms``), or
@@ -195,6 +204,35 @@ class Check:
         return "\n".join(lines)
 
 
+def run_key(row: dict) -> tuple[int, int, int, int]:
+    """(attention ranks, expert ranks, requests, micro-batches) of a row."""
+    return (
+        int(row["attention_ranks"]),
+        int(row["expert_ranks"]),
+        int(row["num_requests"]),
+        int(row["micro_batches"]),
+    )
+
+
+def held_out(check: Check) -> tuple[int, bool, str]:
+    """How many of `HELD_OUT_RUNS` the check has within `TOLERANCE` on both step time and
+    tokens/s (a point not measured counts as a miss), whether that is at least `HELD_OUT_PASS`,
+    and the line that says so: ``held-out: N/16 within ±15%``."""
+    rows = {
+        run_key(r): r
+        for r in check.validation
+        if r["transport"] in ("none", "flat") and r.get("balancer", "static") == "static"
+    }
+    n = sum(within(rows[k]) for k in HELD_OUT_RUNS if k in rows)
+    missing = sum(k not in rows for k in HELD_OUT_RUNS)
+    passed = n >= HELD_OUT_PASS
+    line = f"held-out: {n}/{len(HELD_OUT_RUNS)} within ±{TOLERANCE:.0%}"
+    line += f" ({'passed' if passed else 'FAILED'}: the bar is {HELD_OUT_PASS})"
+    if missing:
+        line += f"; {missing} not measured (counted as misses)"
+    return n, passed, line
+
+
 def _range_text(row: dict) -> str:
     r = _range(row, "step_min_ms", "step_max_ms")
     return f"{r[0]:.2f}-{r[1]:.2f}" if r else ""
@@ -212,12 +250,7 @@ def check(
         if not predictable(row):
             continue
         r = {**row, **predict_row(sim, row)}
-        key = (
-            int(row["attention_ranks"]),
-            int(row["expert_ranks"]),
-            int(row["num_requests"]),
-            int(row["micro_batches"]),
-        )
+        key = run_key(row)
         default = row["transport"] in ("none", "flat") and row.get("balancer", "static") == "static"
         r["calibration"] = bool(calibration) and default and key in calibration
         out.append(r)

@@ -158,3 +158,64 @@ def test_check_failure_is_the_exit_status(study, tmp_path, capsys):
     assert "validation FAILED: 0 of 3" in capsys.readouterr().out
     assert study.exit_code(None) == 0  # no check asked for: nothing failed
     assert study.exit_code(Check(rows=[])) == 1  # a check with nothing to validate fails
+
+
+def test_held_out_plan_measures_calibration_and_held_out_points(study):
+    from splitmoe.sim.calibrate import CALIBRATION_RUNS
+    from splitmoe.sim.validate import HELD_OUT_RUNS
+
+    assert len(HELD_OUT_RUNS) == 16 and not set(HELD_OUT_RUNS) & set(CALIBRATION_RUNS)
+    topos, batches = study.held_out_plan()
+    planned = {(t.attention_ranks, t.expert_ranks, b, t.micro_batches) for t in topos
+               for b in batches[t]}  # fmt: skip
+    assert planned == set(CALIBRATION_RUNS) | set(HELD_OUT_RUNS)
+    for t in topos:  # every row runs the micro-batches it names, flat and static
+        assert t.llm_kwargs()["micro_batches"] == t.micro_batches
+        assert (t.transport, t.balancer, t.replicas) == ("flat", "static", 1)
+    args = study.parse_args(["--held-out"])
+    assert (args.repeats, args.passes, args.validate, args.rate) == (1, 5, True, [])
+    assert (args.prompt_len, args.max_tokens) == (16, 32)  # the calibration runs' workload
+    with pytest.raises(SystemExit):
+        study.parse_args(["--held-out", "--quick"])
+
+
+def test_held_out_check_counts_the_sixteen_points(study, tmp_path, capsys):
+    """Saved held-out rows measured as the shipped profile predicts them: 16/16, exit 0; one
+    point 30 % slower: 15/16, still the bar; two: 14/16, exit 1; a deliberately wrong
+    profile: 0/16, exit 1. No run (``--from-csv`` with ``--profile``)."""
+    from dataclasses import replace
+
+    from splitmoe.sim.hardware import load_profile
+    from splitmoe.sim.model import ModelShape
+    from splitmoe.sim.simulator import Simulator
+    from splitmoe.sim.validate import HELD_OUT_RUNS, predict_row
+
+    model = write_small_model(tmp_path / "model")
+    good = load_profile("cpu")
+    good.to_file(tmp_path / "good.json")
+    slow = replace(good.overheads, step_s=good.overheads.step_s * 5 + 1e-3)
+    replace(good, peak_flops=good.peak_flops / 20, overheads=slow).to_file(tmp_path / "bad.json")
+    sim = Simulator(ModelShape.from_config(model), good)
+    rows = []
+    for a, e, n, m in HELD_OUT_RUNS:
+        r = {**_row(a, e, n, 100.0, 2.0), "micro_batches": m}
+        pred = predict_row(sim, r)
+        r["output_tok_s"], r["tbt_p50_ms"] = pred["pred_output_tok_s"], pred["pred_tbt_ms"]
+        rows.append(r)
+
+    def run(slow: int, profile: str = "good.json") -> int:
+        saved = [dict(r) for r in rows]
+        for r in saved[:slow]:  # measured 30 % slower than predicted
+            r["tbt_p50_ms"] *= 1.3
+            r["output_tok_s"] /= 1.3
+        study.write_csv(saved, tmp_path / "saved.csv")
+        return study.main(["--held-out", "--from-csv", str(tmp_path / "saved.csv"), "--profile",
+                           str(tmp_path / profile), "--model", str(model), "--out",
+                           str(tmp_path / "out")])  # fmt: skip
+
+    assert run(0) == 0 and "held-out: 16/16 within ±15% (passed" in capsys.readouterr().out
+    assert run(1) == 0 and "held-out: 15/16 within ±15% (passed" in capsys.readouterr().out
+    assert run(2) == 1 and "held-out: 14/16 within ±15% (FAILED" in capsys.readouterr().out
+    assert run(0, "bad.json") == 1 and "held-out: 0/16" in capsys.readouterr().out
+    rows = rows[:10]  # points not measured count as misses
+    assert run(0) == 1 and "6 not measured" in capsys.readouterr().out
