@@ -11,6 +11,8 @@ and torch._grouped_mm, in one run, as one table.
     python scripts/bench_kernels.py --compile-only   # no GPU needed: compile every Triton
                                                      # kernel of the GPU run for sm_90 and report
                                                      # registers, spills and shared memory
+    python scripts/bench_kernels.py --only decode,moe --profile-fragment h100-kernels.json
+                                                     # GPU: the simulator's measured constants
 
 Decode attention and small-batch MoE are memory-bound: read GB/s is the figure of merit (bytes
 that must move: the K/V of every context; the weights of every expert used plus activations).
@@ -21,6 +23,12 @@ host's launch cost (tens of microseconds per operation on a slow host CPU); ``gr
 a CUDA graph of the same call, which is the GPU's own time and what a graph-captured step pays.
 GB/s and TFLOP/s come from ``graph ms`` where the call could be captured (the torch references
 synchronise with the host and cannot).
+
+``--profile-fragment FILE`` (CUDA only; without a GPU it says so, writes nothing and exits 0)
+also writes what the simulator's GPU profiles take as measured (`profile_fragment`): the best
+HBM bytes/s of the Triton paged-decode kernel, the best grouped-GEMM FLOP/s of the MoE kernels
+per token count (the largest count's is the GEMM figure), and the host's launch overhead per
+eager operation. `splitmoe.sim.calibrate.apply_kernel_fragment` puts it over a profile.
 """
 
 from __future__ import annotations
@@ -338,6 +346,52 @@ def moe_case(model, w13, w2, k, N, device, smoke) -> list[Row]:
     return rows
 
 
+def launch_overhead_s() -> float:
+    """Seconds the host adds per eager operation: a one-element add launched eagerly against
+    the same add replayed from a CUDA graph (the GPU's own time)."""
+    import triton.testing
+
+    x = torch.zeros(1, device="cuda")
+    fn = lambda: x.add_(1)  # noqa: E731
+    eager = triton.testing.do_bench(fn, warmup=25, rep=100)
+    graph = bench_graph(fn)
+    return max(0.0, eager - (graph or 0.0)) * 1e-3
+
+
+def profile_fragment(rows: list[Row], device: str, dtype: str, launch_s: float | None) -> dict:
+    """The measured constants of a GPU profile, from this run's rows: ``hbm_bytes_per_s`` (the
+    Triton paged-decode kernel's best GB/s and the shape it came from), ``gemm_flops`` (the MoE
+    kernels' best FLOP/s at the largest token count), ``gemm_flops_by_tokens``, and
+    ``launch_s``. Only graph-timed rows count (eager times at small shapes are the host's)."""
+    decode = [r for r in rows if r.kernel == "decode" and r.impl == "triton" and r.graph_ms
+              and r.gbps]  # fmt: skip
+    moe = [r for r in rows if r.kernel == "moe" and r.impl in ("triton", "grouped_mm")
+           and r.graph_ms and r.tflops]  # fmt: skip
+    from splitmoe.sim.calibrate import KERNEL_FRAGMENT
+
+    out: dict = {"kind": KERNEL_FRAGMENT, "device": device, "dtype": dtype, "measured": {}}
+    measured = out["measured"]
+    if decode:
+        best = max(decode, key=lambda r: r.gbps)
+        measured["hbm_bytes_per_s"] = best.gbps * 1e9
+        measured["hbm_shape"] = f"paged decode {best.model} {best.shape}"
+    if moe:
+        by_tokens: dict[int, float] = {}
+        for r in moe:
+            n = int(r.shape.removeprefix("N="))
+            by_tokens[n] = max(by_tokens.get(n, 0.0), r.tflops * 1e12)
+        measured["gemm_flops_by_tokens"] = {str(n): by_tokens[n] for n in sorted(by_tokens)}
+        measured["gemm_flops"] = by_tokens[max(by_tokens)]
+    if launch_s is not None:
+        measured["launch_s"] = launch_s
+    out["source"] = {
+        "measured_by": "scripts/bench_kernels.py --profile-fragment",
+        "torch": torch.__version__,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    return out
+
+
 def print_table(rows: list[Row], out=sys.stdout) -> None:
     head = (
         "kernel", "model", "shape", "impl", "ms", "graph ms", "GB/s", "TFLOP/s", "max err", "note"
@@ -556,7 +610,14 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help="compile for --arch, no GPU")
     ap.add_argument("--arch", type=int, default=90, help="compute capability for --compile-only")
     ap.add_argument("--csv", type=Path, default=None, help="also write the rows here")
+    ap.add_argument(
+        "--profile-fragment", type=Path, default=None,
+        help="also write the simulator's measured GPU constants here (CUDA only)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.profile_fragment and not torch.cuda.is_available():
+        print("no CUDA device: a profile fragment is a GPU's measurement; nothing written")
+        return 0
     kernels = {k.strip() for k in args.only.split(",") if k.strip()}
     unknown = kernels - set(KERNELS)
     if unknown:
@@ -634,6 +695,12 @@ def main(argv=None) -> int:
             w.writerow(Row.__dataclass_fields__)
             for r in rows:
                 w.writerow([getattr(r, k) for k in Row.__dataclass_fields__])
+    if args.profile_fragment:
+        import json
+
+        frag = profile_fragment(rows, name, str(dtype).removeprefix("torch."), launch_overhead_s())
+        args.profile_fragment.write_text(json.dumps(frag, indent=2) + "\n")
+        print(f"profile fragment: {args.profile_fragment} ({', '.join(frag['measured'])})")
     return 0
 
 

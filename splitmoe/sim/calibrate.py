@@ -417,3 +417,39 @@ def calibrate(
             "load_average": os.getloadavg()[0],
         },
     )
+
+
+# ---- a GPU's measured kernel constants (scripts/bench_kernels.py --profile-fragment) ----------
+KERNEL_FRAGMENT = "splitmoe.sim kernel fragment"
+
+
+def apply_kernel_fragment(hw: HardwareProfile, fragment: dict) -> HardwareProfile:
+    """``hw`` with the constants a GPU measured (``scripts/bench_kernels.py
+    --profile-fragment``): ``mem_efficiency`` = the paged-decode kernel's best HBM bytes/s over
+    the profile's peak, ``flops_efficiency`` = the MoE kernels' grouped-GEMM FLOP/s at the
+    largest token count over the peak (each capped at 1; a figure the fragment lacks keeps the
+    profile's value). The launch overhead per eager operation is recorded, not applied: the
+    profiles' host overheads are for CUDA-graph decode, where launches are replayed. The
+    fragment, and which constants it set, go into ``source["measured"]``."""
+    if fragment.get("kind") != KERNEL_FRAGMENT:
+        raise ValueError(
+            f"not a kernel fragment (kind={fragment.get('kind')!r}): write one with "
+            "scripts/bench_kernels.py --profile-fragment FILE on the GPU"
+        )
+    measured = fragment.get("measured", {})
+    changes: dict[str, float] = {}
+    if measured.get("hbm_bytes_per_s"):
+        changes["mem_efficiency"] = min(1.0, measured["hbm_bytes_per_s"] / hw.mem_bytes_per_s)
+    # (the peak is the 16-bit one: FLOP/s measured in another dtype say nothing about it)
+    if measured.get("gemm_flops") and fragment.get("dtype") in ("bfloat16", "float16"):
+        changes["flops_efficiency"] = min(1.0, measured["gemm_flops"] / hw.peak_flops)
+    source = dict(hw.source)
+    source["measured"] = {
+        "device": fragment.get("device"),
+        "dtype": fragment.get("dtype"),
+        **measured,
+        "applied": {k: round(v, 4) for k, v in changes.items()},
+        "not applied": "launch_s (profiles assume CUDA-graph decode)",
+        **{k: v for k, v in fragment.get("source", {}).items()},
+    }
+    return replace(hw, source=source, **changes)

@@ -58,3 +58,71 @@ def test_fit_recovers_the_step_constants_of_a_known_machine():
     # and the configurations it was not fitted on
     for key in ((2, 1, 1, 1), (2, 1, 16, 2), (2, 2, 1, 1), (2, 2, 16, 2), (1, 1, 16, 2)):
         assert _step(fitted, *key) == pytest.approx(_step(truth, *key), rel=0.05), key
+
+
+def _bench_kernels():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_kernels"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kernel_fragment_from_rows_sets_the_efficiencies(tmp_path):
+    """A synthetic run's rows, as an H100 would give them: the fragment keeps the best
+    graph-timed paged-decode GB/s and the MoE kernels' best TFLOP/s per token count, and a
+    profile takes efficiency = measured / its peak. No GPU."""
+    import json
+
+    from splitmoe.sim.calibrate import apply_kernel_fragment
+    from splitmoe.sim.hardware import load_profile
+
+    bk = _bench_kernels()
+    Row = bk.Row
+    rows = [
+        Row("decode", "qwen3-235b-a22b", "B=8 ctx=8192", "triton", 0.2, 0.1, gbps=2000.0),
+        Row("decode", "qwen3-235b-a22b", "B=64 ctx=8192", "triton", 0.9, 0.8, gbps=2814.0),
+        Row("decode", "qwen3-235b-a22b", "B=64 ctx=8192", "torch-ref", 5.0, None, gbps=3300.0),
+        Row("decode", "qwen3-235b-a22b", "B=1 ctx=1024", "triton", 0.05, None, gbps=3400.0),
+        Row("moe", "deepseek-v3", "N=64", "triton", 0.5, 0.4, tflops=40.0),
+        Row("moe", "deepseek-v3", "N=8192", "triton", 9.0, 8.9, tflops=300.0),
+        Row("moe", "deepseek-v3", "N=8192", "grouped_mm", 8.0, 7.9, tflops=345.0),
+        Row("moe", "deepseek-v3", "N=8192", "torch-ref", 50.0, None, tflops=900.0),
+    ]
+    frag = bk.profile_fragment(rows, "NVIDIA H100 80GB HBM3", "bfloat16", launch_s=9e-6)
+    m = frag["measured"]
+    # the torch reference and eager-only rows do not count (host-bound or not capturable)
+    assert m["hbm_bytes_per_s"] == pytest.approx(2814e9)
+    assert m["hbm_shape"] == "paged decode qwen3-235b-a22b B=64 ctx=8192"
+    assert m["gemm_flops_by_tokens"] == {"64": pytest.approx(40e12), "8192": pytest.approx(345e12)}
+    assert m["gemm_flops"] == pytest.approx(345e12) and m["launch_s"] == 9e-6
+    path = tmp_path / "h100-kernels.json"
+    path.write_text(json.dumps(frag))
+    h100 = load_profile("h100")
+    got = apply_kernel_fragment(h100, json.loads(path.read_text()))
+    assert got.mem_efficiency == pytest.approx(2814e9 / 3.35e12)  # 0.84
+    assert got.flops_efficiency == pytest.approx(345e12 / 989e12)  # 0.35
+    assert got.overheads == h100.overheads  # launches: recorded, not applied
+    assert got.source["measured"]["launch_s"] == 9e-6
+    assert got.peak_flops == h100.peak_flops and got.links == h100.links
+    # a fragment timed in another dtype leaves the 16-bit FLOP/s efficiency alone
+    fp32 = apply_kernel_fragment(h100, {**frag, "dtype": "float32"})
+    assert fp32.flops_efficiency == h100.flops_efficiency
+    assert fp32.mem_efficiency == pytest.approx(got.mem_efficiency)
+    with pytest.raises(ValueError, match="bench_kernels.py --profile-fragment"):
+        apply_kernel_fragment(h100, {"measured": m})
+
+
+def test_kernel_fragment_without_a_gpu_exits_cleanly(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the fragment would be measured")
+    out = tmp_path / "frag.json"
+    assert _bench_kernels().main(["--profile-fragment", str(out)]) == 0
+    assert "no CUDA device" in capsys.readouterr().out and not out.exists()
