@@ -87,8 +87,12 @@ def wait_all_free(*servers: Server, timeout: float = 15) -> list[dict]:
 
 def near_tie(ref, got, tol: float = 1e-4) -> bool:
     """Whether the first token where ``got`` leaves ``ref`` was (nearly) tied with ``ref``'s
-    token there: float32 sums in another order (1+1 against 1+0, ~1e-6 apart in logprob) may
-    pick either. Wrong KV moves logits by far more than ``tol``."""
+    token there: float32 sums in another order may pick either. Measured in-process on the
+    three families (32 prompts, 8 tokens, logprobs of the top 2): PD is at most 2.9e-6 from one
+    instance, no more than one instance is from itself with the prompts sent one by one
+    instead of together (2.9e-6 to 3.1e-6); at the first token 1.2e-6 to 1.9e-6 where 1+1 and
+    1+0 agree exactly, as the decode side computes the last prompt token in a decode step, not
+    inside the prompt's prefill. Wrong KV moves logits by far more than ``tol``."""
     a, b = ref.choices[0].logprobs, got.choices[0].logprobs
     for k, (x, y) in enumerate(zip(a.tokens, b.tokens)):
         if x != y:
