@@ -765,6 +765,8 @@ def validate(args, hw, rows: list[dict], out: Path):
         )
         calib = set(tbt)
         hw.to_file(out / "cpu_profile.json")
+    elif getattr(args, "held_out", False):
+        calib = set(CALIBRATION_RUNS)  # (a frozen profile's own runs: not held-out points)
     return run_check(shape, hw, rows, calib), hw
 
 

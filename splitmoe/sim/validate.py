@@ -230,6 +230,9 @@ def held_out(check: Check) -> tuple[int, bool, str]:
     line += f" ({'passed' if passed else 'FAILED'}: the bar is {HELD_OUT_PASS})"
     if missing:
         line += f"; {missing} not measured (counted as misses)"
+    calib = [r for r in check.rows if r["calibration"]]
+    if calib:  # (a fit that cannot reproduce its own runs says the machine moved under it)
+        line += f"; calibration runs reproduced: {sum(within(r) for r in calib)}/{len(calib)}"
     return n, passed, line
 
 
