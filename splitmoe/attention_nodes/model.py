@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from splitmoe.attention_nodes.compiled import CompiledPieces
 from splitmoe.attention_nodes.kv_cache import PagedKVCache
 from splitmoe.attention_nodes.mla import MlaWeights
 from splitmoe.config import ModelConfig
@@ -126,10 +127,28 @@ class LayerWeights:
         )
 
 
-def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    h = linear(x, gate_up)  # [T, 2I]
+_linear_outside_graph = torch.compiler.disable(linear)
+
+
+def _proj(
+    x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`linear`; inside a compiled piece (`splitmoe.attention_nodes.compiled`) ``F.linear``, so
+    that Inductor sees the GEMM and picks its kernel, or, for a `QuantizedWeight`, `linear`
+    outside the graph (a graph break: its dequantizing buffer is reused state)."""
+    if torch.compiler.is_compiling():
+        if isinstance(w, QuantizedWeight):
+            return _linear_outside_graph(x, w, b)
+        return F.linear(x, w, b)
+    return linear(x, w, b)
+
+
+def gated_mlp(
+    x: torch.Tensor, gate_up: torch.Tensor | QuantizedWeight, down: torch.Tensor | QuantizedWeight
+) -> torch.Tensor:
+    h = _proj(x, gate_up)  # [T, 2I]
     inter = down.shape[1]
-    return linear(F.silu(h[:, :inter]) * h[:, inter:], down)
+    return _proj(F.silu(h[:, :inter]) * h[:, inter:], down)
 
 
 def rope_rows(
@@ -155,7 +174,11 @@ class AttentionModel:
         layer_weights: list[dict[str, torch.Tensor]],
         device: torch.device,
         attention: AttentionBackend,
+        compile: bool = False,
     ):
+        """``compile``: run `layer_in` and `layer_out` through ``torch.compile``
+        (`splitmoe.attention_nodes.compiled`); the attention kernel and the experts stay
+        outside."""
         self.cfg = cfg
         self.embed = global_weights["embed"]  # [V, H]
         self.final_norm = global_weights["final_norm"]
@@ -173,6 +196,8 @@ class AttentionModel:
             self.scale = yarn_softmax_scale(cfg, (cfg.qk_nope_head_dim + d) ** -0.5)
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
+        # the per-layer pieces `layer_segment` calls: these methods, or them compiled
+        self.pieces: AttentionModel | CompiledPieces = CompiledPieces(self) if compile else self
 
     @property
     def weight_bytes(self) -> int:
@@ -222,20 +247,18 @@ class AttentionModel:
         """Top-k expert ids and weights ``[T, k]`` (`splitmoe.models.routing`)."""
         return routing.route(self.cfg, layer.router, layer.router_bias, x, layer.router_logit_bias)
 
-    def attention(
-        self,
-        layer: LayerWeights,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def attention_inputs(
+        self, layer: LayerWeights, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """What the paged-attention kernel reads of ``x [T, H]``: ``q, k, v [T, heads, d]``
+        (projected, normed, rotated), or under MLA the absorbed queries ``[T, nh, Lr + R]`` and
+        the new latent rows ``[T, Lr + R]`` (`mla_inputs`)."""
         if layer.mla is not None:
-            return self.mla_attention(layer, x, cos_sin, kv[0], meta)
+            return self.mla_inputs(layer, x, cos_sin)
         cfg = self.cfg
         T = x.shape[0]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = linear(x, layer.w_qkv, layer.b_qkv)  # [T, (nh + 2 nkv) d]
+        qkv = _proj(x, layer.w_qkv, layer.b_qkv)  # [T, (nh + 2 nkv) d]
         if cfg.qk_norm == "full" or cfg.clip_qkv is not None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if cfg.qk_norm == "full":
@@ -249,35 +272,71 @@ class AttentionModel:
         if cfg.qk_norm == "head":
             qk = rms_norm(qk, None, cfg.rms_norm_eps) * layer.qk_head_norm
         qk = self.apply_rope(qk, cos_sin)
-        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
+        return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
+
+    def attention_kernel(
+        self,
+        layer: LayerWeights,
+        inputs: tuple[torch.Tensor, ...],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The attention backend's part: the new tokens' keys and values (or latent rows) into
+        the paged cache, attention over it: ``[T, heads, d]`` (under MLA ``[T, nh, Lr]``).
+        Never compiled: its metadata (per-sequence lengths, block tables) changes every step."""
+        if layer.mla is not None:
+            q_abs, latent = inputs
+            self.attention_backend.store_latent(latent, kv[0], meta.slot_mapping)
+            return self.attention_backend.attend_mla(
+                q_abs, kv[0], meta, self.scale, self.cfg.kv_lora_rank
+            )
+        q, k, v = inputs
         k_cache, v_cache = kv
         self.attention_backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = self.attention_backend.attend(
+        return self.attention_backend.attend(
             q, k_cache, v_cache, meta, self.scale, sinks=layer.sinks, window=layer.window
         )
-        return linear(o.reshape(T, self.q_size), layer.o_proj, layer.o_bias)
 
-    def mla_attention(
+    def attention_output(self, layer: LayerWeights, o: torch.Tensor) -> torch.Tensor:
+        """``[T, H]``: the attention's output ``o`` projected (under MLA, each head's value
+        up-projection first)."""
+        T = o.shape[0]
+        if layer.mla is not None:
+            o = torch.bmm(o.transpose(0, 1), layer.mla.w_uv_t)  # [nh, T, v]
+            o = o.transpose(0, 1).reshape(T, self.cfg.num_heads * self.cfg.v_head_dim)
+            return _proj(o, layer.o_proj, layer.mla.o_bias)
+        return _proj(o.reshape(T, self.q_size), layer.o_proj, layer.o_bias)
+
+    def attention(
         self,
         layer: LayerWeights,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        cache: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """``[T, H]``: the attention block of ``x [T, H]`` (normed), its new keys and values
+        stored in ``kv``."""
+        o = self.attention_kernel(layer, self.attention_inputs(layer, x, cos_sin), kv, meta)
+        return self.attention_output(layer, o)
+
+    def mla_inputs(
+        self, layer: LayerWeights, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Multi-head latent attention in the absorbed form (`splitmoe.attention_nodes.mla`):
-        the new tokens' latent rows into ``cache [blocks, block_size, 1, Lr + R]``, attention of
-        the absorbed queries over it, each head's value up-projection, ``o_proj``."""
+        the absorbed queries ``[T, nh, Lr + R]`` and the new tokens' latent rows
+        ``[T, Lr + R]`` that `attention_kernel` stores into the cache ``[blocks, block_size, 1,
+        Lr + R]`` and attends over."""
         cfg, w = self.cfg, layer.mla
         T = x.shape[0]
         nh, nope, R, Lr = cfg.num_heads, cfg.qk_nope_head_dim, cfg.head_dim, cfg.kv_lora_rank
         eps = cfg.rms_norm_eps
         if w.q_a is not None:
-            x_q = rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, eps)
+            x_q = rms_norm(_proj(x, w.q_a, w.q_a_bias), w.q_a_norm, eps)
         else:
             x_q = x
-        q = linear(x_q, w.w_q).view(T, nh, nope + R)
-        ckv = linear(x, w.kv_a, w.kv_a_bias)  # [T, Lr + R]
+        q = _proj(x_q, w.w_q).view(T, nh, nope + R)
+        ckv = _proj(x, w.kv_a, w.kv_a_bias)  # [T, Lr + R]
         latent = torch.cat(
             [
                 rms_norm(ckv[:, :Lr], w.kv_a_norm, eps),
@@ -285,14 +344,11 @@ class AttentionModel:
             ],
             dim=-1,
         )  # [T, Lr + R]
-        self.attention_backend.store_latent(latent, cache, meta.slot_mapping)
         q_lat = torch.bmm(q[:, :, :nope].transpose(0, 1), w.w_uk)  # [nh, T, Lr]
         q_abs = torch.cat(
             [q_lat.transpose(0, 1), self.apply_rope(q[:, :, nope:], cos_sin)], dim=-1
         )  # [T, nh, Lr + R]
-        o = self.attention_backend.attend_mla(q_abs, cache, meta, self.scale, Lr)  # [T, nh, Lr]
-        o = torch.bmm(o.transpose(0, 1), w.w_uv_t)  # [nh, T, v]
-        return linear(o.transpose(0, 1).reshape(T, nh * cfg.v_head_dim), layer.o_proj, w.o_bias)
+        return q_abs, latent
 
     def start_moe(
         self,
@@ -318,12 +374,56 @@ class AttentionModel:
         y = experts.finish(moe.handle)
         return y if moe.shared is None else y + moe.shared
 
+    def layer_in(
+        self,
+        layer: LayerWeights,
+        h: torch.Tensor,
+        moe_out: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """A layer's compute before the paged attention: the residual stream ``h [T, H]`` with
+        the previous layer's MoE output added, and `attention_inputs` of it normed."""
+        if moe_out is not None:
+            h = h + moe_out
+        x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
+        return h, self.attention_inputs(layer, x, cos_sin)
+
+    def layer_out(
+        self, layer: LayerWeights, h: torch.Tensor, o: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """A layer's compute after the paged attention (``o``: its output): ``h [T, H]`` with
+        the attention (and a dense layer's MLP) added; on MoE layers also the normed input of
+        the experts ``x [T, H]`` and its routing (top-k ids and weights ``[T, k]``)."""
+        h = h + self.attention_output(layer, o)
+        x = rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps)
+        if layer.router is None:
+            return h + gated_mlp(x, layer.mlp_gate_up, layer.mlp_down), None, None
+        return h, x, self.route(layer, x)
+
+    def layer_segment(
+        self,
+        i: int,
+        h: torch.Tensor,
+        moe_out: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Layer ``i`` from its input ``h`` (and the previous layer's MoE output) to where its
+        experts start: all of a layer that involves no other rank, the unit a CUDA graph
+        captures (`splitmoe.attention_nodes.graphs`). Returns `layer_out`'s triple."""
+        layer = self.layers[i]
+        h, inputs = self.pieces.layer_in(layer, h, moe_out, cos_sin)
+        o = self.attention_kernel(layer, inputs, kv, meta)
+        return self.pieces.layer_out(layer, h, o)
+
     def forward(
         self,
         mbs: Sequence[MicroBatch],
         kv_cache: PagedKVCache,
         experts: ExpertExecutor,
         on_done: Callable[[int, torch.Tensor], None] | None = None,
+        segment: Callable[..., tuple] | None = None,
     ) -> list[torch.Tensor]:
         """Final hidden states ``[T_j, H]`` (normed) of each micro-batch.
 
@@ -334,8 +434,11 @@ class AttentionModel:
         final, so its tokens can be sampled while the experts still work on later micro-batches.
         ``mbs`` is read in order, micro-batch j first when layer 0 reaches it (`execute` builds
         each one's inputs then, the later ones while the experts work on the first).
+        ``segment``: what runs each layer's `layer_segment` (a step replayed from CUDA graphs,
+        `splitmoe.attention_nodes.graphs.DecodeGraphs.segment`); default `layer_segment`.
         """
         eps = self.cfg.rms_norm_eps
+        segment = segment or self.layer_segment
         n = len(mbs)
         hs: list[torch.Tensor] = [None] * n  # [T_j, H]
         rope: list[tuple[torch.Tensor, torch.Tensor]] = [None] * n
@@ -346,19 +449,14 @@ class AttentionModel:
                 if i == 0:
                     hs[j] = F.embedding(mb.input_ids, self.embed)
                     rope[j] = self.rope(mb.positions, hs[j].dtype)
-                h = hs[j]
+                moe_out = None
                 if in_flight[j] is not None:
-                    h = h + self.finish_moe(in_flight[j], experts)
+                    moe_out = self.finish_moe(in_flight[j], experts)
                     in_flight[j] = None
-                x = rms_norm(h, layer.input_norm, eps)
                 meta = mb.meta if layer.window is None or mb.window_meta is None else mb.window_meta
-                h = h + self.attention(layer, x, rope[j], kv, meta)
-                x = rms_norm(h, layer.post_norm, eps)
-                if layer.router is None:
-                    h = h + gated_mlp(x, layer.mlp_gate_up, layer.mlp_down)
-                else:
-                    in_flight[j] = self.start_moe(i, x, experts)
-                hs[j] = h
+                hs[j], x, routing = segment(i, hs[j], moe_out, rope[j], kv, meta)
+                if routing is not None:
+                    in_flight[j] = self.start_moe(i, x, experts, routing)
         for j, moe in enumerate(in_flight):
             if moe is not None:
                 hs[j] = hs[j] + self.finish_moe(moe, experts)
