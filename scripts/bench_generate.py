@@ -49,7 +49,9 @@ def make_prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[in
     return torch.randint(1, vocab, (batch, length), generator=g).tolist()
 
 
-def open_splitmoe(args, experts, micro_batches=None, backend="auto", threads=None) -> LLM:
+def open_splitmoe(
+    args, experts, micro_batches=None, backend="auto", threads=None, eager=None
+) -> LLM:
     return LLM(
         args.model,
         attention_ranks=args.attention_ranks,
@@ -63,6 +65,9 @@ def open_splitmoe(args, experts, micro_batches=None, backend="auto", threads=Non
         shared_memory=not args.no_shared_memory,
         attention_backend=backend,
         moe_backend=backend,
+        enforce_eager=eager,
+        # a compiled engine's first steps include compiling (minutes on a loaded CPU)
+        timeout_s=30.0 if eager is True else 900.0,
     )
 
 
@@ -86,13 +91,13 @@ def measure_splitmoe(llm: LLM, args, prompts) -> dict:
 
 
 def bench_splitmoe(
-    args, prompts, warmup, experts, micro_batches=None, backend="auto", threads=None
+    args, prompts, warmup, experts, micro_batches=None, backend="auto", threads=None, eager=None
 ) -> dict:
     """One run on a fresh engine: started, warmed up on ``warmup`` (other prompts of the same
     shape, 2 tokens, as HF warms up: the first prefill of a batch faults its memory in, and
     oneDNN builds its kernels for each new GEMM shape), measured, closed."""
     t0 = time.perf_counter()
-    with open_splitmoe(args, experts, micro_batches, backend, threads) as llm:
+    with open_splitmoe(args, experts, micro_batches, backend, threads, eager) as llm:
         startup = time.perf_counter() - t0
         llm.generate(warmup, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         return dict(measure_splitmoe(llm, args, prompts), startup_s=startup)
@@ -278,6 +283,13 @@ def main() -> None:
         "in one run, e.g. torch,triton (auto: triton on CUDA, torch elsewhere)",
     )
     ap.add_argument(
+        "--enforce-eager",
+        default="default",
+        help="comma-separated settings of enforce_eager to compare in one run, e.g. true,false "
+        "(false: torch.compile of the per-layer compute, and CUDA graphs on CUDA; default: the "
+        "engine's default)",
+    )
+    ap.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -322,26 +334,32 @@ def main() -> None:
         if args.threads_per_rank == "auto"
         else [int(t) for t in args.threads_per_rank.split(",")]
     )
-    lists = (experts, counts, backends, threads)
+    eager_names = {"default": None, "true": True, "false": False}
+    if any(e not in eager_names for e in args.enforce_eager.split(",")):
+        ap.error("--enforce-eager takes true, false or default, comma-separated")
+    eagers = [eager_names[e] for e in args.enforce_eager.split(",")]
+    lists = (experts, counts, backends, threads, eagers)
     if args.repeat < 1 or any(len(set(v)) != len(v) for v in lists):
         ap.error(
             "--repeat must be >= 1 and --expert-ranks / --micro-batches / --backend / "
-            "--threads-per-rank must not repeat"
+            "--threads-per-rank / --enforce-eager must not repeat"
         )
     configs = [
-        (e, b, m, t)
+        (e, b, m, t, g)
         for e in experts
         for b in backends
         for m in (counts if e else counts[:1])
         for t in threads
+        for g in eagers
     ]
 
-    def label(e, b, m, t) -> str:
+    def label(e, b, m, t, g) -> str:
         return (
             f"splitmoe {args.attention_ranks}+{e}"
             + ("" if len(backends) == 1 else f" {b}")
             + ("" if counts == [None] or not e else f" m={'auto' if m is None else m}")
             + ("" if len(threads) == 1 else f" t={t}")
+            + ("" if len(eagers) == 1 else {None: "", True: " eager", False: " compiled"}[g])
         )
 
     # Each configuration runs --repeat times, interleaved (m=1, m=2, m=1, m=2, ...), and is
@@ -361,7 +379,7 @@ def main() -> None:
         print(f"{peer}: vLLM {runs[peer][0]['version']} ({args.vllm_python}), {cores}")
     if args.paired:
         hf = None if args.skip_hf else HFBench(args, prompts)
-        engines = {label(*c): open_splitmoe(args, c[0], c[2], c[1], c[3]) for c in configs}
+        engines = {label(*c): open_splitmoe(args, c[0], c[2], c[1], c[3], c[4]) for c in configs}
         try:
             for llm in engines.values():  # warm-up at full size: allocations, page faults
                 measure_splitmoe(llm, args, prompts)
@@ -377,7 +395,7 @@ def main() -> None:
         for _ in range(args.repeat):
             for c in configs:
                 runs[label(*c)].append(
-                    bench_splitmoe(args, prompts, warmup, c[0], c[2], c[1], c[3])
+                    bench_splitmoe(args, prompts, warmup, c[0], c[2], c[1], c[3], c[4])
                 )
         if not args.skip_hf:
             runs["HF transformers"].append(HFBench(args, prompts).measure())
