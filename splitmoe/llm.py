@@ -702,10 +702,9 @@ class LLM:
             except _Woken:
                 raise
             except queue.Empty:
-                if self._survive_losses(what):
-                    continue
                 died = self._dead_ranks(exclude=-1, grace_s=0)
-                if died or any(p.exitcode is not None for p in self._procs):
+                lost = self._survive_losses(what)  # (then the job goes on without them)
+                if not lost and (died or any(p.exitcode is not None for p in self._procs)):
                     hint = _spawn_failure_hint(self._procs) if what == "start-up" else ""
                     self._fail(f"{died or 'a rank exited early'} during {what}{hint}")
                 if time.monotonic() >= deadline:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from splitmoe.attention_nodes.worker import AttentionWorker, RemoteExperts, RequestUpdate
 from splitmoe.comm.control import StepSync, agree_membership
 from splitmoe.comm.distributed import Groups, init_groups, new_collective, rank_device, rejoin
-from splitmoe.comm.shm import CONTROL_CAPACITY, CONTROL_SPIN_S, OWN_CORE_SPIN_S, PeerExited
+from splitmoe.comm.shm import CONTROL_CAPACITY, CONTROL_SPIN_S, OWN_CORE_SPIN_S
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transports import TRANSPORTS
 from splitmoe.config import EngineConfig
@@ -474,7 +474,7 @@ def _survivable(me: _Rank, error: Exception) -> bool:
         return False
     if me.groups.gone(me.topo.rank):
         return True
-    return isinstance(error, (TimeoutError, PeerExited, dist.DistBackendError))
+    return isinstance(error, (TimeoutError, dist.DistBackendError))
 
 
 def _recover(me: _Rank, error: Exception, channel: Channel) -> None:

@@ -131,10 +131,6 @@ def process_alive(pid: int) -> bool:
     return _alive(pid)
 
 
-class PeerExited(RuntimeError):
-    """A rank this one waited on (or, with ``watch_all``, any rank of its host) has exited."""
-
-
 class _Completed:
     """The work handle of a shared-memory send: done once `all_to_all_single` returns."""
 
@@ -197,11 +193,11 @@ class ShmHub:
         self._next_lane = 0
 
     def check_peers(self, what: str) -> None:
-        """Raises `PeerExited` if a rank of this host has exited (``what``: what this rank was
+        """Raises RuntimeError if a rank of this host has exited (``what``: what this rank was
         waiting for)."""
         for r, (host, pid) in enumerate(zip(self.hosts, self.pids)):
             if r != self.rank and host == self.hosts[self.rank] and not _alive(pid):
-                raise PeerExited(
+                raise RuntimeError(
                     f"rank {self.rank}: rank {r} (pid {pid}) exited while this rank waited "
                     f"for rank(s) to {what}"
                 )
@@ -315,7 +311,7 @@ class ShmLane:
             self.hub.check_peers(f"{what} on shared-memory {self.name}")
         pid = self.hub.pids[rank]
         if not _alive(pid):
-            raise PeerExited(
+            raise RuntimeError(
                 f"rank {self.hub.rank}: rank {rank} (pid {pid}) exited while this rank waited "
                 f"for it to {what} on shared-memory {self.name}"
             )

@@ -239,8 +239,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         engine = state.engine
-        if engine.state == "ready":
-            return JSONResponse({"status": "ok"})
+        if engine.state == "ready":  # (degraded: recovering from a lost expert rank, serving)
+            return JSONResponse({"status": "ok" if engine.health == "ready" else engine.health})
         body = {"status": engine.state}
         if engine.public_error:
             body["error"] = engine.public_error

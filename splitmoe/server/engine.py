@@ -119,6 +119,7 @@ class AsyncEngine:
         self._seqs: dict[int, tuple[Job, int, _TextStream | None]] = {}
         self._streaming = 0  # live sequences of streaming jobs
         self._finished_since_reset = 0
+        self._recoveries_seen = 0
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="splitmoe-engine", daemon=True)
 
@@ -139,6 +140,15 @@ class AsyncEngine:
         if not job.done:
             job.done = True
             self._command(("abort", job))
+
+    @property
+    def health(self) -> str:
+        """`state`, but ``"degraded"`` while a fault-tolerant job recovers from a lost expert
+        rank (`LLM.health`): it keeps serving meanwhile."""
+        llm = self.llm
+        if self.state == "ready" and llm is not None and llm.health != "ok":
+            return llm.health
+        return self.state
 
     def latest_stats(self) -> list[dict]:
         """Each rank's latest published counters (`LLM.latest_stats`), read without a command
@@ -182,6 +192,13 @@ class AsyncEngine:
                 progress = llm.poll(_IDLE_POLL_S, every_step=self._streaming > 0)
                 if progress:
                     self._deliver(progress)
+                recoveries = llm.recoveries  # (fault tolerance: lost expert ranks)
+                if len(recoveries) > self._recoveries_seen:
+                    for rec in recoveries[self._recoveries_seen :]:
+                        logger.warning("recovered without rank(s) %s", rec["lost"])
+                        if self.metrics is not None:
+                            self.metrics.recovered(rec["seconds"])
+                    self._recoveries_seen = len(recoveries)
         except RankFailure as e:
             self._fail(str(e))
             return
