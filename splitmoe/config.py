@@ -279,8 +279,21 @@ class ParallelConfig:
         "(the flag turns it off)",
         flag="--no-shared-memory",
     )
+    fault_tolerance: bool = option(
+        False,
+        "survive the loss of an expert rank: the others rebuild their groups without it, "
+        "re-place its experts (replicas first, else read from the checkpoint) and replay the "
+        "step; steps then run as one micro-batch (see docs/fault_tolerance.md)",
+    )
 
     def __post_init__(self) -> None:
+        if not isinstance(self.fault_tolerance, bool):
+            raise ValueError(f"fault_tolerance={self.fault_tolerance!r} must be True or False")
+        if self.fault_tolerance and self.micro_batches not in (None, "auto", 1):
+            raise ValueError(
+                f"fault_tolerance replays an interrupted step whole, which needs one micro-batch "
+                f"per step: use micro_batches=1 or 'auto' (not {self.micro_batches!r})"
+            )
         if not isinstance(self.attention_ranks, int) or self.attention_ranks < 1:
             raise ValueError(f"attention_ranks={self.attention_ranks!r} must be an integer >= 1")
         if not isinstance(self.expert_ranks, int) or self.expert_ranks < 0:
@@ -360,7 +373,9 @@ class ParallelConfig:
         one H100, 1+1, default model: m=2 decoded 0.70-0.84x as fast as m=1 at batch 32-256)."""
         if self.micro_batches not in (None, "auto"):
             return self.micro_batches
-        if self.expert_ranks == 0 or shared_gpu or max(tokens_per_rank) < 2:
+        # (a micro-batch samples as soon as it is done: with two, a failure in the second would
+        # leave the first's tokens appended, and a replay would append them again)
+        if self.expert_ranks == 0 or shared_gpu or self.fault_tolerance or max(tokens_per_rank) < 2:
             return 1
         return None
 
