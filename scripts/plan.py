@@ -45,6 +45,7 @@ profile's network); ``--max-num-batched-tokens``: an attention rank's tokens per
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -100,6 +101,9 @@ def parse_args(argv=None):
     ap.add_argument("--model")
     ap.add_argument("--hardware", default="h100")
     ap.add_argument("--expert-hardware", default=None, help="expert ranks' GPU (heterogeneous)")
+    ap.add_argument("--profile", default=None, metavar="FRAGMENT",
+                    help="constants measured on a GPU of the --hardware kind "
+                         "(scripts/bench_kernels.py --profile-fragment)")  # fmt: skip
     ap.add_argument("--gpus", type=int)
     ap.add_argument("--tpot-slo", type=seconds, help="e.g. 50ms")
     ap.add_argument("--context", type=float, default=4096, help="mean KV tokens per sequence")
@@ -154,6 +158,11 @@ def main(argv=None) -> int:
     model = ModelShape.from_config(args.model)
     hw = load_profile(args.hardware)
     ehw = load_profile(args.expert_hardware) if args.expert_hardware else None
+    if args.profile:
+        from splitmoe.sim.calibrate import apply_kernel_fragment
+
+        fragment = json.loads(Path(args.profile).read_text())
+        hw = apply_kernel_fragment(hw, fragment)
     sim = Simulator(model, hw, skew=args.skew, expert_hw=ehw, kv_bytes=args.kv_bytes)
     print(model.describe())
     print(

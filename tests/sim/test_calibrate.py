@@ -126,3 +126,35 @@ def test_kernel_fragment_without_a_gpu_exits_cleanly(tmp_path, capsys):
     out = tmp_path / "frag.json"
     assert _bench_kernels().main(["--profile-fragment", str(out)]) == 0
     assert "no CUDA device" in capsys.readouterr().out and not out.exists()
+
+
+def test_plan_takes_a_kernel_fragment(tmp_path, capsys):
+    """``plan.py --profile FRAGMENT`` plans with the measured efficiencies: halving the HBM
+    efficiency a fragment reports moves the plan's figures."""
+    import importlib.util
+    import json
+
+    from splitmoe.sim.calibrate import KERNEL_FRAGMENT
+    from splitmoe.sim.hardware import load_profile
+
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("plan", root / "scripts" / "plan.py")
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    args = ["--model", str(root / "splitmoe/sim/configs/qwen3-235b-a22b.json"), "--gpus", "16",
+            "--tpot-slo", "50ms", "--quick", "--top", "1"]  # fmt: skip
+    h100 = load_profile("h100")
+    outs = []
+    for eff in (h100.mem_efficiency, h100.mem_efficiency / 2):
+        frag = {"kind": KERNEL_FRAGMENT, "dtype": "bfloat16",
+                "measured": {"hbm_bytes_per_s": eff * h100.mem_bytes_per_s}}  # fmt: skip
+        path = tmp_path / "frag.json"
+        path.write_text(json.dumps(frag))
+        assert plan.main([*args, "--profile", str(path)]) in (0, 1)
+        outs.append(capsys.readouterr().out)
+    assert outs[0] != outs[1]
+    with pytest.raises(ValueError, match="not a kernel fragment"):
+        path.write_text(json.dumps({"kind": "other"}))
+        plan.main([*args, "--profile", str(path)])
