@@ -133,11 +133,10 @@ def test_plan_takes_a_kernel_fragment(tmp_path, capsys):
     efficiency a fragment reports moves the plan's figures."""
     import importlib.util
     import json
+    from pathlib import Path
 
     from splitmoe.sim.calibrate import KERNEL_FRAGMENT
     from splitmoe.sim.hardware import load_profile
-
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("plan", root / "scripts" / "plan.py")
