@@ -707,6 +707,11 @@ class LLM:
                 if not lost and (died or any(p.exitcode is not None for p in self._procs)):
                     hint = _spawn_failure_hint(self._procs) if what == "start-up" else ""
                     self._fail(f"{died or 'a rank exited early'} during {what}{hint}")
+                if lost and self.health == "degraded":
+                    # the survivors may first notice at their timeout, then agree within
+                    # another; past that they report their own failure
+                    t = self.config.parallel.timeout_s
+                    deadline = max(deadline, min(self._lost.values()) + 3 * t + 10)
                 if time.monotonic() >= deadline:
                     if not fail_on_timeout:
                         raise

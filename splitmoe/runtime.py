@@ -229,6 +229,10 @@ class RankContext:
     groups: Groups
 
 
+# How long a rank whose collective broke waits to see a peer's process exit (fault tolerance)
+_EXIT_GRACE_S = 1.0
+
+
 @dataclass
 class _Membership:
     """Who is in the job now (fault tolerance): ``ranks[r]`` is the rank at start-up of the
@@ -472,9 +476,16 @@ def _survivable(me: _Rank, error: Exception) -> bool:
     peer on another host: the membership protocol then decides who is gone)."""
     if not me.cfg.parallel.fault_tolerance or me.topo.world_size == 1:
         return False
-    if me.groups.gone(me.topo.rank):
+    if isinstance(error, (TimeoutError, dist.DistBackendError)):
         return True
-    return isinstance(error, (TimeoutError, dist.DistBackendError))
+    # gloo raises as soon as the dead peer's sockets close, which a dying process does before
+    # it shows as exited: give it a moment to
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    while not me.groups.gone(me.topo.rank):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _recover(me: _Rank, error: Exception, channel: Channel) -> None:

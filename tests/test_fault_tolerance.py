@@ -54,15 +54,30 @@ def _kill_mid_decode(llm, rank: int) -> tuple[dict, float]:
 
 
 @pytest.mark.parametrize(
-    "lost,read_again",
+    "lost,read_again,shared_memory,timeout_s",
     [
-        (3, False),  # expert rank 2 of 3 holds only replicas (experts 0-3 of slots 8-11)
-        (2, True),  # expert rank 1 holds experts 4-7, replicated nowhere: read from the file
+        # expert rank 2 of 3 holds only replicas (experts 0-3 of slots 8-11)
+        (3, False, True, 20),
+        # expert rank 1 holds experts 4-7, replicated nowhere: read from the checkpoint
+        (2, True, True, 20),
+        # over gloo: a rank blocked in a send to a live peer sees the failure only when the
+        # send times out (timeout_s), hence a short one
+        (2, True, False, 8),
     ],
 )
-def test_expert_rank_killed_mid_decode(tiny_ckpt, hf_ref, lost, read_again):
+def test_expert_rank_killed_mid_decode(
+    tiny_ckpt, hf_ref, lost, read_again, shared_memory, timeout_s
+):
     ckpt = tiny_ckpt("qwen3_moe")  # 8 experts, top-2
-    with cpu_llm(ckpt, 1, 3, redundant_experts=4, fault_tolerance=True, timeout_s=20) as llm:
+    with cpu_llm(
+        ckpt,
+        1,
+        3,
+        redundant_experts=4,
+        fault_tolerance=True,
+        shared_memory=shared_memory,
+        timeout_s=timeout_s,
+    ) as llm:
         outs, recovered_in = _kill_mid_decode(llm, lost)
         stats = llm.stats()
         recoveries = llm.recoveries
