@@ -573,6 +573,12 @@ class EngineConfig:
     moe_backend: str = option(
         "auto", "expert kernels (auto: triton on CUDA, torch on CPU)", choices=BACKENDS
     )
+    enforce_eager: bool | None = option(
+        None,
+        "True: run the model eagerly, no torch.compile of the per-layer compute and no CUDA "
+        "graphs; False: both where the device has them (graphs on CUDA only); default: "
+        "decided per device (see docs/kernels.md)",
+    )
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -597,6 +603,8 @@ class EngineConfig:
                 )
             if value not in BACKENDS:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(BACKENDS)}")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True, False or None")
         if not isinstance(self.pin_cores, bool):
             raise ValueError(f"pin_cores={self.pin_cores!r} must be True or False")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
@@ -607,6 +615,20 @@ class EngineConfig:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
+
+    @property
+    def compile_model(self) -> bool:
+        """Whether the attention ranks compile their per-layer compute: only where
+        ``enforce_eager=False`` asks. (The default: on CPU, compiling measured no faster than
+        eager on the realistic preset; on CUDA, until a GPU session checks it against the
+        oracles; see docs/kernels.md.)"""
+        return self.enforce_eager is False
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the attention ranks replay decode steps from CUDA graphs: on CUDA, where
+        ``enforce_eager=False`` asks (not yet the default: see `compile_model`)."""
+        return self.enforce_eager is False and self.device_type == "cuda"
 
     @property
     def torch_dtype(self) -> torch.dtype:

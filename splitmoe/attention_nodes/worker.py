@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from splitmoe.attention_nodes.grammar import GrammarBackend, GrammarState, apply_grammar_masks
+from splitmoe.attention_nodes.graphs import DecodeGraphs
 from splitmoe.attention_nodes.kv_cache import GroupedKVCache, PagedKVCache
 from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
 from splitmoe.attention_nodes.sampler import make_generator, sample, token_logprobs
@@ -125,7 +126,12 @@ class AttentionWorker:
         self.timeline = Timeline()
         globals_, layers = load_attention_weights(m, dtype, str(device))
         self.model = AttentionModel(
-            m, globals_, layers, device, attention_backend(cfg.attention_backend, device)
+            m,
+            globals_,
+            layers,
+            device,
+            attention_backend(cfg.attention_backend, device),
+            compile=cfg.compile_model,
         )
         self.experts = (
             LocalExperts(
@@ -165,6 +171,11 @@ class AttentionWorker:
         # (GPT-OSS) run without prefix caching.
         prefix_caching = cfg.cache.enable_prefix_caching and not n_sliding
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        # CUDA graphs of decode steps, captured now, before any request (None: eager, on CPU)
+        self.graphs = DecodeGraphs.create(
+            self.model, self.kv_cache, device, cfg.cuda_graphs, sched.max_num_seqs,
+            cfg.max_model_len, block_size,
+        )  # fmt: skip
         kv = cfg.kv_transfer  # prefill-decode disaggregation (splitmoe.kv_transfer)
         self.kv_connector = (
             make_connector(kv.kv_connector, self.kv_cache, kv.kv_host, kv.kv_transfer_timeout)
@@ -409,9 +420,12 @@ class AttentionWorker:
                     logits = self.model.logits(_select_rows(h, rows[j]))
                     updates.extend(self._sample_logits(logits, to_sample[j]))
 
+        graphed = None
+        if self.graphs is not None and micro_batches == 1:
+            graphed = self.graphs.segment(batch.num_new_tokens)
         with self.timeline.span(f"forward m={micro_batches}", "compute"):
             self.model.forward(
-                _Lazy(micro_batches, build), self.kv_cache, self.experts, on_done=done
+                _Lazy(micro_batches, build), self.kv_cache, self.experts, done, graphed
             )
         return updates, record
 
