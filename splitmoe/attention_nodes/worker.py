@@ -22,7 +22,7 @@ from splitmoe.eplb.balancer import Balancer
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.backends import attention_backend, moe_backend
-from splitmoe.kv_transfer import make_connector
+from splitmoe.kv_transfer.connectors import make_connector
 from splitmoe.metrics import StepRecord
 from splitmoe.models.loader import load_attention_weights
 from splitmoe.outputs import RequestMetrics, request_error

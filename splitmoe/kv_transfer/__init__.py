@@ -8,7 +8,8 @@ said it is done, or when ``kv_transfer_timeout`` passes, whatever happened to th
 that fails (the prefill instance died, the key is unknown, the bytes did not arrive) leaves the
 decode side to compute the prompt itself.
 
-`KVConnector` is the interface the scheduler sees; `MooncakeConnector` moves the bytes with
+`KVConnector` is the interface the scheduler sees (`connectors.make_connector` builds one);
+`MooncakeConnector` moves the bytes with
 Mooncake's transfer engine (TCP on one host, RDMA on a cluster). Which blocks to read and
 where they are goes through a small side channel (`agent.KVAgent`): one JSON line each way.
 """
@@ -167,11 +168,3 @@ class KVConnector(ABC):
     def close(self) -> None:  # noqa: B027 (optional)
         """Stops serving (the process is ending)."""
 
-
-def make_connector(name: str, kv_cache, host: str, timeout_s: float) -> KVConnector:
-    """The connector ``name`` over this rank's ``kv_cache`` (its pools registered)."""
-    if name == "mooncake":
-        from splitmoe.kv_transfer.mooncake import MooncakeConnector
-
-        return MooncakeConnector(pool_layouts(kv_cache), host, timeout_s)
-    raise ValueError(f"kv_connector={name!r}: the connectors are: mooncake")

@@ -12,7 +12,8 @@ pytest.importorskip("mooncake.engine")
 
 from splitmoe.attention_nodes.kv_cache import GroupedKVCache, PagedKVCache  # noqa: E402
 from splitmoe.config import SchedulerConfig  # noqa: E402
-from splitmoe.kv_transfer import KVTransferParams, make_connector, transfer_key  # noqa: E402
+from splitmoe.kv_transfer import KVTransferParams, transfer_key  # noqa: E402
+from splitmoe.kv_transfer.connectors import make_connector  # noqa: E402
 from splitmoe.sampling_params import SamplingParams  # noqa: E402
 from splitmoe.scheduler.block_manager import BlockManager  # noqa: E402
 from splitmoe.scheduler.request import RequestSpec  # noqa: E402
