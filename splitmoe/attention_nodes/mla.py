@@ -1,5 +1,5 @@
 """Multi-head latent attention (DeepSeek-V2/V3) weights, prepared once at load for the absorbed
-form that `AttentionModel.mla_attention` computes.
+form that `AttentionModel.mla_inputs` and `attention_kernel` compute.
 
 Per token the cache holds ``c`` (``kv_lora_rank`` values: ``kv_a_proj`` then ``kv_a_layernorm``)
 and the rotary key ``k_pe`` (``qk_rope_head_dim``), shared by every head. Head ``h``'s key is
