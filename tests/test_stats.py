@@ -101,8 +101,9 @@ def test_ranks_publish_their_counters_without_being_asked(tiny_ckpt):
                 break
             assert time.monotonic() < deadline, attn
         assert expert["tokens_served"] > first[1]["tokens_served"]
-        # asked, the ranks still answer with every key (comm and balancer included)
+        # asked, the ranks still answer with every key (comm, balancer and the steps run with
+        # each micro-batch count included)
         asked = llm.stats()
         for full, published in zip(asked, (attn, expert)):
-            assert set(full) - set(published) == {"comm", "balancer"}
+            assert set(full) - set(published) == {"comm", "balancer", "micro_batch_steps"}
             assert set(published) - set(full) == {"published_at"}
