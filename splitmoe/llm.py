@@ -754,6 +754,8 @@ class LLM:
             seen = [self._lost[r] for r in rec["lost"] if r in self._lost]
             rec = dict(rec, noticed_s_ago=time.monotonic() - min(seen) if seen else None)
             self._recoveries.append(rec)
+            for r in rec["lost"]:  # (one left out while still running: silent past timeout_s)
+                self._lost.setdefault(r, time.monotonic())
 
     @property
     def health(self) -> str:
