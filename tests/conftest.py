@@ -25,16 +25,18 @@ if str(REPO_ROOT) not in _pp.split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([_pp] if _pp else []))
 
 import pytest  # noqa: E402
-import tiny_models  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
 # Without a GPU the Triton kernels run in Triton's interpreter (tests/kernels, test_e2e_triton).
-# It is chosen when triton is first imported, so it is set here, before any test imports it;
-# rank processes spawned by the tests inherit it. With CUDA the kernels compile as usual.
+# It is chosen when triton is first imported, so it is set here, before anything (splitmoe,
+# tiny_models) may import it; rank processes spawned by the tests inherit it. With CUDA the
+# kernels compile as usual.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import tiny_models  # noqa: E402
 
 # name -> (family, kwargs for make_tiny_checkpoint)
 CHECKPOINT_SPECS = {

@@ -7,6 +7,7 @@ passed to `forward` explicitly: local experts in colocated mode, dispatch/combin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -127,7 +128,11 @@ class LayerWeights:
         )
 
 
-_linear_outside_graph = torch.compiler.disable(linear)
+@functools.cache
+def _linear_outside_graph() -> Callable[..., torch.Tensor]:
+    # built on first use: ``torch.compiler.disable`` imports torch._dynamo (and with it Triton),
+    # which an eager rank never needs
+    return torch.compiler.disable(linear)
 
 
 def _proj(
@@ -138,7 +143,7 @@ def _proj(
     outside the graph (a graph break: its dequantizing buffer is reused state)."""
     if torch.compiler.is_compiling():
         if isinstance(w, QuantizedWeight):
-            return _linear_outside_graph(x, w, b)
+            return _linear_outside_graph()(x, w, b)
         return F.linear(x, w, b)
     return linear(x, w, b)
 
