@@ -53,7 +53,9 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module", params=[(1, 0), (1, 1)], ids=["1+0", "1+1"])
 def llm(request, ckpt):
     a, e = request.param
-    with LLM(str(ckpt), attention_ranks=a, expert_ranks=e, device="cpu", seed=7) as llm:
+    with LLM(
+        str(ckpt), attention_ranks=a, expert_ranks=e, device="cpu", dtype="float32", seed=7
+    ) as llm:
         yield llm
 
 

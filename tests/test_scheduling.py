@@ -19,7 +19,12 @@ def test_long_prompt_is_chunked_while_others_keep_decoding(tiny_ckpt, hf_ref):
     short = [prompt_ids(3, seed=50), prompt_ids(4, seed=51)]
     long = prompt_ids(60, seed=52)
     with LLM(
-        str(ckpt), attention_ranks=1, expert_ranks=1, device="cpu", max_num_batched_tokens=8
+        str(ckpt),
+        attention_ranks=1,
+        expert_ranks=1,
+        device="cpu",
+        dtype="float32",
+        max_num_batched_tokens=8,
     ) as llm:
         llm.reset_metrics()
         # (long enough to outlast the prefill even when the ranks run far ahead of this
@@ -53,7 +58,13 @@ def test_small_pool_preempts_and_every_request_completes_exactly(tiny_ckpt, hf_r
     prompts = [prompt_ids(n, seed=60 + n) for n in (5, 9, 13, 7, 3, 11)]
     # 10 blocks x 4 tokens = 40 slots; the six requests need ~100 together, 24 at most alone
     with LLM(
-        str(ckpt), attention_ranks=1, expert_ranks=2, device="cpu", block_size=4, num_kv_blocks=10
+        str(ckpt),
+        attention_ranks=1,
+        expert_ranks=2,
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=10,
     ) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
         m = llm.metrics()
@@ -66,7 +77,7 @@ def test_small_pool_preempts_and_every_request_completes_exactly(tiny_ckpt, hf_r
 def test_requests_spread_over_attention_ranks(tiny_ckpt, hf_ref):
     ckpt = tiny_ckpt("mixtral")
     prompts = [prompt_ids(n, seed=70 + i) for i, n in enumerate((30, 2, 3, 2, 28, 4, 3, 2))]
-    with LLM(str(ckpt), attention_ranks=2, expert_ranks=1, device="cpu") as llm:
+    with LLM(str(ckpt), attention_ranks=2, expert_ranks=1, device="cpu", dtype="float32") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
         steps = llm.step_records
         # every token a request added to its rank's load went back when it finished: the next
@@ -83,7 +94,7 @@ def test_requests_spread_over_attention_ranks(tiny_ckpt, hf_ref):
 
 def test_request_that_can_never_fit_is_rejected_up_front(tiny_ckpt):
     ckpt = tiny_ckpt("qwen3_moe")
-    with LLM(str(ckpt), device="cpu", block_size=4, num_kv_blocks=4) as llm:
+    with LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=4) as llm:
         with pytest.raises(ValueError, match="more than the whole KV pool of 4 blocks x 4"):
             llm.generate([prompt_ids(10, seed=1)], SamplingParams(max_tokens=10))
         ok = llm.generate([prompt_ids(10, seed=1)], SamplingParams(max_tokens=7, **GREEDY))
@@ -93,7 +104,7 @@ def test_request_that_can_never_fit_is_rejected_up_front(tiny_ckpt):
 def test_stream_and_metrics_are_consistent(tiny_ckpt):
     ckpt = tiny_ckpt("olmoe")
     prompts = ["hello world", "abc"]
-    with LLM(str(ckpt), attention_ranks=1, expert_ranks=1, device="cpu") as llm:
+    with LLM(str(ckpt), attention_ranks=1, expert_ranks=1, device="cpu", dtype="float32") as llm:
         t0 = time.time()
         tokens = {0: [], 1: []}
         texts = {0: "", 1: ""}
