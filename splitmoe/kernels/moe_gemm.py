@@ -73,11 +73,14 @@ def moe_tiles(
         # Not yet swept on a GPU.
         return MoeTiles(block_m=128, block_n=64, block_k=128, group_m=8, num_warps=8, num_stages=3)
     if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: half the K depth per stage
+        # two stages, and 32 columns past 16 rows per expert: with the weight-format decode in
+        # the kernels, three stages and gate/up's two 32 x 64 accumulators spill a few bytes on
+        # sm_90 (ptxas, `bench_kernels.py --compile-only --dtype float32`)
         if per_expert <= 16:
             return MoeTiles(
-                block_m=16, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=3
+                block_m=16, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=2
             )
-        return MoeTiles(block_m=32, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
+        return MoeTiles(block_m=32, block_n=32, block_k=32, group_m=8, num_warps=4, num_stages=2)
     if per_expert <= 16:
         return MoeTiles(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
     if per_expert <= 64:
