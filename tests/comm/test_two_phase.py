@@ -83,6 +83,8 @@ def _job(rank, world, num_attention, ranks_per_node):
                 y = fused_moe_ref(b.x, w13[mine], w2[mine], b.expert_ids.long(), b.weights)
                 t.send_back(y, b)
                 layers.append((b.x, b.expert_ids, b.weights))
+        t.flush()  # the posted sends go out before the process group is torn down
+        t.close()
         out[name] = (layers, t.stats_snapshot())
     return out
 
