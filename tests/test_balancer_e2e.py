@@ -42,6 +42,7 @@ def test_policies_match_hf(
         balancer=policy,
         micro_batches=micro_batches,
         device="cpu",
+        dtype="float32",
         max_num_batched_tokens=16,
     ) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
@@ -63,6 +64,7 @@ def test_rebalance_mid_run_changes_no_token(tiny_ckpt, hf_ref):
         balancer="global",
         rebalance_interval=3,
         device="cpu",
+        dtype="float32",
         max_num_batched_tokens=16,
     ) as llm:
         first = llm.generate(PROMPTS[:3], GREEDY)
