@@ -206,6 +206,11 @@ class AttentionWorker:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def only_transfers(self) -> bool:
+        """Its only work is KV being read from a prefill instance (`Scheduler.only_transfers`)."""
+        return self.scheduler.only_transfers
+
     def stats(self) -> dict:
         s = self.scheduler
         local = self.experts if isinstance(self.experts, LocalExperts) else None
@@ -218,6 +223,7 @@ class AttentionWorker:
             **self._window_stats(),
             "running": len(s.running),
             "waiting": len(s.waiting),
+            "kv_pulling": len(s.pulling),
             "preemptions": s.num_preemptions,
             "prefix_cached_blocks": self.blocks.num_cached,
             "prefix_evictions": self.blocks.num_evictions,

@@ -20,6 +20,7 @@ import hashlib
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 
@@ -132,7 +133,28 @@ class KVConnector(ABC):
 
     Block tables are per pool (`pool_layouts`): ``[block_table]`` or ``[block_table,
     window_table]``. Every method is called from the rank's step loop; `park`'s blocks are
-    freed by the scheduler once they come back from `take_released`."""
+    freed by the scheduler once they come back from `take_released`. A pull runs off the step
+    loop (`start_pull`): however long the prefill side takes to answer, the rank keeps stepping
+    its other requests and its expert ranks never wait on a transfer."""
+
+    _PULL_THREADS = 2  # transfers in flight at once; more wait in the executor's queue
+    _executor: ThreadPoolExecutor | None = None
+
+    def start_pull(
+        self,
+        params: KVTransferParams,
+        key: str,
+        tables: list[list[int]],
+        first: list[int],
+        last: int,
+    ) -> Future:
+        """`pull` on a transfer thread: a future of its `PullResult` (a pull never raises). The
+        blocks in ``tables`` are being written until the future is done, whatever the request
+        does meanwhile: they go back to the pool only then."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self._PULL_THREADS, thread_name_prefix="kv-pull")
+        # (copies: the scheduler may clear the request's tables while the read runs)
+        return self._executor.submit(self.pull, params, key, [list(t) for t in tables], first, last)
 
     @property
     @abstractmethod
@@ -165,6 +187,8 @@ class KVConnector(ABC):
     def stats(self) -> dict:
         """Counters for `/metrics` and ``llm.stats()``."""
 
-    def close(self) -> None:  # noqa: B027 (optional)
+    def close(self) -> None:
         """Stops serving (the process is ending)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 

@@ -5,13 +5,15 @@ Each attention rank runs one `TransferEngine` (peer-to-peer handshake, no metada
 messages from decode instances:
 
 * ``{"op": "lease", "key": K}`` -> ``{"found": true, "session": "host:port", "pools": [...],
-  "tables": [[...], ...]}``: where the parked blocks of ``K`` are;
+  "tables": [[...], ...], "valid_s": S}``: where the parked blocks of ``K`` are, kept for the
+  next ``S`` seconds at least;
 * ``{"op": "done", "key": K}`` -> ``{"ok": true}``: one reader finished (or gave up); the last
   one releases the blocks.
 
-The decode rank then reads the blocks itself (`TransferEngine.batch_transfer_sync_read`), runs
-of consecutive blocks coalesced into one read per layer. Releases from the agent's thread are
-queued and freed by the rank's own step loop (the block manager is not shared across threads).
+The decode rank then reads the blocks itself (`TransferEngine.batch_transfer_sync_read`, on a
+transfer thread: `KVConnector.start_pull`), runs of consecutive blocks coalesced into one read
+per layer. Releases from the agent's thread are queued and freed by the rank's own step loop
+(the block manager is not shared across threads).
 """
 
 from __future__ import annotations
@@ -121,11 +123,16 @@ class MooncakeConnector(KVConnector):
             if op == "lease":
                 if not entries:
                     return {"found": False}
+                # a reader has the whole timeout from its lease: the blocks are not freed under
+                # a read that began in time (and one that outlasts it is thrown away, `pull`)
+                e = entries[0]
+                e.deadline = max(e.deadline, time.monotonic() + self.timeout_s)
                 return {
                     "found": True,
                     "session": self.session,
                     "pools": [asdict(p) for p in self.pools],
-                    "tables": entries[0].tables,
+                    "tables": e.tables,
+                    "valid_s": e.deadline - time.monotonic(),
                 }
             if op == "done":
                 if entries:
@@ -156,6 +163,7 @@ class MooncakeConnector(KVConnector):
     ) -> PullResult:
         t0 = time.perf_counter()
         for agent in params.remote_agents:
+            asked = time.monotonic()
             try:
                 lease = _ask(agent, {"op": "lease", "key": key}, self.timeout_s)
             except OSError as e:
@@ -166,6 +174,9 @@ class MooncakeConnector(KVConnector):
                 continue
             try:
                 result = self._read(lease, tables, first, last)
+                if result.ok and time.monotonic() - asked >= float(lease["valid_s"]):
+                    # the prefill side may have freed (and reused) the blocks under the read
+                    result = PullResult(False, error="the read outlasted the lease")
             except Exception as e:  # a malformed lease fails this pull alone
                 result = PullResult(False, error=f"{type(e).__name__}: {e}")
             try:
@@ -222,6 +233,7 @@ class MooncakeConnector(KVConnector):
         return {"kv_agent": self.address, "kv_parked": self.num_parked, **self.counters}
 
     def close(self) -> None:
+        super().close()
         self._server.shutdown()
         self._server.server_close()
 

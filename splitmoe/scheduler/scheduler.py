@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from splitmoe.config import SchedulerConfig
@@ -66,6 +67,8 @@ class Scheduler:
         # on the prefill side, pulled on the decode side
         self.kv_connector = kv_connector
         self.kv_pull_failures = 0
+        # requests whose prompt KV is being read, with the transfer's future (`_start_pull`)
+        self.pulling: list[tuple[Request, Future]] = []
 
     def add(self, spec: RequestSpec) -> Request:
         req = Request(spec, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
@@ -74,11 +77,16 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.pulling)
+
+    @property
+    def only_transfers(self) -> bool:
+        """Nothing to compute until a pull lands (the step loop waits a little, not spins)."""
+        return bool(self.pulling) and not (self.waiting or self.running)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.pulling)
 
     def _grow(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Extends the request's block tables to ``num_tokens`` (starting from the ``cached``
@@ -110,6 +118,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         if self.kv_connector is not None:
             self._free_released()
+            self._land_pulls()
         batch = ScheduledBatch()
         budget = self.cfg.max_num_batched_tokens
         preempted = False
@@ -134,27 +143,19 @@ class Scheduler:
             self.waiting
             and budget > 0
             and not preempted
-            and len(self.running) < self.cfg.max_num_seqs
+            and len(self.running) + len(self.pulling) < self.cfg.max_num_seqs
         ):
             req = self.waiting[0]
             cached = self._cached_prefix(req)
             start = len(cached) * self.blocks.block_size
             if self._pulls(req):
-                pulled = self._pull(req, cached)
-                if pulled is None:
+                if not self._start_pull(req, cached):
                     break  # (the pool cannot hold the prompt now)
-                if pulled:
-                    self.waiting.popleft()
-                    req.status = Status.RUNNING
-                    if req.first_scheduled_time is None:
-                        req.first_scheduled_time = now
-                        req.num_cached_tokens = start
-                    self.running.append(req)
-                    n = min(req.num_tokens - req.num_computed_tokens, budget)
-                    batch.requests.append(req)
-                    batch.num_new_tokens.append(n)
-                    budget -= n
-                    continue
+                self.waiting.popleft()
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                    req.num_cached_tokens = start
+                continue  # (it runs from the step after its blocks arrived: `_land_pulls`)
             n = min(req.num_tokens - start, budget)
             if not self._grow(req, start + n, cached):
                 break
@@ -181,12 +182,11 @@ class Scheduler:
             and not req.kv_pulled
         )
 
-    def _pull(self, req: Request, cached: list[int]) -> bool | None:
-        """Takes blocks for the whole prompt and reads every token but the last from the
-        prefill instance (the last one is computed here: its logits give the first output
-        token); the local ``cached`` prefix is not read. True: the request starts with
-        ``prompt_len - 1`` tokens computed; False: the pull failed and the prompt is computed
-        here (the blocks went back); None: the pool cannot hold the prompt now."""
+    def _start_pull(self, req: Request, cached: list[int]) -> bool:
+        """Takes blocks for the whole prompt and starts reading every token but the last from
+        the prefill instance (the last one is computed here: its logits give the first output
+        token); the local ``cached`` prefix is not read. False: the pool cannot hold the prompt
+        now (nothing taken)."""
         bs = self.blocks.block_size
         p = req.prompt_len
         last = self.blocks.blocks_for(p - 1)  # blocks holding tokens 0 .. p - 2
@@ -205,28 +205,46 @@ class Scheduler:
             ok = self.blocks.grow(req.block_table, p, cached)
         if not ok:
             self._free(req)
-            return None
+            return False
         req.kv_pulled = True
+        req.num_indexed_blocks = len(cached)
+        req.num_computed_tokens = len(cached) * bs
         kv = req.params.kv_transfer_params
         tables = [req.block_table] + ([req.window_table] if self.window_blocks else [])
         first = [len(cached)] + ([skip] if self.window_blocks else [])
         key = transfer_key(kv.transfer_id, req.prompt_token_ids)
-        result = self.kv_connector.pull(kv, key, tables, first, last)
-        req.kv_transfer_time = result.seconds  # (a failed pull's time is in the TTFT too)
-        req.kv_transfer_bytes = result.num_bytes
-        if not result.ok:
-            self.kv_pull_failures += 1
-            logger.warning(
-                "request %d: KV pull failed (%s); its prompt is computed here",
-                req.request_id,
-                result.error,
-            )
-            self._free(req)
-            return False
-        req.num_indexed_blocks = len(cached)
-        req.num_computed_tokens = len(cached) * bs
-        self.computed(req, p - 1 - req.num_computed_tokens)
+        self.pulling.append((req, self.kv_connector.start_pull(kv, key, tables, first, last)))
         return True
+
+    def _land_pulls(self) -> None:
+        """Requests whose pull ended: running with ``prompt_len - 1`` tokens computed, or (the
+        pull failed) back at the queue's head to compute the prompt here; an aborted one's
+        blocks go back now that nothing writes them."""
+        still = []
+        for req, future in self.pulling:
+            if not future.done():
+                still.append((req, future))
+                continue
+            result = future.result()
+            req.kv_transfer_time = result.seconds  # (a failed pull's time is in the TTFT too)
+            req.kv_transfer_bytes = result.num_bytes
+            if req.status is Status.FINISHED:  # aborted while its blocks were being written
+                self._free(req)
+            elif result.ok:
+                req.status = Status.RUNNING
+                self.running.append(req)
+                self.computed(req, req.prompt_len - 1 - req.num_computed_tokens)
+            else:
+                self.kv_pull_failures += 1
+                logger.warning(
+                    "request %d: KV pull failed (%s); its prompt is computed here",
+                    req.request_id,
+                    result.error,
+                )
+                self._free(req)
+                req.num_computed_tokens = req.num_indexed_blocks = 0
+                self.waiting.appendleft(req)
+        self.pulling = still
 
     def _free_released(self) -> None:
         """Frees the blocks that prefill-side transfers are done with (or that expired)."""
@@ -279,4 +297,10 @@ class Scheduler:
                     req.status = Status.FINISHED
                     req.finish_reason = "abort"
                     return req
+        for req, _ in self.pulling:
+            if req.request_id == request_id and req.status is not Status.FINISHED:
+                # its blocks are being written: `_land_pulls` frees them when the read ends
+                req.status = Status.FINISHED
+                req.finish_reason = "abort"
+                return req
         return None

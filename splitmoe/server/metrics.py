@@ -94,6 +94,7 @@ class ServerMetrics:
                 ("kv_transfer_failures", "Pulls that failed (the prompt was computed here)"),
                 ("kv_transfer_bytes", "Bytes pulled since start-up"),
                 ("kv_transfer_seconds", "Seconds spent pulling since start-up"),
+                ("kv_pulling", "Requests whose prompt KV is being pulled now"),
                 ("kv_parked", "Prompts whose blocks wait for a decode instance"),
                 ("kv_parked_expired", "Parked prompts nobody came for in time"),
             )

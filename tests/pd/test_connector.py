@@ -3,6 +3,8 @@ ids, blocks freed on both sides whichever way a transfer ends."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
 import pytest
@@ -14,6 +16,7 @@ from splitmoe.attention_nodes.kv_cache import GroupedKVCache, PagedKVCache  # no
 from splitmoe.config import SchedulerConfig  # noqa: E402
 from splitmoe.kv_transfer import KVTransferParams, transfer_key  # noqa: E402
 from splitmoe.kv_transfer.connectors import make_connector  # noqa: E402
+from splitmoe.kv_transfer.mooncake import _ask  # noqa: E402
 from splitmoe.sampling_params import SamplingParams  # noqa: E402
 from splitmoe.scheduler.block_manager import BlockManager  # noqa: E402
 from splitmoe.scheduler.request import RequestSpec  # noqa: E402
@@ -48,6 +51,18 @@ class Side:
         return self.blocks.num_used + (self.window_blocks.num_used if self.window_blocks else 0)
 
 
+def schedule_until(side: Side, done, timeout: float = 20.0):
+    """Steps ``side`` until ``done()`` (a pull runs off the step loop and lands in a later step);
+    the last step's batch."""
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = side.sched.schedule()
+        if done():
+            return batch
+        assert time.monotonic() < deadline, "the pull did not land"
+        time.sleep(0.005)
+
+
 def run_prompt(side: Side, rid: int, prompt: list[int], kv: dict | None):
     """Schedules the request until its prompt is computed, writes recognisable KV into its
     blocks, and finishes it (as a one-token prefill request)."""
@@ -76,7 +91,7 @@ def test_pull_moves_the_exact_blocks_and_frees_both_sides(window):
     assert pre.used() > 0 and pre.connector.num_parked == 1  # parked, not freed
     kv = {"transfer_id": "t1", "do_remote_prefill": True, "remote_agents": [pre.connector.address]}
     req = dec.sched.add(RequestSpec(9, prompt, SamplingParams(kv_transfer_params=kv), 0.0))
-    batch = dec.sched.schedule()
+    batch = schedule_until(dec, lambda: req in dec.sched.running)
     assert batch.requests == [req] and batch.num_new_tokens == [1]  # only the last token
     assert req.num_computed_tokens == len(prompt) - 1
     last = -(-(len(prompt) - 1) // BS)
@@ -103,7 +118,7 @@ def test_n_readers_share_one_parked_prompt():
         dec.sched.add(RequestSpec(i, prompt, SamplingParams(kv_transfer_params=kv), 0.0))
         for i in (1, 2)
     ]
-    dec.sched.schedule()
+    schedule_until(dec, lambda: all(r in dec.sched.running for r in reqs))
     assert [r.num_computed_tokens for r in reqs] == [8, 8]
     assert dec.connector.counters["kv_transfers"] == 2
     pre.sched.schedule()
@@ -121,12 +136,87 @@ def test_a_failed_pull_computes_the_prompt_and_leaks_nothing():
     for rid, agents in ((1, [address]), (2, [pre.connector.address])):  # dead / unknown key
         kv = {"transfer_id": f"x{rid}", "do_remote_prefill": True, "remote_agents": agents}
         req = dec.sched.add(RequestSpec(rid, prompt, SamplingParams(kv_transfer_params=kv), 0.0))
-        batch = dec.sched.schedule()
+        batch = schedule_until(dec, lambda: req in dec.sched.running)
         assert batch.num_new_tokens == [len(prompt)] and req.num_computed_tokens == 0
         assert len(req.block_table) == -(-len(prompt) // BS)
         dec.sched.abort(rid)
         assert dec.used() == 0
     assert dec.connector.counters["kv_transfer_failures"] == 2
+
+
+class HungAgent:
+    """A prefill instance's KV agent that accepts connections and never answers."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                self.conns.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+    def close(self):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_a_hung_prefill_side_never_stalls_the_step_loop():
+    """A pull that takes long (here: an agent that never answers) runs off the step loop:
+    requests computed here keep stepping, the pulling one can be aborted, and its blocks go
+    back only once the read has ended (nothing writes a block the pool handed out again)."""
+    dec = Side(32, timeout=1.0)
+    hung = HungAgent()
+    prompt = list(range(5, 5 + 13))
+    kv = {"transfer_id": "h", "do_remote_prefill": True, "remote_agents": [hung.address]}
+    pulled = dec.sched.add(RequestSpec(1, prompt, SamplingParams(kv_transfer_params=kv), 0.0))
+    local = dec.sched.add(RequestSpec(2, prompt, SamplingParams(), 0.0))
+    t0 = time.monotonic()
+    batch = dec.sched.schedule()
+    assert time.monotonic() - t0 < 0.5  # (the pull did not run inline)
+    assert batch.requests == [local] and dec.sched.pulling and dec.sched.has_work
+    for _ in range(3):  # decode steps of the local request while the pull hangs
+        for r, n in zip(batch.requests, batch.num_new_tokens):
+            dec.sched.computed(r, n)
+            r.output_token_ids.append(7)
+        batch = dec.sched.schedule()
+        assert batch.requests == [local] and batch.num_new_tokens == [1]
+    held = dec.used()
+    assert dec.sched.abort(1) is pulled and pulled.finish_reason == "abort"
+    assert dec.used() == held  # still being written: not freed yet
+    dec.sched.abort(2)
+    schedule_until(dec, lambda: not dec.sched.pulling)  # the agent's timeout ends the read
+    assert dec.used() == 0 and not dec.sched.has_work
+    assert dec.connector.counters["kv_transfer_failures"] == 1
+    hung.close()
+
+
+def test_a_lease_keeps_the_blocks_for_the_whole_read():
+    """Parked blocks about to expire get the full timeout again when a reader leases them, and
+    a read that outlasts its lease is thrown away (the blocks may have been reused)."""
+    pre = Side(32, timeout=0.5)
+    prompt = list(range(5, 5 + 13))
+    run_prompt(pre, 1, prompt, {"transfer_id": "t", "do_remote_decode": True})
+    time.sleep(0.4)
+    key = transfer_key("t", prompt)
+    lease = _ask(pre.connector.address, {"op": "lease", "key": key}, 5)
+    assert 0.4 < lease["valid_s"] <= 0.5
+    time.sleep(0.2)  # past the park's own deadline, within the lease's
+    pre.sched.schedule()
+    assert pre.used() > 0 and pre.connector.num_parked == 1
+    dec = Side(32, timeout=0.5)
+    slow = dec.connector._read
+    dec.connector._read = lambda *a: (time.sleep(0.6), slow(*a))[1]
+    kv = {"transfer_id": "t", "do_remote_prefill": True, "remote_agents": [pre.connector.address]}
+    req = dec.sched.add(RequestSpec(3, prompt, SamplingParams(kv_transfer_params=kv), 0.0))
+    schedule_until(dec, lambda: req in dec.sched.running)
+    assert req.num_computed_tokens == 0  # computed here: the read came too late to trust
+    assert dec.connector.counters["kv_transfer_failures"] == 1
 
 
 def test_parked_blocks_expire_when_no_decode_instance_comes():

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("mooncake.engine")
 
-from pd.test_connector import BS, Side, run_prompt  # noqa: E402
+from pd.test_connector import BS, Side, run_prompt, schedule_until  # noqa: E402
 
 from splitmoe.outputs import RequestMetrics, RequestOutput  # noqa: E402
 from splitmoe.sampling_params import SamplingParams  # noqa: E402
@@ -34,7 +34,7 @@ def test_a_pull_records_its_bytes_and_seconds_in_the_request_metrics():
     run_prompt(pre, 1, prompt, {"transfer_id": "t", "do_remote_decode": True})
     kv = {"transfer_id": "t", "do_remote_prefill": True, "remote_agents": [pre.connector.address]}
     req = dec.sched.add(RequestSpec(9, prompt, SamplingParams(kv_transfer_params=kv), 0.0))
-    dec.sched.schedule()
+    schedule_until(dec, lambda: req in dec.sched.running)
     pool = dec.cache.pool  # [layers, kv, blocks, block_size, heads, dim]
     block_bytes = pool[0, 0, 0].numel() * pool.element_size()
     blocks = -(-(len(prompt) - 1) // BS)
