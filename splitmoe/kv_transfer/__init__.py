@@ -191,4 +191,3 @@ class KVConnector(ABC):
         """Stops serving (the process is ending)."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
-

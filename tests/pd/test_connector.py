@@ -136,7 +136,7 @@ def test_a_failed_pull_computes_the_prompt_and_leaks_nothing():
     for rid, agents in ((1, [address]), (2, [pre.connector.address])):  # dead / unknown key
         kv = {"transfer_id": f"x{rid}", "do_remote_prefill": True, "remote_agents": agents}
         req = dec.sched.add(RequestSpec(rid, prompt, SamplingParams(kv_transfer_params=kv), 0.0))
-        batch = schedule_until(dec, lambda: req in dec.sched.running)
+        batch = schedule_until(dec, lambda r=req: r in dec.sched.running)
         assert batch.num_new_tokens == [len(prompt)] and req.num_computed_tokens == 0
         assert len(req.block_table) == -(-len(prompt) // BS)
         dec.sched.abort(rid)
