@@ -7,13 +7,23 @@ Checks at the end (exit status 1 if any fails):
 * every request finished exactly once, with ``max_tokens`` tokens when it ended by length, or
   ending in one of its stop tokens (or EOS) when it ended by stop;
 * every KV block is free again on every attention rank, nothing running or waiting;
-* no rank's resident memory grew by more than ``--max-growth-mb`` after warm-up.
+* no rank's resident memory grew by more than ``--max-growth-mb`` after warm-up;
+* each request's streamed tokens add up to its final output (none repeated or missing).
+
+With ``--kill RANK`` the job runs fault-tolerant and that rank (as numbered at start-up: the
+attention ranks first) is SIGKILLed once ``--kill-at`` requests have finished; the same checks
+must hold across it, and the recovery is printed (issue 42):
+
+    python scripts/soak.py --requests 2000 --kill 1                          # an attention rank
+    python scripts/soak.py --requests 2000 --kill 3 --redundant-experts 16   # an expert rank
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import signal
 import sys
 import time
 
@@ -53,7 +63,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-growth-mb", type=float, default=64.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill", type=int, default=None, help="SIGKILL this rank during the run")
+    ap.add_argument("--kill-at", type=int, default=None, help="finished requests before (1/3)")
+    ap.add_argument("--redundant-experts", type=int, default=0)
     args = ap.parse_args()
+    kill_at = args.requests // 3 if args.kill_at is None else args.kill_at
     args.model = args.model or default_model_path()
     cfg = ModelConfig.from_hf(args.model)
     eos = set(cfg.eos_token_ids)
@@ -80,6 +94,8 @@ def main() -> None:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=256,
+        fault_tolerance=args.kill is not None,
+        redundant_experts=args.redundant_experts,
     ) as llm:
         llm.generate([p for p, _ in work[:8]], [s for _, s in work[:8]])  # warm-up
         before = {s["rank"]: s["rss_mb"] for s in llm.stats()}
@@ -87,7 +103,9 @@ def main() -> None:
         params: dict[int, SamplingParams] = {}
         finished: dict[int, list[int]] = {}
         reasons: dict[int, str] = {}
+        streams: dict[int, list[int]] = {}
         duplicates = 0
+        killed_at = None
         nxt, t_next = 0, time.perf_counter()
         while nxt < len(work) or len(finished) < len(work):
             while nxt < len(work) and time.perf_counter() >= t_next:
@@ -97,12 +115,18 @@ def main() -> None:
                 params.update(zip(rids, (s for _, s in chunk)))
                 nxt += len(chunk)
                 t_next += rng.expovariate(args.rate / 4.5)
-            for out, _ in llm.poll(timeout=0.02):
+            for out, new in llm.poll(timeout=0.02):
+                streams.setdefault(out.request_id, []).extend(new)
                 if out.finished:
                     duplicates += out.request_id in finished
                     finished[out.request_id] = out.token_ids
                     reasons[out.request_id] = out.finish_reason
+            if args.kill is not None and killed_at is None and len(finished) >= kill_at:
+                os.kill(llm._procs[args.kill].pid, signal.SIGKILL)
+                killed_at = time.perf_counter()
+                print(f"killed rank {args.kill} after {len(finished)} finished requests")
         metrics = llm.metrics()
+        recoveries = llm.recoveries
         stats = llm.stats()
     duration = time.perf_counter() - start
 
@@ -111,6 +135,11 @@ def main() -> None:
         failures.append(f"{len(lost)} requests never finished, e.g. {lost[:5]}")
     if duplicates:
         failures.append(f"{duplicates} requests finished twice")
+    torn = [rid for rid, toks in finished.items() if streams.get(rid, []) != toks]
+    if torn:
+        failures.append(f"{len(torn)} streams differ from their outputs, e.g. {torn[:5]}")
+    if args.kill is not None and [r["lost"] for r in recoveries] != [[args.kill]]:
+        failures.append(f"recoveries {recoveries} are not one of rank {args.kill}")
     for rid, toks in finished.items():
         sp = params[rid]
         if reasons[rid] == "length" and len(toks) != sp.max_tokens:
@@ -139,6 +168,11 @@ def main() -> None:
         print(
             f"{s['rank']:>4}  {s['role']:<9}  {before[s['rank']]:8.0f} -> {s['rss_mb']:6.0f}"
             f"  {s['peak_rss_mb']:10.0f}"
+        )
+    for r in recoveries:
+        print(
+            f"recovery: lost rank(s) {r['lost']}, members {r['members']}, rebuilt in "
+            f"{r['seconds']:.2f} s, {r['weights_read']} expert weights read again"
         )
     stops = sum(r == "stop" for r in reasons.values())
     print(f"finish reasons: {len(finished) - stops} length, {stops} stop")

@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection, wait
 
 from tqdm import tqdm
 
-from splitmoe.comm.distributed import shutdown_groups
+from splitmoe.comm.distributed import hosted_store, shutdown_groups
 from splitmoe.comm.topology import Topology
 from splitmoe.config import EngineConfig, engine_config
 from splitmoe.inputs import broadcast_params, check_request, normalize_prompts
@@ -626,6 +626,10 @@ class LLM:
         self.tokenizer = Tokenizer.from_checkpoint(model)
         self._next_id = 0
         self._live: dict[int, RequestOutput] = {}
+        # what each live request was submitted as: fault tolerance resumes a lost attention
+        # rank's requests from it (`_resume_lost`); and the ids whose abort was asked
+        self._specs: dict[int, RequestSpec] = {}
+        self._aborted: set[int] = set()
         self._stops: dict[int, _StopWatch] = {}  # live requests with stop strings
         # live requests that failed in this front end, each aborted on its rank (id -> error)
         self._faults: dict[int, str] = {}
@@ -641,6 +645,7 @@ class LLM:
         # the recoveries the ranks reported (`recoveries`)
         self._lost: dict[int, float] = {}
         self._recoveries: list[dict] = []
+        self._moved: set[int] = set()  # lost attention ranks whose requests were resumed
         self.reset_metrics()
         self._start()
 
@@ -654,7 +659,12 @@ class LLM:
         self._in_qs = [ctx.Queue() for _ in range(local)]
         # every rank's command queue, in rank order: launched, rank 0 relays for the others
         self._to_rank = [*self._in_qs, *(_Relayed(self._in_qs[0], r) for r in range(local, W))]
-        init_method = job.init_method if job else f"tcp://127.0.0.1:{_free_port()}"
+        if job is not None:
+            init_method = job.init_method
+        elif cfg.parallel.fault_tolerance and W > 1:  # (the store must outlive any rank)
+            self._store, init_method = hosted_store("127.0.0.1", cfg.parallel.timeout)
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
         where = (job.local_rank, job.local_world_size) if job else (None, None)
         readers = []
         bell_reader, bell = ctx.Pipe(duplex=False)  # (shared by the ranks: see `_Outbox`)
@@ -734,18 +744,24 @@ class LLM:
             return msg
 
     def _survive_losses(self, what: str) -> bool:
-        """With fault tolerance, notes expert ranks that exited (their peers recover without
-        them: the job is `health` "degraded" until they report it); True if every rank that
-        exited is such a one, so the job goes on."""
+        """With fault tolerance, notes ranks that exited (their peers recover without them:
+        the job is `health` "degraded" until they report it); True if the job can go on: at
+        least one attention and one expert rank (if it had any) still run. (Launched jobs:
+        the launcher stops every rank when one exits; rank 0's loss is not survived there.)"""
         if not self.config.parallel.fault_tolerance or what == "start-up":
             return False
         exited = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
-        if not exited or any(self._role(r) != "expert" for r in exited):
+        if not exited or (self._launched is not None and 0 in exited):
+            return False
+        par = self.config.parallel
+        live = [r for r in range(par.world_size) if r not in exited]
+        roles = {self._role(r) for r in live}
+        if "attention" not in roles or (par.expert_ranks and "expert" not in roles):
             return False
         now = time.monotonic()
         for r in exited:
             if r not in self._lost:
-                logger.warning("rank %d (expert) exited; the job recovers without it", r)
+                logger.warning("rank %d (%s) exited; the job recovers without it", r, self._role(r))
                 self._lost[r] = now
         return True
 
@@ -756,6 +772,48 @@ class LLM:
             self._recoveries.append(rec)
             for r in rec["lost"]:  # (one left out while still running: silent past timeout_s)
                 self._lost.setdefault(r, time.monotonic())
+                if self._role(r) == "attention":
+                    self._resume_lost(r)
+
+    def _resume_lost(self, rank: int) -> None:
+        """Moves a lost attention rank's unfinished requests to the surviving ones (the job
+        has rebuilt itself without it): each resumes from its prompt plus the tokens this
+        front end has received, as a preempted request does, so a stream goes on with no
+        token repeated or missing; whatever the lost rank said afterwards is ignored. Greedy
+        outputs equal the unfaulted run's; a seeded sampled one continues with a fresh stream.
+        A request whose abort or stop was asked is resumed and aborted at once (the abort
+        answers it)."""
+        self._moved.add(rank)
+        self._router.retire(rank)
+        moved: dict[int, list[RequestSpec]] = {}
+        again: dict[int, list[int]] = {}
+        bs = self.config.cache.block_size
+        for rid, out in self._live.items():
+            if out.attention_rank != rank:
+                continue
+            spec = self._specs[rid]
+            tokens = out.token_ids
+            cost = len(spec.prompt_token_ids) + len(tokens)
+            hashes = ()
+            if self._router.capacity:
+                hashes = block_hashes(spec.prompt_token_ids, bs, salt=spec.params.cache_salt)
+            new = self._router.pick(cost, hashes)
+            params = spec.params
+            if params.kv_transfer_params is not None:  # (computed here: the pull is over)
+                params = replace(params, kv_transfer_params=None)
+            resumed = replace(spec, params=params, output_token_ids=list(tokens))
+            moved.setdefault(new, []).append(resumed)
+            out.attention_rank = new
+            watch = self._stops.get(rid)
+            if rid in self._aborted or rid in self._faults or (watch and watch.hit):
+                again.setdefault(new, []).append(rid)
+        for new, specs in moved.items():
+            logger.warning(
+                "%d request(s) of lost attention rank %d resume on rank %d", len(specs), rank, new
+            )
+            self._to_rank[new].put(("add", specs))
+            if new in again:
+                self._to_rank[new].put(("abort", again[new]))
 
     @property
     def health(self) -> str:
@@ -852,7 +910,9 @@ class LLM:
             self._next_id += 1
             hashes = block_hashes(p, bs, salt=sp.cache_salt) if route_by_prefix else ()
             rank = self._router.pick(len(p), hashes)
-            batches[rank].append(RequestSpec(rid, list(p), sp, now))
+            spec = RequestSpec(rid, list(p), sp, now)
+            batches[rank].append(spec)
+            self._specs[rid] = spec
             self._live[rid] = RequestOutput(
                 request_id=rid,
                 prompt_token_ids=list(p),
@@ -862,8 +922,9 @@ class LLM:
             if sp.stop:
                 self._stops[rid] = _StopWatch(self.tokenizer, sp.stop, sp.min_tokens)
             rids.append(rid)
-        for q, batch in zip(self._to_rank, batches):  # (the attention ranks' queues)
-            q.put(("add", batch) if batch else ("wake",))  # idle ranks join the next step now
+        for rank, batch in enumerate(batches):  # (the attention ranks' queues)
+            if rank not in self._lost:  # idle ranks join the next step now
+                self._to_rank[rank].put(("add", batch) if batch else ("wake",))
         return rids
 
     def abort(self, request_ids: list[int]) -> None:
@@ -875,6 +936,7 @@ class LLM:
             out = self._live.get(rid)
             if out is not None:
                 by_rank.setdefault(out.attention_rank, []).append(rid)
+                self._aborted.add(rid)
         for rank, rids in by_rank.items():
             self._to_rank[rank].put(("abort", rids))
 
@@ -937,6 +999,8 @@ class LLM:
                 return
             if msg[0] == "step":
                 _, rank, (ids, tokens, done, logprobs), record = msg
+                if rank in self._moved:  # (late words of a lost rank: its requests moved)
+                    continue
                 self._apply_step(rank, ids, tokens, done, logprobs, record, progress, finished)
                 return
 
@@ -967,7 +1031,7 @@ class LLM:
                         continue
                     if hit:
                         if watch.hit[0] == len(out.token_ids) and new:  # (it just appeared)
-                            self._to_rank[rank].put(("abort", [rid]))
+                            self._to_rank[out.attention_rank].put(("abort", [rid]))
                         continue  # (nothing past a stop string is reported)
                 if progress is not None:
                     progress.append((out, new))
@@ -983,6 +1047,8 @@ class LLM:
         for i, reason, metrics, error in done:
             rid = ids[i]
             out = live.pop(rid)
+            self._specs.pop(rid, None)
+            self._aborted.discard(rid)
             self._router.release(rank, len(out.prompt_token_ids) + len(out.token_ids))
             watch = stops.pop(rid, None)
             fault = faults.pop(rid, None)
@@ -1014,7 +1080,7 @@ class LLM:
         rank, finished with ``"error"`` when the rank's abort comes back."""
         self._faults[rid] = _front_end_fault(rid, stage, error)
         self._stops.pop(rid, None)
-        self._to_rank[rank].put(("abort", [rid]))
+        self._to_rank[self._live[rid].attention_rank].put(("abort", [rid]))
 
     def stream(
         self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
@@ -1139,15 +1205,17 @@ class LLM:
         if not self._procs:
             raise RuntimeError("this LLM is closed; create a new one")
         self._stats = {}
-        self._in_qs[0].put(("rebalance",))  # one rank asks; the control plane tells all
-        for q in self._to_rank[1 : self.config.parallel.attention_ranks]:
-            q.put(("wake",))
+        attention = [r for r in range(self.config.parallel.attention_ranks) if r not in self._lost]
+        asker = attention[0]  # one rank asks; the control plane tells all
+        self._to_rank[asker].put(("rebalance",))
+        for r in attention[1:]:
+            self._to_rank[r].put(("wake",))
         deadline = time.monotonic() + (
             self.config.parallel.timeout_s if timeout is None else timeout
         )
-        while 0 not in self._stats:
+        while asker not in self._stats:
             self._await_answer(deadline, "finish a rebalance")
-        return self._stats.pop(0).get("stats") or {}
+        return self._stats.pop(asker).get("stats") or {}
 
     def _await_answer(self, deadline: float, what: str) -> None:
         """Reads the ranks' messages until one came or ``deadline`` passed (then fails the

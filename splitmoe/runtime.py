@@ -493,10 +493,11 @@ def _survivable(me: _Rank, error: Exception) -> bool:
 
 
 def _recover(me: _Rank, error: Exception, channel: Channel) -> None:
-    """The survivors' side of losing expert ranks (fault tolerance): agree on who is left,
-    rejoin as a new world, re-place the lost experts and rebuild the data and control planes;
-    the caller then replays the interrupted step. Raises `RankLost` where the loss is not
-    survivable (an attention rank, or an expert that fits nowhere)."""
+    """The survivors' side of losing ranks (fault tolerance): agree on who is left, rejoin as a
+    new world, re-place the lost experts and rebuild the data and control planes; the caller
+    then replays the interrupted step (without a lost attention rank's part: its requests are
+    resumed elsewhere by the front end). Raises `RankLost` where the loss is not survivable (no
+    attention or no expert rank left, an expert that fits nowhere)."""
     t0 = time.monotonic()
     topo, par = me.topo, me.cfg.parallel
     logger.warning("%s: a peer failed (%s); recovering", topo.describe(), error)
@@ -511,15 +512,19 @@ def _recover(me: _Rank, error: Exception, channel: Channel) -> None:
     )
     lost = [r for r in range(topo.world_size) if r not in members]
     origin_lost = [me.members.ranks[r] for r in lost]
-    if any(r < topo.num_attention for r in lost):
-        raise RankLost(
-            f"attention rank(s) {origin_lost} lost: their requests are not recovered"
-        ) from error
-    placement = me.balance.placement.without([r - topo.num_attention for r in lost])
+    lost_attention = [r for r in lost if r < topo.num_attention]
+    lost_experts = [r - topo.num_attention for r in lost if r >= topo.num_attention]
+    if len(lost_attention) == topo.num_attention:
+        raise RankLost(f"every attention rank is lost ({origin_lost})") from error
+    if lost_experts and topo.num_expert == len(lost_experts):
+        raise RankLost(f"every expert rank is lost ({origin_lost})") from error
+    # (a lost attention rank's requests are the front end's to move: `LLM._resume_lost`)
+    placement = None if me.balance is None else me.balance.placement.without(lost_experts)
     new_par = replace(
         par,
-        expert_ranks=topo.num_expert - len(lost),
-        redundant_experts=placement.redundant,
+        attention_ranks=topo.num_attention - len(lost_attention),
+        expert_ranks=topo.num_expert - len(lost_experts),
+        redundant_experts=par.redundant_experts if placement is None else placement.redundant,
     )
     me.cfg = replace(me.cfg, parallel=new_par)
     rank = members.index(topo.rank)
@@ -539,18 +544,20 @@ def _recover(me: _Rank, error: Exception, channel: Channel) -> None:
     )
     old = me.balance
     me.connect(placement)
-    me.balance.keep_cost(old)
     read = 0
-    if me.topo.is_attention:
-        me.worker.experts = RemoteExperts(me.transport, me.worker.timeline, me.balance.balancer)
-    else:
-        read = me.worker.adopt(me.topo, me.transport, placement)
+    if old is not None:
+        me.balance.keep_cost(old)
+        if me.topo.is_attention:
+            me.worker.experts = RemoteExperts(me.transport, me.worker.timeline, me.balance.balancer)
+        else:
+            read = me.worker.adopt(me.topo, me.transport, placement)
     me.control()
     me.members.ranks = [me.members.ranks[r] for r in members]
     took = time.monotonic() - t0
     me.members.recoveries.append(
         {"lost": origin_lost, "members": list(me.members.ranks), "seconds": took,
-         "weights_read": read, "placement_version": placement.version}
+         "weights_read": read,
+         "placement_version": None if placement is None else placement.version}
     )  # fmt: skip
     logger.warning(
         "%s (was rank %d): recovered without rank(s) %s in %.2f s",

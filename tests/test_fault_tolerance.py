@@ -112,3 +112,42 @@ def test_expert_that_fits_nowhere_ends_the_job(tiny_ckpt):
     with pytest.raises(RankFailure, match="no survivor has a replica slot"):
         with cpu_llm(ckpt, 1, 2, fault_tolerance=True, timeout_s=20) as llm:
             _kill_mid_decode(llm, 2)
+
+
+@pytest.mark.parametrize("lost", [1, 0])
+def test_attention_rank_killed_mid_decode(tiny_ckpt, hf_ref, lost):
+    """2 attention + 2 expert ranks, one attention rank killed mid-decode (rank 0 too: the
+    membership's leader is then the next one): its requests resume on the other from their
+    prompt plus the tokens already streamed; every request finishes once with HF's greedy
+    tokens, each stream adds up to its output (no token repeated or missing), no KV block is
+    left held, and the job takes new requests after it."""
+    ckpt = tiny_ckpt("qwen3_moe")
+    with cpu_llm(ckpt, 2, 2, fault_tolerance=True, timeout_s=20) as llm:
+        outs, recovered_in = _kill_mid_decode(llm, lost)
+        after = llm.generate(PROMPTS[:4], GREEDY)  # (served by the survivor)
+        stats = llm.stats()
+        recoveries = llm.recoveries
+        health = llm.health
+    print(f"kill of attention rank {lost} -> next completed step: {recovered_in:.2f} s")
+    for p, out in zip(PROMPTS, outs.values()):
+        assert out.token_ids == hf_ref(ckpt, p, MAX_TOKENS)
+        assert out.finish_reason == "length" and out.metrics.num_output_tokens == MAX_TOKENS
+    for p, out in zip(PROMPTS, after):
+        assert out.token_ids == hf_ref(ckpt, p, MAX_TOKENS)
+    survivor = 1 - lost
+    assert all(out.attention_rank == survivor for out in after)
+    assert all(out.attention_rank == survivor for out in outs.values())  # (half were moved)
+    assert health == "ok"
+    assert [r["lost"] for r in recoveries] == [[lost]]
+    members = [r for r in range(4) if r != lost]
+    assert [s["rank"] for s in stats] == members
+    assert [s["role"] for s in stats] == ["attention", "expert", "expert"]
+    assert stats[0]["kv_blocks_used"] == 0 and stats[0]["running"] == 0
+
+
+def test_losing_every_attention_rank_ends_the_job(tiny_ckpt):
+    """With one attention rank, losing it leaves nobody to serve: `RankFailure`."""
+    ckpt = tiny_ckpt("qwen3_moe")
+    with pytest.raises(RankFailure, match="rank 0 \\(attention\\)"):
+        with cpu_llm(ckpt, 1, 2, fault_tolerance=True, timeout_s=20) as llm:
+            _kill_mid_decode(llm, 0)

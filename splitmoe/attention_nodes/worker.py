@@ -263,7 +263,10 @@ class AttentionWorker:
         schema = spec.params.json_schema
         if schema is not None and spec.request_id not in self._arrival_faults:
             try:
-                self.grammars[spec.request_id] = self._grammars().state(schema)
+                state = self._grammars().state(schema)
+                for token in spec.output_token_ids:  # (resumed: the grammar is that far)
+                    state.accept(token)
+                self.grammars[spec.request_id] = state
             except Exception as e:
                 self._arrival_faults[spec.request_id] = _fault(
                     self.rank, spec.request_id, "grammar", e

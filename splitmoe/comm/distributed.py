@@ -121,6 +121,17 @@ def rank_device(device_type: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+HOSTED_STORE = "splitmoe-store://"  # an init_method naming a store that a front end hosts
+
+
+def hosted_store(host: str, timeout: timedelta) -> tuple[dist.TCPStore, str]:
+    """A rendezvous store served by this process (a front end that spawns its ranks), and the
+    ``init_method`` that makes `init_groups` join it as a client: with fault tolerance, so that
+    losing rank 0 (where ``tcp://`` puts the store) does not take the store with it."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    return store, f"{HOSTED_STORE}{host}:{store.port}"
+
+
 def init_groups(
     rank: int,
     world_size: int,
@@ -185,6 +196,12 @@ def _join(
     use_nccl = device.type == "cuda" and local_world_size <= torch.cuda.device_count()
     backend = "nccl" if use_nccl else "gloo"
     kwargs = {"device_id": device} if use_nccl else {}
+    if store is None and init_method.startswith(HOSTED_STORE):
+        # the rendezvous store lives in the process that started the ranks (`hosted_store`),
+        # not in rank 0: the job's recoveries meet on it whichever rank is lost
+        host, _, port = init_method[len(HOSTED_STORE) :].rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        base_store = store if fault_tolerance else None
     if store is not None:
         kwargs["store"] = store
     else:

@@ -25,6 +25,9 @@ class RequestSpec:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    # tokens it generated already on an attention rank that was lost (fault tolerance): the
+    # request resumes here as a preempted one does, computing prompt + these before the next
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Request:
     def __post_init__(self) -> None:
         p = self.spec.params
         self.prompt_len = len(self.spec.prompt_token_ids)
+        self.output_token_ids = list(self.spec.output_token_ids)
         self._stop_ids = frozenset(p.stop_token_ids) | (
             frozenset() if p.ignore_eos else frozenset(self.eos_token_ids)
         )

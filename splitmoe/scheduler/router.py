@@ -25,9 +25,15 @@ class LeastLoadRouter:
         self.load = [0] * num_ranks
         self.capacity = capacity  # blocks remembered per rank (0: no prefix awareness)
         self._prefixes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_ranks)]
+        self._ranks = list(range(num_ranks))  # the ranks still taking requests
+
+    def retire(self, rank: int) -> None:
+        """``rank`` takes no more requests (fault tolerance: it was lost)."""
+        if rank in self._ranks and len(self._ranks) > 1:
+            self._ranks.remove(rank)
 
     def pick(self, cost: int, hashes: Sequence[bytes] = ()) -> int:
-        ranks = range(len(self.load))
+        ranks = self._ranks
         rank = min(ranks, key=lambda r: (self.load[r], r))
         if hashes and self.capacity:
             close = self.load[rank] + max(cost, self.load[rank] // 4)

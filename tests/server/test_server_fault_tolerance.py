@@ -1,10 +1,10 @@
-"""`python -m splitmoe.serve --fault-tolerance`: an expert rank SIGKILLed while a client
-streams; the stream goes on to its last token, with the tokens of HF transformers' greedy run
+"""`python -m splitmoe.serve --fault-tolerance`: an expert rank, or the attention rank serving
+the stream, SIGKILLed while a client streams; the stream goes on to its last token, with the tokens of HF transformers' greedy run
 (those of a run without the failure), none repeated or missing; /health answers 200 throughout
 and /metrics counts the recovery.
 
 1 attention + 2 expert ranks with 8 replica slots (every expert on both expert ranks: losing
-either is covered by replicas), tiny Qwen3-MoE, float32.
+either is covered by replicas), or 2 attention + 1 expert ranks, tiny Qwen3-MoE, float32.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import signal
 
 import httpx
+import pytest
 from server_proc import Server, children
 from tiny_models import prompt_ids
 
@@ -37,16 +38,24 @@ def _spawned_in_start_order(pid: int) -> list[int]:
     return [p for _, p in sorted(ranks)]
 
 
-def test_stream_survives_expert_rank_kill(tiny_ckpt, hf_ref):
+@pytest.mark.parametrize(
+    "attention,experts,redundant,victim",
+    [
+        (1, 2, 8, 2),  # the last expert rank
+        (2, 1, 0, 0),  # the attention rank serving the stream: it resumes on the other one
+    ],
+)
+def test_stream_survives_a_rank_kill(tiny_ckpt, hf_ref, attention, experts, redundant, victim):
     ckpt = tiny_ckpt("qwen3_moe")
     srv = Server(
         ckpt,
-        "--attention-ranks", "1", "--expert-ranks", "2", "--redundant-experts", "8",
-        "--fault-tolerance", "--timeout", "20",
+        "--attention-ranks", str(attention), "--expert-ranks", str(experts),
+        "--redundant-experts", str(redundant), "--fault-tolerance", "--timeout", "20",
     )  # fmt: skip
     try:
         ranks = _spawned_in_start_order(srv.proc.pid)
         assert len(ranks) == 3, ranks
+        killed = False
         prompt = prompt_ids(7, seed=4242)
         body = {
             "model": str(ckpt), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -65,8 +74,9 @@ def test_stream_survives_expert_rank_kill(tiny_ckpt, hf_ref):
                     chunk = json.loads(line[6:])
                     assert "error" not in chunk, chunk
                     tokens += chunk["choices"][0].get("token_ids") or []
-                    if len(tokens) >= 4 and len(ranks) == 3:
-                        os.kill(ranks.pop(), signal.SIGKILL)  # the last expert rank
+                    if len(tokens) >= 4 and not killed:
+                        os.kill(ranks[victim], signal.SIGKILL)
+                        killed = True
                         health.append(http.get(srv.url + "/health"))
             health.append(http.get(srv.url + "/health"))
         assert tokens == hf_ref(ckpt, prompt, MAX_TOKENS)
