@@ -315,7 +315,7 @@ class _QueueChannel:
         self.out.put(("ready", self.rank, topo.role))
 
     def recovered(self, membership: dict) -> None:
-        """The job lost expert ranks and goes on (fault tolerance): its new membership."""
+        """The job lost ranks and goes on (fault tolerance): its new membership."""
         self.out.put(("recovered", self.rank, membership))
 
 
@@ -817,7 +817,7 @@ class LLM:
 
     @property
     def health(self) -> str:
-        """``"ok"``, or ``"degraded"`` while the job recovers from a lost expert rank (fault
+        """``"ok"``, or ``"degraded"`` while the job recovers from a lost rank (fault
         tolerance): from when this front end saw the rank exit until its peers report that
         they go on without it."""
         recovered = {r for rec in self._recoveries for r in rec["lost"]}
@@ -825,7 +825,7 @@ class LLM:
 
     @property
     def recoveries(self) -> list[dict]:
-        """Each recovery from lost expert ranks (fault tolerance), as the ranks reported it:
+        """Each recovery from lost ranks (fault tolerance), as the ranks reported it:
         ``lost`` and ``members`` (ranks as at start-up), ``seconds`` (from the failure to the
         rebuilt job, on the reporting rank), ``weights_read`` (that rank's (layer, slot)
         weights read again from the checkpoint), ``placement_version``."""

@@ -239,7 +239,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         engine = state.engine
-        if engine.state == "ready":  # (degraded: recovering from a lost expert rank, serving)
+        if engine.state == "ready":  # (degraded: recovering from a lost rank, serving)
             return JSONResponse({"status": "ok" if engine.health == "ready" else engine.health})
         body = {"status": engine.state}
         if engine.public_error:

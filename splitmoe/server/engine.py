@@ -143,8 +143,8 @@ class AsyncEngine:
 
     @property
     def health(self) -> str:
-        """`state`, but ``"degraded"`` while a fault-tolerant job recovers from a lost expert
-        rank (`LLM.health`): it keeps serving meanwhile."""
+        """`state`, but ``"degraded"`` while a fault-tolerant job recovers from a lost rank
+        (`LLM.health`): it keeps serving meanwhile."""
         llm = self.llm
         if self.state == "ready" and llm is not None and llm.health != "ok":
             return llm.health
@@ -192,7 +192,7 @@ class AsyncEngine:
                 progress = llm.poll(_IDLE_POLL_S, every_step=self._streaming > 0)
                 if progress:
                     self._deliver(progress)
-                recoveries = llm.recoveries  # (fault tolerance: lost expert ranks)
+                recoveries = llm.recoveries  # (fault tolerance: lost ranks)
                 if len(recoveries) > self._recoveries_seen:
                     for rec in recoveries[self._recoveries_seen :]:
                         logger.warning("recovered without rank(s) %s", rec["lost"])

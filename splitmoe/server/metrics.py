@@ -103,8 +103,8 @@ class ServerMetrics:
             "kv_transfer_bandwidth_bytes_per_second",
             "Bytes pulled over the seconds spent pulling, since start-up (0 before any)",
         )
-        # fault tolerance (docs/fault_tolerance.md): recoveries from a lost expert rank
-        self.recoveries = counter("recoveries", "Recoveries from a lost expert rank")
+        # fault tolerance (docs/fault_tolerance.md): recoveries from a lost rank
+        self.recoveries = counter("recoveries", "Recoveries from a lost rank")
         self.recovery_time = histogram(
             "recovery_time_seconds",
             "A recovery on attention rank 0: from the failure seen to the job rebuilt",
@@ -114,7 +114,7 @@ class ServerMetrics:
         self._scraped: tuple[tuple, bytes] | None = None
 
     def recovered(self, seconds: float) -> None:
-        """Counts a recovery from a lost expert rank (the engine thread calls this)."""
+        """Counts a recovery from a lost rank (the engine thread calls this)."""
         self.recoveries.labels(**self._label).inc()
         self.recovery_time.labels(**self._label).observe(seconds)
         self._scraped = None  # (the next scrape shows it)
