@@ -522,6 +522,11 @@ class KVTransferConfig:
     kv_transfer_timeout: float = option(
         30.0, "seconds a prefill instance keeps a request's blocks for its decode instance"
     )
+    kv_trusted_agents: str = option(
+        "127.0.0.0/8,::1,localhost",
+        "networks (CIDR) or host names whose KV agents a decode instance may read from, "
+        "comma-separated ('*': any); requests naming others are refused",
+    )
 
     def __post_init__(self) -> None:
         if self.kv_role not in ("prefill", "decode", "both"):
@@ -536,6 +541,9 @@ class KVTransferConfig:
             raise ValueError(f"kv_host={self.kv_host!r} must be a host name or address")
         if not self.kv_transfer_timeout > 0:
             raise ValueError(f"kv_transfer_timeout={self.kv_transfer_timeout!r} must be > 0")
+        from splitmoe.kv_transfer import trusted_agents
+
+        trusted_agents(self.kv_trusted_agents)  # (raises on a malformed list)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from splitmoe.config import EngineConfig
+from splitmoe.kv_transfer import check_remote_agents
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.tokenizer import Tokenizer
 
@@ -61,6 +62,9 @@ def check_request(i: int, ids: list[int], params: SamplingParams, cfg: EngineCon
             f"at most {limit - 1} tokens"
         )
     params.check_vocab(vocab)
+    kv = params.kv_transfer_params
+    if kv is not None and kv.do_remote_prefill:
+        check_remote_agents(kv.remote_agents, cfg.kv_transfer.kv_trusted_agents)
     if params.json_schema is not None:
         from splitmoe.attention_nodes.grammar import check_json_schema  # (xgrammar: when used)
 

@@ -17,6 +17,8 @@ where they are goes through a small side channel (`agent.KVAgent`): one JSON lin
 from __future__ import annotations
 
 import hashlib
+import ipaddress
+import re
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -73,6 +75,48 @@ class KVTransferParams:
         if "transfer_id" not in value:
             raise ValueError("kv_transfer_params.transfer_id is required")
         return cls(**value)
+
+
+def trusted_agents(spec: str) -> tuple[list, set[str]] | None:
+    """``kv_trusted_agents`` parsed: (networks, host names), or None for ``"*"`` (any)."""
+    if not isinstance(spec, str):
+        raise ValueError(f"kv_trusted_agents={spec!r} must be a comma-separated string")
+    if spec.strip() == "*":
+        return None
+    nets, names = [], set()
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        try:
+            nets.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", item):
+                raise ValueError(
+                    f"kv_trusted_agents: {item!r} is no network or host name"
+                ) from None
+            names.add(item.lower())
+    return nets, names
+
+
+def check_remote_agents(agents: Sequence[str], trusted: str) -> None:
+    """Refuses a request whose ``remote_agents`` name a host outside ``kv_trusted_agents``: a
+    decode instance connects to them and reads from them, so a client must not be able to
+    point it anywhere (the router is the one that names them)."""
+    allowed = trusted_agents(trusted)
+    if allowed is None:
+        return
+    nets, names = allowed
+    for agent in agents:
+        host = agent.rpartition(":")[0].strip("[]")
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            ok = host.lower() in names
+        else:
+            ok = any(addr in n for n in nets)
+        if not ok:
+            raise ValueError(
+                f"kv_transfer_params.remote_agents: {agent!r} is not among this instance's "
+                f"kv_trusted_agents ({trusted})"
+            )
 
 
 def transfer_key(transfer_id: str, prompt_token_ids: Sequence[int]) -> str:

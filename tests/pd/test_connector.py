@@ -240,6 +240,23 @@ def test_transfer_params_are_checked():
     assert transfer_key("t", [1, 2]) != transfer_key("t", [1, 3])
 
 
+def test_remote_agents_must_be_trusted():
+    """A client cannot point a decode instance's reads at any host: only the networks or names
+    of ``kv_trusted_agents`` (loopback by default) pass, before any work starts."""
+    from splitmoe.kv_transfer import check_remote_agents
+
+    check_remote_agents(["127.0.0.1:5000", "localhost:1", "[::1]:7"], "127.0.0.0/8,::1,localhost")
+    for agent in ("10.1.2.3:80", "169.254.169.254:80", "evil.example:443"):
+        with pytest.raises(ValueError, match="kv_trusted_agents"):
+            check_remote_agents([agent], "127.0.0.0/8,::1,localhost")
+    check_remote_agents(["10.1.2.3:80", "node-7:9"], "10.0.0.0/8, node-7")
+    check_remote_agents(["169.254.169.254:80"], "*")
+    from splitmoe.config import KVTransferConfig
+
+    with pytest.raises(ValueError, match="no network or host name"):
+        KVTransferConfig(kv_trusted_agents="10.0.0.0/8,bad host")
+
+
 def test_roles_need_a_connector():
     from splitmoe.config import KVTransferConfig
 

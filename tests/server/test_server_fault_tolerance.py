@@ -1,7 +1,7 @@
 """`python -m splitmoe.serve --fault-tolerance`: an expert rank, or the attention rank serving
-the stream, SIGKILLed while a client streams; the stream goes on to its last token, with the tokens of HF transformers' greedy run
-(those of a run without the failure), none repeated or missing; /health answers 200 throughout
-and /metrics counts the recovery.
+the stream, SIGKILLed while a client streams; the stream goes on to its last token, with the
+tokens of HF transformers' greedy run (those of a run without the failure), none repeated or
+missing; /health answers 200 throughout and /metrics counts the recovery.
 
 1 attention + 2 expert ranks with 8 replica slots (every expert on both expert ranks: losing
 either is covered by replicas), or 2 attention + 1 expert ranks, tiny Qwen3-MoE, float32.
