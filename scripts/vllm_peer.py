@@ -37,6 +37,10 @@ def main() -> None:
         max_model_len=req["max_model_len"],
         skip_tokenizer_init=True,
         seed=0,
+        # on the CPU backend the fraction of the host's memory that vLLM reserves (KV cache):
+        # its default (0.92) fails to start when anything else holds a few GiB, and a peer
+        # with a smaller cache than ours would not be slower for it at these sizes
+        gpu_memory_utilization=req.get("memory_fraction", 0.5),
     )
     startup = time.perf_counter() - t0
 
