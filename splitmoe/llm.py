@@ -37,7 +37,7 @@ from splitmoe.config import EngineConfig, engine_config
 from splitmoe.inputs import broadcast_params, check_request, normalize_prompts
 from splitmoe.metrics import ServingMetrics, StepRecord, summarize
 from splitmoe.outputs import RequestOutput, StreamDelta, request_error
-from splitmoe.runtime import Inbox, run_rank
+from splitmoe.runtime import Inbox, rank_openmp_env, run_rank
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.scheduler.block_manager import block_hashes
 from splitmoe.scheduler.request import RequestSpec
@@ -668,18 +668,18 @@ class LLM:
         where = (job.local_rank, job.local_world_size) if job else (None, None)
         readers = []
         bell_reader, bell = ctx.Pipe(duplex=False)  # (shared by the ranks: see `_Outbox`)
-        for rank in range(local):
-            reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_rank_main,
-                args=(cfg, rank, init_method, self._in_qs[rank], writer, bell, *where),
-                name=f"splitmoe-rank{rank}",
-                daemon=True,
-            )
-            p.start()
-            writer.close()  # (the rank has its own copy: its exit closes the pipe)
-            readers.append(reader)
-            self._procs.append(p)
+        # (a spawned process takes this process's environment as it is when it starts)
+        omp = rank_openmp_env(cfg, job.local_world_size if job else W)
+        saved = {k: os.environ.get(k) for k in omp}
+        os.environ.update(omp)
+        try:
+            self._spawn(ctx, cfg, local, init_method, bell, where, readers)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         bell.close()
         self._out = _Inboxes(readers, bell_reader)
         self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._in_qs)
@@ -695,6 +695,21 @@ class LLM:
             msg = self._next_message(deadline, "start-up")
             if msg[0] == "ready":
                 ready += 1
+
+    def _spawn(self, ctx, cfg, local: int, init_method: str, bell, where, readers) -> None:
+        """Starts this process's ranks, each with a pipe for its messages (into ``readers``)."""
+        for rank in range(local):
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_rank_main,
+                args=(cfg, rank, init_method, self._in_qs[rank], writer, bell, *where),
+                name=f"splitmoe-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            writer.close()  # (the rank has its own copy: its exit closes the pipe)
+            readers.append(reader)
+            self._procs.append(p)
 
     def _role(self, rank: int) -> str:
         return "attention" if rank < self.config.parallel.attention_ranks else "expert"
