@@ -14,6 +14,6 @@ def test_rank_threads_share_what_the_front_end_leaves():
 
 
 def test_default_and_bad_value(tmp_path, capsys):
-    assert build_parser().parse_args(["--model", str(tmp_path)]).frontend_cores == 1
+    assert build_parser().parse_args(["--model", str(tmp_path)]).frontend_cores == 0
     assert main(["--model", str(tmp_path), "--frontend-cores", "-1"]) == 2
     assert "--frontend-cores -1 must be >= 0" in capsys.readouterr().err
