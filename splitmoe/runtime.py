@@ -415,6 +415,7 @@ def _loop(me: _Rank, channel: Channel, shared_gpu: bool = False) -> None:
             channel.send_stats(
                 {"rank": me.origin, "role": topo.role, "timeline": worker.timeline.export()}
             )
+        freed = False  # (KV blocks that a finished transfer gave back: counters changed)
         if replay is not None:
             row = replay
         elif topo.is_attention:
@@ -424,7 +425,9 @@ def _loop(me: _Rank, channel: Channel, shared_gpu: bool = False) -> None:
                     channel.emit(refused, None)
                 if inbox.aborts:
                     channel.emit(worker.abort(inbox.aborts), None)
+                released = worker.kv_releases
                 tokens = worker.plan()
+                freed = worker.kv_releases != released
             row = (tokens, channel.closed and not worker.has_work)
         else:
             row = (0, True)
@@ -433,7 +436,7 @@ def _loop(me: _Rank, channel: Channel, shared_gpu: bool = False) -> None:
         blob = b"" if mail is None else pickle.dumps(mail, pickle.HIGHEST_PROTOCOL)
         due = False
         if publication is not None:
-            publication.note(False, urgent=bool(inbox.requests or inbox.aborts))
+            publication.note(False, urgent=bool(inbox.requests or inbox.aborts or freed))
             due = publication.due(time.monotonic())
         try:
             with worker.timeline.span("sync", "wait"):

@@ -207,6 +207,12 @@ class AttentionWorker:
         return self.scheduler.has_work
 
     @property
+    def kv_releases(self) -> int:
+        """Parked prompts' blocks freed so far (prefill side): an idle rank frees them too,
+        and must then publish its counters."""
+        return self.scheduler.kv_releases
+
+    @property
     def only_transfers(self) -> bool:
         """Its only work is KV being read from a prefill instance (`Scheduler.only_transfers`)."""
         return self.scheduler.only_transfers

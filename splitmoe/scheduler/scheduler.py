@@ -69,6 +69,7 @@ class Scheduler:
         self.kv_pull_failures = 0
         # requests whose prompt KV is being read, with the transfer's future (`_start_pull`)
         self.pulling: list[tuple[Request, Future]] = []
+        self.kv_releases = 0  # parked entries whose blocks came back (`_free_released`)
 
     def add(self, spec: RequestSpec) -> Request:
         req = Request(spec, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
@@ -249,6 +250,7 @@ class Scheduler:
     def _free_released(self) -> None:
         """Frees the blocks that prefill-side transfers are done with (or that expired)."""
         for tables in self.kv_connector.take_released():
+            self.kv_releases += 1
             self.blocks.free(tables[0])
             if self.window_blocks is not None and len(tables) > 1:
                 self.window_blocks.free(tables[1])
