@@ -94,9 +94,16 @@ def test_torchrun_rank0_serves_two_attention_ranks(tiny_ckpt, hf_ref, tmp_path):
         )
         choices = sorted(r.json()["choices"], key=lambda c: c["index"])
         assert [c["token_ids"] for c in choices] == [hf_ref(ckpt, p, 8) for p in prompts]
-        text = httpx.get(url + "/metrics", timeout=30).text
-        cached = _gauges(text, "splitmoe:prefix_cache_blocks")
-        assert set(cached) == {"0", "1"} and all(v > 0 for v in cached.values()), cached
+        # (each rank's counters are published about a second after they change, rank 1's
+        # relayed through rank 0's step sync: poll until both show the prompts' blocks)
+        deadline = time.monotonic() + 15
+        while True:
+            text = httpx.get(url + "/metrics", timeout=30).text
+            cached = _gauges(text, "splitmoe:prefix_cache_blocks")
+            if set(cached) == {"0", "1"} and all(v > 0 for v in cached.values()):
+                break
+            assert time.monotonic() < deadline, cached
+            time.sleep(0.3)
         assert _gauges(text, "splitmoe:expert_rank_tokens")["2"] > 0
         # streamed, both ranks busy at once: tokens relayed from rank 1 as they come
         with httpx.Client(timeout=60) as client:
