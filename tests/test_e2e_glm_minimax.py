@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from tiny_models import prompt_ids
+from tiny_models import cpu_llm, prompt_ids
 
 from splitmoe import LLM, SamplingParams
 from splitmoe.config import ModelConfig
@@ -35,18 +35,16 @@ def _check(outs, ckpt, hf_ref):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replicas_balancer_two_phase_micro_batches(family, tiny_ckpt, hf_ref):
     ckpt = tiny_ckpt(family)
-    with LLM(
-        str(ckpt),
-        attention_ranks=2,
-        expert_ranks=2,
+    with cpu_llm(
+        ckpt,
+        2,
+        2,
         redundant_experts=3,
         balancer="global",
         transport="two_phase",
         ranks_per_node=2,
         micro_batches=2,
         max_num_batched_tokens=16,
-        dtype="float32",
-        device="cpu",
     ) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
         load = llm.expert_load()
@@ -87,7 +85,7 @@ def test_minimax_m2_fp8_release_format(tiny_ckpt, hf_ref, tmp_path):
     fp8, dequant = quantize_fp8_checkpoint(
         tiny_ckpt("minimax_m2"), tmp_path / "fp8", tmp_path / "dequant", block=(16, 16)
     )
-    with LLM(str(fp8), attention_ranks=1, expert_ranks=1, dtype="float32", device="cpu") as llm:
+    with cpu_llm(fp8, 1, 1) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
     _check(outs, dequant, hf_ref)
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
-from tiny_models import prompt_ids
+from tiny_models import cpu_llm, prompt_ids
 
-from splitmoe import LLM, SamplingParams
+from splitmoe import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -18,14 +18,7 @@ def test_long_prompt_is_chunked_while_others_keep_decoding(tiny_ckpt, hf_ref):
     ckpt = tiny_ckpt("qwen3_moe")
     short = [prompt_ids(3, seed=50), prompt_ids(4, seed=51)]
     long = prompt_ids(60, seed=52)
-    with LLM(
-        str(ckpt),
-        attention_ranks=1,
-        expert_ranks=1,
-        device="cpu",
-        dtype="float32",
-        max_num_batched_tokens=8,
-    ) as llm:
+    with cpu_llm(ckpt, 1, 1, max_num_batched_tokens=8) as llm:
         llm.reset_metrics()
         # (long enough to outlast the prefill even when the ranks run far ahead of this
         # process's polls: at 40 tokens, a slow first poll let them finish during it)
@@ -57,15 +50,7 @@ def test_small_pool_preempts_and_every_request_completes_exactly(tiny_ckpt, hf_r
     ckpt = tiny_ckpt("qwen2_moe")
     prompts = [prompt_ids(n, seed=60 + n) for n in (5, 9, 13, 7, 3, 11)]
     # 10 blocks x 4 tokens = 40 slots; the six requests need ~100 together, 24 at most alone
-    with LLM(
-        str(ckpt),
-        attention_ranks=1,
-        expert_ranks=2,
-        device="cpu",
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=10,
-    ) as llm:
+    with cpu_llm(ckpt, 1, 2, block_size=4, num_kv_blocks=10) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
         m = llm.metrics()
     assert m.num_preemptions > 0 and m.kv_usage_max == 1.0
@@ -77,7 +62,7 @@ def test_small_pool_preempts_and_every_request_completes_exactly(tiny_ckpt, hf_r
 def test_requests_spread_over_attention_ranks(tiny_ckpt, hf_ref):
     ckpt = tiny_ckpt("mixtral")
     prompts = [prompt_ids(n, seed=70 + i) for i, n in enumerate((30, 2, 3, 2, 28, 4, 3, 2))]
-    with LLM(str(ckpt), attention_ranks=2, expert_ranks=1, device="cpu", dtype="float32") as llm:
+    with cpu_llm(ckpt, 2, 1) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
         steps = llm.step_records
         # every token a request added to its rank's load went back when it finished: the next
@@ -94,7 +79,7 @@ def test_requests_spread_over_attention_ranks(tiny_ckpt, hf_ref):
 
 def test_request_that_can_never_fit_is_rejected_up_front(tiny_ckpt):
     ckpt = tiny_ckpt("qwen3_moe")
-    with LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, num_kv_blocks=4) as llm:
+    with cpu_llm(ckpt, 1, 0, block_size=4, num_kv_blocks=4) as llm:
         with pytest.raises(ValueError, match="more than the whole KV pool of 4 blocks x 4"):
             llm.generate([prompt_ids(10, seed=1)], SamplingParams(max_tokens=10))
         ok = llm.generate([prompt_ids(10, seed=1)], SamplingParams(max_tokens=7, **GREEDY))
@@ -104,7 +89,7 @@ def test_request_that_can_never_fit_is_rejected_up_front(tiny_ckpt):
 def test_stream_and_metrics_are_consistent(tiny_ckpt):
     ckpt = tiny_ckpt("olmoe")
     prompts = ["hello world", "abc"]
-    with LLM(str(ckpt), attention_ranks=1, expert_ranks=1, device="cpu", dtype="float32") as llm:
+    with cpu_llm(ckpt, 1, 1) as llm:
         t0 = time.time()
         tokens = {0: [], 1: []}
         texts = {0: "", 1: ""}
