@@ -668,18 +668,15 @@ class LLM:
         where = (job.local_rank, job.local_world_size) if job else (None, None)
         readers = []
         bell_reader, bell = ctx.Pipe(duplex=False)  # (shared by the ranks: see `_Outbox`)
-        # (a spawned process takes this process's environment as it is when it starts)
+        # (a spawned process takes this process's environment as it is when it starts; the
+        # variables are set only where the user has not set them)
         omp = rank_openmp_env(cfg, job.local_world_size if job else W)
-        saved = {k: os.environ.get(k) for k in omp}
         os.environ.update(omp)
         try:
             self._spawn(ctx, cfg, local, init_method, bell, where, readers)
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            for k in omp:
+                os.environ.pop(k, None)
         bell.close()
         self._out = _Inboxes(readers, bell_reader)
         self._finalizer = weakref.finalize(self, _kill_all, list(self._procs), self._in_qs)
@@ -802,17 +799,12 @@ class LLM:
         self._router.retire(rank)
         moved: dict[int, list[RequestSpec]] = {}
         again: dict[int, list[int]] = {}
-        bs = self.config.cache.block_size
         for rid, out in self._live.items():
             if out.attention_rank != rank:
                 continue
             spec = self._specs[rid]
             tokens = out.token_ids
-            cost = len(spec.prompt_token_ids) + len(tokens)
-            hashes = ()
-            if self._router.capacity:
-                hashes = block_hashes(spec.prompt_token_ids, bs, salt=spec.params.cache_salt)
-            new = self._router.pick(cost, hashes)
+            new = self._route(spec, len(spec.prompt_token_ids) + len(tokens))
             params = spec.params
             if params.kv_transfer_params is not None:  # (computed here: the pull is over)
                 params = replace(params, kv_transfer_params=None)
@@ -918,19 +910,16 @@ class LLM:
         now = time.time()
         batches: list[list[RequestSpec]] = [[] for _ in range(self.config.parallel.attention_ranks)]
         rids = []
-        route_by_prefix = self._router.capacity > 0
-        bs = self.config.cache.block_size
         for p, sp in zip(ids, params):
             rid = self._next_id
             self._next_id += 1
-            hashes = block_hashes(p, bs, salt=sp.cache_salt) if route_by_prefix else ()
-            rank = self._router.pick(len(p), hashes)
             spec = RequestSpec(rid, list(p), sp, now)
+            rank = self._route(spec, len(p))
             batches[rank].append(spec)
             self._specs[rid] = spec
             self._live[rid] = RequestOutput(
                 request_id=rid,
-                prompt_token_ids=list(p),
+                prompt_token_ids=spec.prompt_token_ids,
                 attention_rank=rank,
                 logprobs=None if sp.logprobs is None else [],
             )
@@ -941,6 +930,15 @@ class LLM:
             if rank not in self._lost:  # idle ranks join the next step now
                 self._to_rank[rank].put(("add", batch) if batch else ("wake",))
         return rids
+
+    def _route(self, spec: RequestSpec, cost: int) -> int:
+        """The attention rank for ``spec`` (`LeastLoadRouter`: least load, then the likeliest
+        cached prefix when prefix caching routes), charged ``cost`` tokens."""
+        hashes = ()
+        if self._router.capacity:
+            bs = self.config.cache.block_size
+            hashes = block_hashes(spec.prompt_token_ids, bs, salt=spec.params.cache_salt)
+        return self._router.pick(cost, hashes)
 
     def abort(self, request_ids: list[int]) -> None:
         """Stops these requests on their attention ranks, which free their KV blocks at once;

@@ -52,10 +52,11 @@ IDLE_POLL_S = 0.1
 # /proc read and a small pickle each time) to STATS_EVENT_S's rate however often requests come.
 # An idle job publishes nothing.
 STATS_PUBLISH_S = 1.0
+STATS_EVENT_S = 0.02
+
 # An attention rank whose only work is KV still arriving from a prefill instance checks for it
 # this often (and meanwhile for new requests) instead of spinning through empty steps.
 PULL_POLL_S = 0.002
-STATS_EVENT_S = 0.02
 
 
 @dataclass
@@ -402,9 +403,13 @@ def _loop(me: _Rank, channel: Channel, shared_gpu: bool = False) -> None:
     while True:
         topo, transport, balance, sync = me.topo, me.transport, me.balance, me.sync
         if replay is None:
-            idle = topo.is_attention and not (busy or worker.has_work)
-            pulling = topo.is_attention and not busy and worker.only_transfers
-            inbox = channel.poll(IDLE_POLL_S if idle else PULL_POLL_S if pulling else 0.0)
+            wait = 0.0
+            if topo.is_attention and not busy:  # (else a step is due at once)
+                if not worker.has_work:
+                    wait = IDLE_POLL_S
+                elif worker.only_transfers:
+                    wait = PULL_POLL_S
+            inbox = channel.poll(wait)
         else:  # (the planned step stands: nothing may change it before it runs again)
             inbox = Inbox()
         if inbox.stats_wanted:
