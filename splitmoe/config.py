@@ -543,6 +543,10 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_timeout={self.kv_transfer_timeout!r} must be > 0")
         from splitmoe.kv_transfer import trusted_agents
 
+        if not isinstance(self.kv_trusted_agents, str):
+            raise ValueError(
+                f"kv_trusted_agents={self.kv_trusted_agents!r} must be a comma-separated string"
+            )
         trusted_agents(self.kv_trusted_agents)  # (raises on a malformed list)
 
 

@@ -16,6 +16,7 @@ where they are goes through a small side channel (`agent.KVAgent`): one JSON lin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import re
@@ -77,10 +78,10 @@ class KVTransferParams:
         return cls(**value)
 
 
-def trusted_agents(spec: str) -> tuple[list, set[str]] | None:
-    """``kv_trusted_agents`` parsed: (networks, host names), or None for ``"*"`` (any)."""
-    if not isinstance(spec, str):
-        raise ValueError(f"kv_trusted_agents={spec!r} must be a comma-separated string")
+@functools.lru_cache(maxsize=16)
+def trusted_agents(spec: str) -> tuple[tuple, frozenset[str]] | None:
+    """``kv_trusted_agents`` parsed once per spec: (networks, host names), or None for ``"*"``
+    (any)."""
     if spec.strip() == "*":
         return None
     nets, names = [], set()
@@ -93,7 +94,7 @@ def trusted_agents(spec: str) -> tuple[list, set[str]] | None:
                     f"kv_trusted_agents: {item!r} is no network or host name"
                 ) from None
             names.add(item.lower())
-    return nets, names
+    return tuple(nets), frozenset(names)
 
 
 def check_remote_agents(agents: Sequence[str], trusted: str) -> None:
