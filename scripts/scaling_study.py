@@ -66,7 +66,7 @@ from splitmoe import LLM, SamplingParams  # noqa: E402
 from splitmoe.config import ModelConfig  # noqa: E402
 from splitmoe.metrics import summarize  # noqa: E402
 from splitmoe.models.default_model import default_model_path, realistic_model_path  # noqa: E402
-from splitmoe.sim.calibrate import decode_step_time  # noqa: E402
+from splitmoe.sim.calibrate import CALIBRATION_DTYPE, decode_step_time  # noqa: E402
 
 # axis -> (LLM keyword, default value); the default runs even when the keyword does not exist.
 OPTIONAL_AXES = {
@@ -355,6 +355,7 @@ def sweep(
                         LLM(
                             args.model,
                             device="cpu",
+                            dtype=CALIBRATION_DTYPE,  # (what the simulator's CPU profile models)
                             threads_per_rank=1,
                             max_num_seqs=max(64, *(n for n, _ in points)),
                             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -61,6 +61,25 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return max(my - b * mx, 0.0), b
 
 
+def _fit_nonnegative(rows: list[tuple[float, ...]], ys: list[float]) -> tuple[float, ...]:
+    """Least-squares ``y = row . c`` with every ``c >= 0``: the best unconstrained fit over each
+    subset of the columns (the others 0) that comes out non-negative (few columns: all subsets)."""
+    a, y = torch.tensor(rows, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
+    n = a.shape[1]
+    best, best_err = [0.0] * n, float(y.square().sum())
+    for mask in range(1, 2**n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        c = torch.linalg.lstsq(a[:, cols], y[:, None]).solution[:, 0]
+        if (c < 0).any():
+            continue
+        err = float((a[:, cols] @ c - y).square().sum())
+        if err < best_err:
+            best, best_err = [0.0] * n, err
+            for j, v in zip(cols, c.tolist()):
+                best[j] = v
+    return tuple(best)
+
+
 # ---- roofline ---------------------------------------------------------------------------------
 def measure_roofline() -> tuple[float, float]:
     """1-thread fp32 GEMM FLOP/s and copy bandwidth (bytes read + written per second)."""
@@ -157,23 +176,44 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     experts = LocalExperts(
         cfg, list(range(cfg.num_experts)), torch.float32, cpu, moe_backend("torch", cpu)
     )
-    x = torch.randn(32, cfg.hidden_size)
-    k = cfg.top_k
-    w = torch.full((32, k), 1.0 / k)
-    actives = [1, 2, 4, 8, cfg.num_experts]
-    ys = []
-    for n in actives:
-        ids = (torch.arange(32 * k) % n).view(32, k).int()  # [32, k] over n experts
-        with torch.inference_mode():
-            t = _median_time(lambda ids=ids: experts.compute(0, x, ids, w), inner=3)
-        ys.append(t - sim._experts(32 * k, n))  # all-zero overheads: the roofline part
-    moe_layer_s, expert_s = _fit_line(actives, ys)
+    # tokens routed at random over pools of a few experts or of all of them: the fixed,
+    # per-expert and per-pair costs apart (at one token count, the per-pair cost would pass for
+    # a fixed one and be paid again by every extra micro-batch). Each call draws its pool anew,
+    # so that the experts' weights stream from memory as in a model step (a pool kept from call
+    # to call stays in the cache).
+    k, E, g = cfg.top_k, cfg.num_experts, torch.Generator().manual_seed(0)
+    grid = []
+    for tokens in (1, 4, 8, 16, 32):
+        for pool in sorted({k, 2 * k, E}):
+            calls = []
+            for _ in range(8):
+                experts_of = torch.randperm(E, generator=g)[:pool]
+                ids = torch.stack(
+                    [experts_of[torch.randperm(pool, generator=g)[:k]] for _ in range(tokens)]
+                )
+                x, w = torch.randn(tokens, cfg.hidden_size), torch.full((tokens, k), 1.0 / k)
+                calls.append((x, ids.int(), w, len(set(ids.flatten().tolist()))))
+            active = statistics.mean(c[3] for c in calls)
+
+            def moe(calls=calls) -> None:
+                for layer in range(L):
+                    x, ids, w, _ = calls[layer % len(calls)]
+                    experts.compute(layer, x, ids, w)
+                calls.append(calls.pop(0))  # (the next call: other pools in each layer)
+
+            with torch.inference_mode():
+                t = _median_time(moe, repeats=9) / L
+            grid.append((active, tokens * k, t - sim._experts(tokens * k, active)))
+    moe_layer_s, expert_s, pair_s = _fit_nonnegative(
+        [(1.0, a, p) for a, p, _ in grid], [r for _, _, r in grid]
+    )
     return dict(
         attn_layer_s=attn_layer_s,
         seq_layer_s=seq_layer_s,
         prefill_seq_layer_s=prefill_seq_layer_s,
         moe_layer_s=moe_layer_s,
         expert_s=expert_s,
+        pair_s=pair_s,
     )
 
 
@@ -188,6 +228,10 @@ CALIBRATION_RUNS = (
 )  # fmt: skip
 CALIBRATION_PROMPT = 16
 CALIBRATION_TOKENS = 32
+# The dtype the CPU profile models (its roofline and components are timed in float32): runs it
+# is fitted to or checked on must use it, not ``dtype="auto"`` (bfloat16 on CPUs that multiply
+# it natively, float32 elsewhere).
+CALIBRATION_DTYPE = "float32"
 
 
 def _solve(f, lo: float, hi: float, iters: int = 50) -> float:
@@ -210,7 +254,14 @@ def _scaled(hw: HardwareProfile, speed: float, step_s: float) -> HardwareProfile
     oh = hw.overheads
     per_layer = {
         k: getattr(oh, k) / speed
-        for k in ("attn_layer_s", "seq_layer_s", "prefill_seq_layer_s", "moe_layer_s", "expert_s")
+        for k in (
+            "attn_layer_s",
+            "seq_layer_s",
+            "prefill_seq_layer_s",
+            "moe_layer_s",
+            "expert_s",
+            "pair_s",
+        )
     }
     return replace(
         hw,
@@ -351,7 +402,8 @@ def measure_calibration_runs(
     topologies = sorted({(a, e, m) for a, e, _, m in CALIBRATION_RUNS if a + e <= max_world})
     for a, e, m in topologies:
         with LLM(str(checkpoint), attention_ranks=a, expert_ranks=e, micro_batches=m,
-                 device="cpu", threads_per_rank=1, timeout_s=120) as llm:  # fmt: skip
+                 device="cpu", dtype=CALIBRATION_DTYPE, threads_per_rank=1,
+                 timeout_s=120) as llm:  # fmt: skip
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
             for key in CALIBRATION_RUNS:
                 if (key[0], key[1], key[3]) != (a, e, m):

@@ -39,6 +39,9 @@ class Overheads:
     moe_layer_s: per MoE layer where experts run (sort, scatter, launches);
     expert_s: per activated expert and layer (one GEMM pair per expert on the reference path;
         ~0 for one grouped-GEMM kernel);
+    pair_s: per (token, expert) pair an expert rank computes, per layer, beyond the roofline:
+        gathering and scattering its rows, and GEMMs of a few rows running below the peak that
+        a large square GEMM measures (0 where the roofline's efficiencies already hold);
     collective_s: one collective call between ``w`` ranks costs
         ``collective_s[min(w, len) - 1] + collective_slope_s * max(0, w - len)`` (index 0: w = 1);
     wake_s: where rank processes outnumber the cores (`contention` > 1), the latency of waking
@@ -65,6 +68,7 @@ class Overheads:
     prefill_seq_layer_s: float = 0.0
     moe_layer_s: float = 0.0
     expert_s: float = 0.0
+    pair_s: float = 0.0
     collective_s: tuple[float, ...] = (0.0,)
     collective_slope_s: float = 0.0
     wake_s: float = 0.0

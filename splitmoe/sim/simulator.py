@@ -309,7 +309,10 @@ class Simulator:
         flops = 2 * pairs * m.expert_params
         nbytes = active * m.expert_params * self.expert_wbytes * self.weight_reads
         return (
-            oh.moe_layer_s + oh.expert_s * active + self.ehw.gemm_s(flops, nbytes, self.expert_fp8)
+            oh.moe_layer_s
+            + oh.expert_s * active
+            + oh.pair_s * pairs
+            + self.ehw.gemm_s(flops, nbytes, self.expert_fp8)
         )
 
     def _comm(self, dep: Deployment, tokens_per_rank: float, load, wakes: float = 0.0) -> float:
