@@ -17,11 +17,15 @@ depends on the model, the batch and the machine, so the count is predicted from 
 * with ``m`` micro-batches circulating between the attention ranks and the experts, a layer takes
   the longest of each side's total and one micro-batch's round trip (a closed loop of two
   servers), so a step's forward takes ``max(A, E, (A + E + X) / m)``; times that prediction the
-  ratio measured over predicted seen at that count (the model leaves out what it does not know,
-  such as ranks that share cores and cannot overlap at all);
-* the fastest predicted count runs, a larger one only where it is more than `MARGIN` faster;
-* a count in `EXPLORE` not run for `EXPLORE_EVERY` steps is run once, so a wrong early estimate
-  (or a workload that changed) is corrected.
+  smallest ratio of measured over predicted of the last steps run at that count with about as
+  many tokens (up to `RATIO_SAMPLES`, the same power-of-two bucket of T: a prefill chunk and a
+  decode step differ in what the model leaves out, such as context length or ranks that share
+  cores and cannot overlap at all); the smallest, because on a shared host a step is slowed by
+  tens of percent now and then, never sped up;
+* each count in `EXPLORE` first runs `MIN_SAMPLES` steps of a bucket (in turn), then the
+  fastest predicted count runs, a larger one only where it is more than `MARGIN` faster;
+* a count in `EXPLORE` not run in a bucket for `EXPLORE_EVERY` steps is run once, so a wrong
+  early estimate (or a workload that changed) is corrected.
 
 The chooser is deterministic given the shared numbers: plain Python floats in a fixed order.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import median
 
 from splitmoe.config import ParallelConfig
 from splitmoe.timeline import StepTimes
@@ -38,8 +43,9 @@ from splitmoe.timeline import StepTimes
 CANDIDATES = (1, 2, 3, 4)  # counts the model predicts; more split decode batches too thin
 EXPLORE = (1, 2)  # counts kept measured, so that the model always has both
 EXPLORE_EVERY = 32  # steps; an exploring step costs at most one step's difference in 32
+MIN_SAMPLES = 3  # steps of each explored count in a bucket before the model chooses
 WINDOW = 32  # steps the model is fitted to: long enough to see both counts, short to adapt
-RATIO_WEIGHT = 0.3  # weight of the newest step in a count's measured / predicted ratio
+RATIO_SAMPLES = 8  # a count's last steps in a bucket, whose measured / predicted median corrects
 # A count beats a smaller one only when predicted this much faster: within it the two are a tie
 # (the measurements are noisy), and fewer micro-batches pay less per-micro-batch overhead.
 MARGIN = 0.03
@@ -94,8 +100,9 @@ class MicroBatchChooser:
         self.shared_gpu = shared_gpu
         self.samples: deque[StepSample] = deque(maxlen=WINDOW)
         self.steps = 0  # steps chosen for
-        self.last_run: dict[int, int] = {}  # count -> the step it last ran at
-        self.ratio: dict[int, float] = {}  # count -> measured / predicted forward time
+        self.last_run: dict[tuple[int, int], int] = {}  # (bucket, count) -> the step it last ran
+        # (bucket, count) -> the last steps run at that count with about as many tokens
+        self.recent: dict[tuple[int, int], deque[StepSample]] = {}
         self.chosen: dict[int, int] = {}  # count -> steps run with it (stats)
         self._pending: tuple[int, tuple[int, ...]] | None = None  # (m, tokens) of the last step
         self._coeffs = ((0.0, 0.0),) * 3  # `_fit` of the samples
@@ -106,7 +113,7 @@ class MicroBatchChooser:
         if m is None:
             m = self._choose(tokens)
         self.steps += 1
-        self.last_run[m] = self.steps
+        self.last_run[_bucket(tokens), m] = self.steps
         self.chosen[m] = self.chosen.get(m, 0) + 1
         self._pending = (m, tuple(tokens))
         return m
@@ -123,22 +130,25 @@ class MicroBatchChooser:
             return
         self.samples.append(sample)
         self._coeffs = self._fit()
-        predicted = self.model_time(m, sample.max_tokens, sample.tokens)
-        if predicted > 0.0:
-            seen = sample.forward / predicted
-            old = self.ratio.get(m)
-            self.ratio[m] = seen if old is None else old + RATIO_WEIGHT * (seen - old)
+        key = (_bucket(tokens), m)
+        self.recent.setdefault(key, deque(maxlen=RATIO_SAMPLES)).append(sample)
 
     def predictions(self, tokens: Sequence[int]) -> list[Prediction]:
         """Every candidate count's predicted forward time for a step of ``tokens``."""
-        t_max, n = max(tokens), sum(tokens)
-        default = sum(self.ratio.values()) / len(self.ratio) if self.ratio else 1.0
+        t_max, n, b = max(tokens), sum(tokens), _bucket(tokens)
+        recent = {m: r for (bk, m), r in self.recent.items() if bk == b}
+        # as many of each count's last steps as the least measured explored count has, so
+        # that no count looks faster for having been run (and so measured) more often
+        last = min((len(r) for m, r in recent.items() if m in EXPLORE), default=RATIO_SAMPLES)
+        ratio = {m: self._ratio(list(r)[-max(1, last) :]) for m, r in recent.items()}
+        ratio = {m: r for m, r in ratio.items() if r is not None}
+        default = median(list(ratio.values())) if ratio else 1.0
         out = []
         for m in CANDIDATES:
             if m > max(t_max, 1):
                 break
             model = self.model_time(m, t_max, n)
-            out.append(Prediction(m, model, model * self.ratio.get(m, default)))
+            out.append(Prediction(m, model, model * ratio.get(m, default)))
         return out
 
     def model_time(self, m: int, max_tokens: int, tokens: int) -> float:
@@ -153,9 +163,14 @@ class MicroBatchChooser:
         return {"micro_batch_steps": {str(m): n for m, n in sorted(self.chosen.items())}}
 
     def _choose(self, tokens: Sequence[int]) -> int:
+        b = _bucket(tokens)
         fits = [m for m in EXPLORE if m <= max(tokens)]
-        # the count measured longest ago (never: first), when it is due
-        last = {m: self.last_run.get(m, -EXPLORE_EVERY) for m in fits}
+        seen = {m: len(self.recent.get((b, m), ())) for m in fits}
+        new = [m for m in fits if seen[m] < MIN_SAMPLES]
+        if new:  # (in turn, the least measured first)
+            return min(new, key=lambda m: (seen[m], m))
+        # the count measured longest ago, when it is due
+        last = {m: self.last_run.get((b, m), -EXPLORE_EVERY) for m in fits}
         due = [m for m in fits if self.steps + 1 - last[m] >= EXPLORE_EVERY]
         if due:
             return min(due, key=lambda m: (last[m], m))
@@ -164,6 +179,17 @@ class MicroBatchChooser:
             if p.corrected < best.corrected * (1.0 - MARGIN):
                 best = p
         return best.micro_batches
+
+    def _ratio(self, samples: list[StepSample]) -> float | None:
+        """The smallest measured over predicted forward time of ``samples`` (one count, one
+        bucket), by the model as it is now; None where it predicts nothing. The smallest: on a
+        shared host a step is slowed now and then (a rank loses its core), never sped up."""
+        r = []
+        for x in samples:
+            predicted = self.model_time(x.micro_batches, x.max_tokens, x.tokens)
+            if predicted > 0.0:
+                r.append(x.forward / predicted)
+        return min(r) if r else None
 
     def _fit(self) -> tuple[tuple[float, float], ...]:
         """(per token, per micro-batch) seconds of attention, experts and the exposed trip."""
@@ -178,6 +204,11 @@ class MicroBatchChooser:
             ]
         )
         return att, exp, trip
+
+
+def _bucket(tokens: Sequence[int]) -> int:
+    """The power-of-two bucket of a step's tokens on its busiest attention rank."""
+    return max(tokens).bit_length()
 
 
 def _fit_two(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
