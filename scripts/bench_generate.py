@@ -71,11 +71,18 @@ def open_splitmoe(
     )
 
 
+def micro_batch_steps(llm: LLM) -> dict[str, int]:
+    """Steps run so far per micro-batch count (rank 0's `LLM.stats`; every rank counts alike)."""
+    return dict(llm.stats()[0].get("micro_batch_steps", {}))
+
+
 def measure_splitmoe(llm: LLM, args, prompts) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    before = micro_batch_steps(llm)
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t
+    after = micro_batch_steps(llm)
     ttft = [o.metrics.ttft for o in outs]
     decode_time = max(o.metrics.e2e_latency for o in outs) - max(ttft)
     n = sum(len(o.token_ids) for o in outs)
@@ -87,6 +94,8 @@ def measure_splitmoe(llm: LLM, args, prompts) -> dict:
         decode_tok_s=len(outs) * (args.max_tokens - 1) / decode_time,
         output_tok_s=n / wall,
         metrics=llm.metrics(),
+        # the steps of this run per count (what ``micro_batches="auto"`` chose)
+        counts={m: n - before.get(m, 0) for m, n in after.items() if n > before.get(m, 0)},
     )
 
 
@@ -403,7 +412,15 @@ def main() -> None:
     if args.repeat > 1:
         for name in names:
             if len(runs[name]) > 1:
-                each = ", ".join(f"{r['decode_tok_s']:.0f}" for r in runs[name])
+                each = ", ".join(
+                    f"{r['decode_tok_s']:.0f}"
+                    + (
+                        " (" + " ".join(f"m{m}x{n}" for m, n in sorted(r["counts"].items())) + ")"
+                        if len(r.get("counts", {})) > 1
+                        else ""
+                    )
+                    for r in runs[name]
+                )
                 print(f"decode tok/s of each run, {name}: {each}")
     print(
         f"\nmodel {args.model} ({cfg.model_type}, {cfg.num_layers} layers, {cfg.num_experts} "

@@ -104,6 +104,19 @@ def test_a_slow_step_now_and_then_does_not_flip_the_choice():
         assert later.count(2) >= len(later) - len(later) // EXPLORE_EVERY - 2, seed
 
 
+def test_tied_counts_do_not_flip_step_after_step():
+    # m=1 and m=2 within 1% of each other, with noise: the chooser settles, switching rarely
+    tokens = (64,)
+    clean = _simulate(30e-3 / 64, 33e-3, 10e-3 / 64, 3e-3, tokens)
+    assert abs(clean(2)[0].total / clean(1)[0].total - 1) < 0.02
+    for seed in range(5):
+        chooser = MicroBatchChooser(ParallelConfig(1, 1))
+        counts = _run(chooser, _noisy(clean, seed), tokens, 4 * EXPLORE_EVERY)
+        later = counts[2 * MIN_SAMPLES :]
+        flips = sum(a != b for a, b in zip(later, later[1:]))
+        assert flips <= 2 * (len(later) // EXPLORE_EVERY) + 4, (seed, later)
+
+
 def test_prefill_steps_do_not_bend_the_decode_choice():
     # decode steps of 16 tokens where m=2 wins, between prefill chunks of 2048 tokens whose
     # time the per-token model gets badly wrong (long prompts: attention grows with the context)

@@ -23,7 +23,8 @@ depends on the model, the batch and the machine, so the count is predicted from 
   cores and cannot overlap at all); the smallest, because on a shared host a step is slowed by
   tens of percent now and then, never sped up;
 * each count in `EXPLORE` first runs `MIN_SAMPLES` steps of a bucket (in turn), then the
-  fastest predicted count runs, a larger one only where it is more than `MARGIN` faster;
+  model's count runs: the one it chose last in the bucket (at first the fewest) until another
+  is predicted more than `MARGIN` faster;
 * a count in `EXPLORE` not run in a bucket for `EXPLORE_EVERY` steps is run once, so a wrong
   early estimate (or a workload that changed) is corrected.
 
@@ -105,6 +106,7 @@ class MicroBatchChooser:
         self.recent: dict[tuple[int, int], deque[StepSample]] = {}
         self.chosen: dict[int, int] = {}  # count -> steps run with it (stats)
         self._pending: tuple[int, tuple[int, ...]] | None = None  # (m, tokens) of the last step
+        self._kept: dict[int, int] = {}  # bucket -> the count the model chose last
         self._coeffs = ((0.0, 0.0),) * 3  # `_fit` of the samples
 
     def choose(self, tokens: Sequence[int]) -> int:
@@ -174,10 +176,15 @@ class MicroBatchChooser:
         due = [m for m in fits if self.steps + 1 - last[m] >= EXPLORE_EVERY]
         if due:
             return min(due, key=lambda m: (last[m], m))
-        best, *rest = self.predictions(tokens)
-        for p in rest:
+        preds = self.predictions(tokens)
+        # the count the model chose last stays (else the fewest) unless another is predicted
+        # more than MARGIN faster: within it two counts are a tie, not worth a change of the
+        # shapes every rank runs
+        best = next((p for p in preds if p.micro_batches == self._kept.get(b)), preds[0])
+        for p in preds:
             if p.corrected < best.corrected * (1.0 - MARGIN):
                 best = p
+        self._kept[b] = best.micro_batches
         return best.micro_batches
 
     def _ratio(self, samples: list[StepSample]) -> float | None:
