@@ -16,17 +16,19 @@ depends on the model, the batch and the machine, so the count is predicted from 
   (what an m=1 step's forward took beyond ``A + E``: transfers, stragglers);
 * with ``m`` micro-batches circulating between the attention ranks and the experts, a layer takes
   the longest of each side's total and one micro-batch's round trip (a closed loop of two
-  servers), so a step's forward takes ``max(A, E, (A + E + X) / m)``; times that prediction the
-  smallest ratio of measured over predicted of the last steps run at that count with about as
-  many tokens (up to `RATIO_SAMPLES`, the same power-of-two bucket of T: a prefill chunk and a
-  decode step differ in what the model leaves out, such as context length or ranks that share
-  cores and cannot overlap at all); the smallest, because on a shared host a step is slowed by
-  tens of percent now and then, never sped up;
+  servers), so a step's forward takes ``max(A, E, (A + E + X) / m)``; times that prediction
+  the second smallest ratio of measured over predicted of the last steps run at that count with
+  about as many tokens (up to `RATIO_SAMPLES`, the same power-of-two bucket of T: a prefill
+  chunk and a decode step differ in what the model leaves out, such as context length or ranks
+  that share cores and cannot overlap at all); a low one, because on a shared host a step is
+  slowed by tens of percent now and then, and not the lowest, as now and then one is fast for a
+  reason the bucket hides;
 * each count in `EXPLORE` first runs `MIN_SAMPLES` steps of a bucket (in turn), then the
   model's count runs: the one it chose last in the bucket (at first the fewest) until another
   is predicted more than `MARGIN` faster;
-* a count in `EXPLORE` not run in a bucket for `EXPLORE_EVERY` steps is run once, so a wrong
-  early estimate (or a workload that changed) is corrected.
+* a count in `EXPLORE` not run in a bucket for `EXPLORE_EVERY` steps (a quarter of that while
+  it has fewer than `RATIO_SAMPLES` steps there) is run once, so a wrong early estimate (or a
+  workload that changed) is corrected.
 
 The chooser is deterministic given the shared numbers: plain Python floats in a fixed order.
 """
@@ -171,9 +173,11 @@ class MicroBatchChooser:
         new = [m for m in fits if seen[m] < MIN_SAMPLES]
         if new:  # (in turn, the least measured first)
             return min(new, key=lambda m: (seen[m], m))
-        # the count measured longest ago, when it is due
+        # the count measured longest ago, when it is due: every EXPLORE_EVERY steps, a quarter
+        # of that while it has fewer than RATIO_SAMPLES steps measured in the bucket
         last = {m: self.last_run.get((b, m), -EXPLORE_EVERY) for m in fits}
-        due = [m for m in fits if self.steps + 1 - last[m] >= EXPLORE_EVERY]
+        every = {m: EXPLORE_EVERY // (1 if seen[m] >= RATIO_SAMPLES else 4) for m in fits}
+        due = [m for m in fits if self.steps + 1 - last[m] >= every[m]]
         if due:
             return min(due, key=lambda m: (last[m], m))
         preds = self.predictions(tokens)
@@ -188,15 +192,19 @@ class MicroBatchChooser:
         return best.micro_batches
 
     def _ratio(self, samples: list[StepSample]) -> float | None:
-        """The smallest measured over predicted forward time of ``samples`` (one count, one
-        bucket), by the model as it is now; None where it predicts nothing. The smallest: on a
-        shared host a step is slowed now and then (a rank loses its core), never sped up."""
+        """The second smallest measured over predicted forward time of ``samples`` (one count,
+        one bucket; the smallest of one or two), by the model as it is now; None where it
+        predicts nothing. Low: on a shared host a step is slowed now and then (a rank loses its
+        core); not the lowest: now and then a step is fast for a reason the bucket hides."""
         r = []
         for x in samples:
             predicted = self.model_time(x.micro_batches, x.max_tokens, x.tokens)
             if predicted > 0.0:
                 r.append(x.forward / predicted)
-        return min(r) if r else None
+        if not r:
+            return None
+        r.sort()
+        return r[1] if len(r) >= 3 else r[0]
 
     def _fit(self) -> tuple[tuple[float, float], ...]:
         """(per token, per micro-batch) seconds of attention, experts and the exposed trip."""
