@@ -741,14 +741,14 @@ def validate(args, hw, rows: list[dict], out: Path):
     from splitmoe.sim.calibrate import calibrate as calibrate_profile
     from splitmoe.sim.model import ModelShape
     from splitmoe.sim.validate import check as run_check
-    from splitmoe.sim.validate import predictable
+    from splitmoe.sim.validate import measured_step_ms, predictable
 
     shape = ModelShape.from_config(args.model)
     calib: set = set()
     if not args.profile:
         same = args.prompt_len == CALIBRATION_PROMPT and args.max_tokens == CALIBRATION_TOKENS
         tbt = {
-            run_key(r): step_ms(r) / 1e3
+            run_key(r): measured_step_ms(r) / 1e3
             for r in rows
             if same
             and predictable(r)
@@ -794,11 +794,6 @@ def _fit(shape, hw, tbt, model):
 def run_key(r: dict) -> tuple[int, int, int, int]:
     """(attention ranks, expert ranks, requests, micro-batches): a `CALIBRATION_RUNS` key."""
     return (r["attention_ranks"], r["expert_ranks"], r["num_requests"], r["micro_batches"])
-
-
-def step_ms(r: dict) -> float:
-    """A row's decode step time (ms): the ranks' own step period, TBT p50 for older CSVs."""
-    return r.get("step_p50_ms") or r["tbt_p50_ms"]
 
 
 def id_key(r: dict) -> tuple:
