@@ -4,11 +4,8 @@
 per call (``static``, ``count``, ``local``, ``global_``), each one ctypes call on addresses taken
 when the layer was built. ctypes stays inside this module.
 
-The C source is compiled once with the system C compiler (``$CC``, else ``cc`` / ``gcc``;
-~0.2 s) into ``$XDG_CACHE_HOME/splitmoe`` (``~/.cache/splitmoe``), named by the hash of the
-source and the compiler, and loaded with ctypes: no build step at install time, no torch
-headers, and ranks that start together build it once (a rank that finds the library loads it;
-concurrent builds write to private names and rename atomically). The kernel reads the
+The C source is compiled on first use (~0.2 s) and loaded with ctypes (`native.build`). The
+kernel reads the
 tensors' memory in place (``data_ptr``), so a call costs the ctypes round trip (~1 us) plus
 its loops; the PyTorch code in `splitmoe.eplb.policy` stays the reference it is tested against.
 """
@@ -16,14 +13,12 @@ its loops; the PyTorch code in `splitmoe.eplb.policy` stays the reference it is 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from splitmoe.kernels import native
+from splitmoe.kernels.native import NativeUnavailable  # noqa: F401  (what `build` raises)
 
 SOURCE = Path(__file__).with_name("balance_cpu.c")
 _FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
@@ -32,10 +27,6 @@ _ERRORS = {
     -2: "counts that disagree with topk_ids",
     -3: "out of memory",
 }
-
-
-class NativeUnavailable(RuntimeError):
-    """No C compiler, or the build failed (the message says which and what to do)."""
 
 
 class _Table(ctypes.Structure):
@@ -97,51 +88,9 @@ class _Table(ctypes.Structure):
         return out
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "splitmoe"
-
-
-def _compiler() -> str:
-    for name in filter(None, (os.environ.get("CC"), "cc", "gcc", "clang")):
-        path = shutil.which(name)
-        if path:
-            return path
-    raise NativeUnavailable(
-        "the balancer's native CPU kernel needs a C compiler (cc, gcc or clang on PATH, or "
-        "$CC): install one (e.g. apt-get install gcc)"
-    )
-
-
 def build(cache_dir: Path | None = None) -> Path:
     """The compiled library's path, building it if this source and compiler have none yet."""
-    cc = _compiler()
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + cc.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    cache = cache_dir or _cache_dir()
-    lib = cache / f"balance_cpu-{key}.so"
-    if lib.exists():
-        return lib
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", dir=cache)
-    except OSError as e:
-        raise NativeUnavailable(
-            f"the balancer's native CPU kernel is built into {cache}, which is not writable "
-            f"({e}): point $XDG_CACHE_HOME at a writable directory"
-        ) from e
-    os.close(fd)
-    try:
-        run = subprocess.run([cc, *_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
-        if run.returncode != 0:
-            raise NativeUnavailable(
-                f"building the balancer's native CPU kernel with {cc} failed:\n{run.stderr}"
-            )
-        os.replace(tmp, lib)  # atomic: a concurrent rank sees no half-written library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    return native.build(SOURCE, _FLAGS, "the balancer's native CPU kernel", cache=cache_dir)
 
 
 _LIB: ctypes.CDLL | None = None

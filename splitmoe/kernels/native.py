@@ -1,0 +1,71 @@
+"""Native CPU kernels built on first use: the system C compiler, a per-user cache, ctypes.
+
+A kernel's C source is compiled once with ``$CC`` (else ``cc`` / ``gcc`` / ``clang``) into
+``$XDG_CACHE_HOME/splitmoe`` (``~/.cache/splitmoe``), named by the hash of the source, the
+compiler, the flags and (for flags that target this CPU) the CPU model, and loaded with ctypes:
+no build step at install time, no torch headers, and ranks that start together build it once (a
+rank that finds the library loads it; concurrent builds write to private names and rename
+atomically). `balance_cpu` and `moe_cpu` are the kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+class NativeUnavailable(RuntimeError):
+    """No C compiler, or the build failed (the message says which and what to do)."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "splitmoe"
+
+
+def compiler(what: str) -> str:
+    for name in filter(None, (os.environ.get("CC"), "cc", "gcc", "clang")):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise NativeUnavailable(
+        f"{what} needs a C compiler (cc, gcc or clang on PATH, or $CC): install one "
+        "(e.g. apt-get install gcc)"
+    )
+
+
+def build(
+    source: Path, flags: list[str], what: str, key: str = "", cache: Path | None = None
+) -> Path:
+    """The compiled library of ``source``, building it if this source, compiler, ``flags`` and
+    ``key`` (e.g. the CPU model, for ``-march=native``) have none yet. ``what`` names the
+    kernel in errors."""
+    cc = compiler(what)
+    src = source.read_bytes()
+    digest = hashlib.sha256(src + cc.encode() + " ".join(flags).encode() + key.encode())
+    cache = cache or cache_dir()
+    lib = cache / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", dir=cache)
+    except OSError as e:
+        raise NativeUnavailable(
+            f"{what} is built into {cache}, which is not writable ({e}): point "
+            "$XDG_CACHE_HOME at a writable directory"
+        ) from e
+    os.close(fd)
+    try:
+        run = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise NativeUnavailable(f"building {what} with {cc} failed:\n{run.stderr}")
+        os.replace(tmp, lib)  # atomic: a concurrent rank sees no half-written library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
