@@ -76,12 +76,13 @@ def choice_key(
 @dataclass(frozen=True)
 class Decision:
     """The kernel kept for one shape class, and why: ``ms`` is each candidate's best time in
-    milliseconds (a candidate dropped for disagreeing is missing); ``source`` is ``"timed"``
+    milliseconds; ``dropped`` the candidates dropped for disagreeing; ``source`` is ``"timed"``
     (measured by this process) or ``"cache file"``."""
 
     choice: str
     ms: dict[str, float]
     source: str
+    dropped: tuple[str, ...] = ()
 
 
 class ChoiceFile:
@@ -129,13 +130,16 @@ class ChoiceFile:
         entry = self._entries.get(key)
         try:
             ms = {str(k): float(v) for k, v in entry["ms"].items()}
-            return Decision(str(entry["choice"]), ms, "cache file")
+            dropped = tuple(str(n) for n in entry.get("dropped", ()))
+            return Decision(str(entry["choice"]), ms, "cache file", dropped)
         except (TypeError, KeyError, AttributeError, ValueError):
             return None  # absent, or an entry of another shape: measured again
 
     def put(self, key: str, decision: Decision) -> None:
         entries = self._read()
         entries[key] = {"choice": decision.choice, "ms": decision.ms}
+        if decision.dropped:
+            entries[key]["dropped"] = list(decision.dropped)
         self._entries = entries
         path = self.path
         try:
@@ -196,6 +200,7 @@ class KernelChoice:
         self._memory: dict[tuple, Decision] = {}
         # classes on trial: (shape, dtype, threads) -> {candidate: its timings so far, s}
         self._trials: dict[tuple, dict[str, list[float]]] = {}
+        self._dropped: dict[tuple, tuple[str, ...]] = {}  # classes on trial: who disagreed
         self._cpu = cpu_model()
 
     def key(self, shape: tuple, dtype: torch.dtype, threads: int | None = None) -> str:
@@ -225,14 +230,18 @@ class KernelChoice:
         """Runs one candidate for ``shape`` (in ``dtype``) and returns its output: the kept
         one once the class is decided, else the next one of its trial (`_explore`).
         ``candidates``: name -> a call with no arguments, the first the reference the others
-        must agree with. A kept decision naming a kernel not among ``candidates`` is measured
-        again."""
+        must agree with. A kept decision naming a kernel not among ``candidates``, or made
+        without one of them (a kernel added since), is measured again."""
         mem_key = (shape, dtype, torch.get_num_threads())
         got = self._memory.get(mem_key)
         if got is None:
             got = self.decision(shape, dtype)
-        if got is not None and got.choice in candidates:
-            return candidates[got.choice]()
+        if got is not None:
+            if got.choice in candidates and all(
+                n in got.ms or n in got.dropped for n in candidates
+            ):
+                return candidates[got.choice]()
+            self._memory.pop(mem_key, None)  # (stale: `kept` offers no choice while on trial)
         if len(candidates) == 1:
             return next(iter(candidates.values()))()
         return self._explore(mem_key, candidates)
@@ -258,6 +267,7 @@ class KernelChoice:
                                 name, names[0])  # fmt: skip
                     names.remove(name)
             self._trials[mem_key] = {name: [] for name in names}
+            self._dropped[mem_key] = tuple(n for n in candidates if n not in names)
             return outputs[names[0]]
         name = min(times, key=lambda n: len(times[n]))
         t = self.timer()
@@ -272,7 +282,8 @@ class KernelChoice:
     def _decide(self, mem_key: tuple, best: dict[str, float]) -> None:
         shape, dtype, _ = mem_key
         choice = min(best, key=lambda name: best[name])
-        decision = Decision(choice, {n: round(s * 1e3, 4) for n, s in best.items()}, "timed")
+        ms = {n: round(s * 1e3, 4) for n, s in best.items()}
+        decision = Decision(choice, ms, "timed", self._dropped.pop(mem_key, ()))
         self._memory[mem_key] = decision
         del self._trials[mem_key]
         self.file.put(self.key(shape, dtype), decision)

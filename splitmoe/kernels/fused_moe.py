@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from splitmoe.kernels import moe_cpu
 from splitmoe.kernels.cpu_choice import Decision, KernelChoice, pow2_bucket
 from splitmoe.kernels.expert_sort import check_moe_inputs, check_moe_shapes, count_keys
 from splitmoe.kernels.linear import linear
@@ -193,7 +194,9 @@ def fused_moe_cpu(
         if path not in (None, "per_expert"):
             raise ValueError(f"fused_moe_cpu: path {path!r} needs dense expert weights")
         return _moe_per_expert(x, w13, w2, weights, rows, b13, b2, act)
-    paths = CPU_MOE_PATHS if _grouped_mm_fits(x, w13, w2) else ("per_expert",)
+    paths = CPU_MOE_PATHS[:3] if _grouped_mm_fits(x, w13, w2) else ("per_expert",)
+    if moe_cpu.fits(x, w13, w2, b13, act):
+        paths += ("native",)
     shape = _moe_shape_class(w13, pairs, b13, act)
     if path is None:
         path = CPU_MOE_GEMMS.kept(shape, x.dtype)  # decided: build only that call
@@ -208,7 +211,7 @@ def fused_moe_cpu(
 
 
 # the first is the reference the others must agree with (`KernelChoice.run`)
-CPU_MOE_PATHS = ("per_expert", "wleft", "xleft")
+CPU_MOE_PATHS = ("per_expert", "wleft", "xleft", "native")
 
 
 class _SortedPairs(NamedTuple):
@@ -272,10 +275,18 @@ def _moe_grouped(x, w13, w2, weights, rows: _SortedPairs, b13, b2, act, wleft: b
     return torch.zeros_like(x).index_add_(0, tokens, y)
 
 
+def _moe_native(x, w13, w2, weights, rows: _SortedPairs, b13, b2, act) -> torch.Tensor:
+    y = moe_cpu.expert_ffn(x, w13, w2, rows.order, rows.counts, rows.k, weights)  # [P, H]
+    tokens = torch.from_numpy(rows.order // rows.k)
+    out = torch.zeros(x.shape, dtype=torch.float32).index_add_(0, tokens, y)
+    return out.to(x.dtype)
+
+
 _MOE_LAYOUTS = {
     "per_expert": _moe_per_expert,
     "wleft": functools.partial(_moe_grouped, wleft=True),
     "xleft": functools.partial(_moe_grouped, wleft=False),
+    "native": _moe_native,
 }
 
 

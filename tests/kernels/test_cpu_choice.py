@@ -203,3 +203,28 @@ def test_no_kernel_choice_by_constants():
         if pattern.search(line)
     ]
     assert hits == []
+
+
+def test_a_kernel_added_since_a_decision_is_measured(tmp_path):
+    """A decision kept in the file without one of today's candidates (a kernel added since,
+    e.g. the native MoE layout) is measured again with it; one that disagreed stays out."""
+    clock = FakeClock({"a": 2e-3, "b": 3e-3})
+    decide(_chooser(tmp_path, clock), (4, 4), clock)
+    clock = FakeClock({"a": 2e-3, "b": 3e-3, "new": 1e-3})
+    choice = _chooser(tmp_path, clock)
+    for _ in range(20):
+        choice.run((4, 4), torch.float32, clock.candidates())
+        if choice.kept((4, 4), torch.float32) is not None:
+            break
+    assert choice.kept((4, 4), torch.float32) == "new"
+    assert set(choice.decision((4, 4), torch.float32).ms) == {"a", "b", "new"}
+    # a candidate dropped for disagreeing is remembered: no new trial in the next process
+    outs = {"a": torch.ones(3), "b": torch.ones(3), "new": torch.ones(3), "bad": torch.zeros(3)}
+    clock = FakeClock({"a": 2e-3, "b": 3e-3, "new": 1e-3, "bad": 1e-4})
+    first = _chooser(tmp_path, clock)
+    decide(first, (8, 8), clock, outs)
+    assert first.decision((8, 8), torch.float32).dropped == ("bad",)
+    clock = FakeClock({"a": 2e-3, "b": 3e-3, "new": 1e-3, "bad": 1e-4})
+    later = _chooser(tmp_path, clock)
+    later.run((8, 8), torch.float32, clock.candidates(outs))
+    assert clock.calls == {"a": 0, "b": 0, "new": 1, "bad": 0}

@@ -11,7 +11,7 @@ import torch
 import splitmoe.kernels.fused_moe as fm
 from splitmoe.kernels.fused_moe import fused_moe, fused_moe_grouped_mm, fused_moe_ref
 
-PATHS = ("wleft", "xleft", "per_expert")
+PATHS = ("wleft", "xleft", "per_expert", "native")
 
 
 def _case(tokens: int, E: int, H: int, I: int, k: int, skew: float, skip: float, seed: int):
@@ -91,7 +91,7 @@ def test_measured_choice_matches_the_reference():
     alone: every output matches the reference, and once decided they repeat bit for bit."""
     x, w13, w2, ids, w = _case(32, 8, 32, 16, 4, skew=1.0, skip=0.2, seed=11)
     want = fused_moe_ref(x, w13, w2, ids, w)
-    for _ in range(3 * 20 + 1):  # at most max_rounds timings of each layout
+    for _ in range(len(fm.CPU_MOE_PATHS) * 20 + 1):  # at most max_rounds timings of each
         got = fused_moe(x, w13, w2, ids, w, "torch")
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         decision = fm.cpu_moe_decision(x, w13, ids)

@@ -1,0 +1,95 @@
+/* The MoE expert FFN on CPU in one OpenMP region per layer (`moe_cpu.py` builds and calls it).
+ *
+ * The (token, expert) pairs come sorted by expert: expert e's are [starts[e], starts[e+1]),
+ * pair p reads token tok[p] of x and is weighted by wt[p]. Each thread takes whole experts
+ * (dynamic schedule) and runs an expert's gate/up GEMM, SiLU-and-multiply and down GEMM on its
+ * few rows; y[p] = wt[p] * down(silu(gate) * up) is written per pair (no two threads write one
+ * row), and the caller adds the rows into their tokens. An expert's weight rows are read once
+ * for up to ROWS of its rows at a time: at decode sizes the GEMMs are bound by reading the
+ * weights, and one parallel region over experts replaces one per expert and projection.
+ *
+ * x, y and the arithmetic are float32; the weights float32 (`smoe_f32`) or bfloat16 (`smoe_bf16`,
+ * widened as they are read). w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I], row-major.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROWS 4
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* out[r][n] = sum_k in[r][k] * w[n][k] for r < nr (<= ROWS), n < N; in rows are pointers. */
+#define DEFINE_ROWS_GEMM(NAME, WT, LOAD)                                                        \
+    static void NAME(const float *const *in, int64_t nr, const WT *w, int64_t N, int64_t K,    \
+                     float *out, int64_t ld) {                                                  \
+        const float *i0 = in[0], *i1 = in[nr > 1 ? 1 : 0], *i2 = in[nr > 2 ? 2 : 0],            \
+                    *i3 = in[nr > 3 ? 3 : 0];                                                   \
+        for (int64_t n = 0; n < N; n++) {                                                       \
+            const WT *wn = w + n * K;                                                           \
+            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;                                       \
+            _Pragma("omp simd reduction(+ : a0, a1, a2, a3)")                                   \
+            for (int64_t k = 0; k < K; k++) {                                                   \
+                float wk = LOAD(wn[k]);                                                         \
+                a0 += i0[k] * wk;                                                               \
+                a1 += i1[k] * wk;                                                               \
+                a2 += i2[k] * wk;                                                               \
+                a3 += i3[k] * wk;                                                               \
+            }                                                                                   \
+            out[n] = a0;                                                                        \
+            if (nr > 1) out[ld + n] = a1;                                                       \
+            if (nr > 2) out[2 * ld + n] = a2;                                                   \
+            if (nr > 3) out[3 * ld + n] = a3;                                                   \
+        }                                                                                       \
+    }
+
+#define F32_LOAD(v) (v)
+DEFINE_ROWS_GEMM(rows_gemm_f32, float, F32_LOAD)
+DEFINE_ROWS_GEMM(rows_gemm_bf16, uint16_t, bf16_to_f32)
+
+#define DEFINE_MOE(NAME, WT, GEMM)                                                              \
+    int NAME(const float *x, int64_t H, int64_t I, const WT *w13, const WT *w2,               \
+             const int64_t *starts, int64_t E, const int64_t *tok, const float *wt, float *y,  \
+             int threads) {                                                                     \
+        int failed = 0;                                                                         \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                   \
+        for (int64_t e = 0; e < E; e++) {                                                       \
+            int64_t p0 = starts[e], p1 = starts[e + 1];                                         \
+            if (p1 <= p0) continue;                                                             \
+            float *h = malloc(sizeof(float) * ROWS * (3 * I));                                  \
+            if (!h) {                                                                           \
+                failed = 1;                                                                     \
+                continue;                                                                       \
+            }                                                                                   \
+            float *a = h + ROWS * 2 * I;                                                        \
+            for (int64_t p = p0; p < p1; p += ROWS) {                                           \
+                int64_t nr = p1 - p < ROWS ? p1 - p : ROWS;                                     \
+                const float *in[ROWS];                                                          \
+                for (int64_t r = 0; r < nr; r++) in[r] = x + tok[p + r] * H;                    \
+                GEMM(in, nr, w13 + e * 2 * I * H, 2 * I, H, h, 2 * I);                          \
+                const float *ain[ROWS];                                                         \
+                for (int64_t r = 0; r < nr; r++) {                                              \
+                    const float *g = h + r * 2 * I, *u = g + I;                                 \
+                    float *ar = a + r * I;                                                      \
+                    for (int64_t i = 0; i < I; i++) ar[i] = g[i] / (1.f + expf(-g[i])) * u[i];  \
+                    ain[r] = ar;                                                                \
+                }                                                                               \
+                GEMM(ain, nr, w2 + e * H * I, H, I, y + p * H, H);                              \
+                for (int64_t r = 0; r < nr; r++) {                                              \
+                    float s = wt[p + r], *yr = y + (p + r) * H;                                 \
+                    for (int64_t j = 0; j < H; j++) yr[j] *= s;                                 \
+                }                                                                               \
+            }                                                                                   \
+            free(h);                                                                            \
+        }                                                                                       \
+        return failed ? -3 : 0;                                                                 \
+    }
+
+DEFINE_MOE(smoe_f32, float, rows_gemm_f32)
+DEFINE_MOE(smoe_bf16, uint16_t, rows_gemm_bf16)

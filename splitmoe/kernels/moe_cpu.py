@@ -1,0 +1,94 @@
+"""The native CPU MoE kernel (`moe_cpu.c`): the expert FFNs of a layer in one OpenMP region.
+
+torch runs a CPU MoE as one GEMM per expert and projection, each its own parallel region over
+a few rows; the kernel gives each thread whole experts instead (`fused_moe_cpu`'s ``"native"``
+layout, timed against the others by `cpu_choice` like any layout). Built on first use with
+``-march=native -fopenmp`` (`native.build`, keyed by the CPU model too, so a cache shared by
+two machines never loads the other's instructions); where there is no compiler or the build
+fails, the layout is simply not a candidate (one warning). The library links the OpenMP
+runtime torch has loaded (``libgomp.so.1``), so both share one thread pool.
+
+Float32 and bfloat16 weights (widened as they are read), float32 arithmetic; plain SiLU experts
+without biases (GPT-OSS's run the other layouts).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from splitmoe.kernels import native
+from splitmoe.kernels.cpu_choice import cpu_model
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("moe_cpu.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c11", "-shared", "-fPIC", "-lm"]
+_FUNCS = {torch.float32: "smoe_f32", torch.bfloat16: "smoe_bf16"}
+_LIB: ctypes.CDLL | None | bool = None  # False: unavailable here (warned once)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, built on first use; None where it cannot be built (warned once)."""
+    global _LIB
+    if _LIB is None:
+        try:
+            lib = ctypes.CDLL(str(native.build(SOURCE, _FLAGS, "the CPU MoE kernel", cpu_model())))
+        except (native.NativeUnavailable, OSError) as e:
+            log.warning("%s; the CPU MoE runs torch's layouts only", e)
+            _LIB = False
+            return None
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        for name in _FUNCS.values():
+            fn = getattr(lib, name)
+            fn.argtypes = [p, i64, i64, p, p, p, i64, p, p, p, ctypes.c_int]
+            fn.restype = ctypes.c_int
+        _LIB = lib
+    return _LIB or None
+
+
+def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13, act: dict) -> bool:
+    """Whether the kernel takes these experts: dense contiguous float32/bfloat16 weights of
+    one dtype, plain SiLU, no biases, and a library built here."""
+    return (
+        b13 is None
+        and not act
+        and isinstance(w13, torch.Tensor)
+        and w13.dtype in _FUNCS
+        and w2.dtype == w13.dtype
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and w13.is_contiguous()
+        and w2.is_contiguous()
+        and library() is not None
+    )
+
+
+def expert_ffn(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    order: np.ndarray,
+    counts: np.ndarray,
+    k: int,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """``[P, H]``: pair ``order[i]``'s row (token ``order[i] // k``) through its expert's FFN,
+    times its router weight, in float32; ``order`` grouped by expert, ``counts [E]`` pairs
+    each. `fits` must hold."""
+    E, H, I = w2.shape
+    xf = x.float().contiguous()
+    tok = torch.from_numpy((order // k).astype(np.int64))
+    wt = weights.reshape(-1).index_select(0, torch.from_numpy(order)).float().contiguous()
+    starts = torch.from_numpy(np.concatenate(([0], np.cumsum(counts))).astype(np.int64))
+    y = torch.empty(len(order), H, dtype=torch.float32)
+    rc = getattr(library(), _FUNCS[w13.dtype])(
+        xf.data_ptr(), H, I, w13.data_ptr(), w2.data_ptr(), starts.data_ptr(), E,
+        tok.data_ptr(), wt.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise MemoryError("the CPU MoE kernel ran out of memory")
+    return y
