@@ -276,10 +276,7 @@ def _moe_grouped(x, w13, w2, weights, rows: _SortedPairs, b13, b2, act, wleft: b
 
 
 def _moe_native(x, w13, w2, weights, rows: _SortedPairs, b13, b2, act) -> torch.Tensor:
-    y = moe_cpu.expert_ffn(x, w13, w2, rows.order, rows.counts, rows.k, weights)  # [P, H]
-    tokens = torch.from_numpy(rows.order // rows.k)
-    out = torch.zeros(x.shape, dtype=torch.float32).index_add_(0, tokens, y)
-    return out.to(x.dtype)
+    return moe_cpu.moe(x, w13, w2, rows.order, rows.counts, rows.k, weights).to(x.dtype)
 
 
 _MOE_LAYOUTS = {

@@ -4,7 +4,9 @@
  * pair p reads token tok[p] of x and is weighted by wt[p]. Each thread takes whole experts
  * (dynamic schedule) and runs an expert's gate/up GEMM, SiLU-and-multiply and down GEMM on its
  * few rows; y[p] = wt[p] * down(silu(gate) * up) is written per pair (no two threads write one
- * row), and the caller adds the rows into their tokens. An expert's weight rows are read once
+ * row). Then each token's row of out [N, H] is the sum of its pairs' rows in slot order
+ * (slot_row[n * k + j]: the y row of token n's slot j, -1 where the slot is not computed here),
+ * so the sums are the same whatever the threads did. An expert's weight rows are read once
  * for up to ROWS of its rows at a time: at decode sizes the GEMMs are bound by reading the
  * weights, and one parallel region over experts replaces one per expert and projection.
  *
@@ -56,7 +58,7 @@ DEFINE_ROWS_GEMM(rows_gemm_bf16, uint16_t, bf16_to_f32)
 #define DEFINE_MOE(NAME, WT, GEMM)                                                              \
     int NAME(const float *x, int64_t H, int64_t I, const WT *w13, const WT *w2,               \
              const int64_t *starts, int64_t E, const int64_t *tok, const float *wt, float *y,  \
-             int threads) {                                                                     \
+             const int64_t *slot_row, int64_t N, int64_t k, float *out, int threads) {          \
         int failed = 0;                                                                         \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                   \
         for (int64_t e = 0; e < E; e++) {                                                       \
@@ -88,7 +90,19 @@ DEFINE_ROWS_GEMM(rows_gemm_bf16, uint16_t, bf16_to_f32)
             }                                                                                   \
             free(h);                                                                            \
         }                                                                                       \
-        return failed ? -3 : 0;                                                                 \
+        if (failed) return -3;                                                                  \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                       \
+        for (int64_t n = 0; n < N; n++) {                                                       \
+            float *o = out + n * H;                                                             \
+            memset(o, 0, sizeof(float) * H);                                                    \
+            for (int64_t j = 0; j < k; j++) {                                                   \
+                int64_t r = slot_row[n * k + j];                                                \
+                if (r < 0) continue;                                                            \
+                const float *yr = y + r * H;                                                    \
+                for (int64_t c = 0; c < H; c++) o[c] += yr[c];                                  \
+            }                                                                                   \
+        }                                                                                       \
+        return 0;                                                                               \
     }
 
 DEFINE_MOE(smoe_f32, float, rows_gemm_f32)

@@ -45,7 +45,7 @@ def library() -> ctypes.CDLL | None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for name in _FUNCS.values():
             fn = getattr(lib, name)
-            fn.argtypes = [p, i64, i64, p, p, p, i64, p, p, p, ctypes.c_int]
+            fn.argtypes = [p, i64, i64, p, p, p, i64, p, p, p, p, i64, i64, p, ctypes.c_int]
             fn.restype = ctypes.c_int
         _LIB = lib
     return _LIB or None
@@ -67,7 +67,7 @@ def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13, act: dict) -
     )
 
 
-def expert_ffn(
+def moe(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -76,19 +76,25 @@ def expert_ffn(
     k: int,
     weights: torch.Tensor,
 ) -> torch.Tensor:
-    """``[P, H]``: pair ``order[i]``'s row (token ``order[i] // k``) through its expert's FFN,
-    times its router weight, in float32; ``order`` grouped by expert, ``counts [E]`` pairs
-    each. `fits` must hold."""
+    """``[N, H]`` float32: each token's pairs through their experts' FFNs, weighted by the
+    router and summed. ``order`` holds the computed pairs' indices (token ``i // k``, slot
+    ``i % k``) grouped by expert, ``counts [E]`` pairs each. `fits` must hold."""
     E, H, I = w2.shape
+    N = x.shape[0]
     xf = x.float().contiguous()
     tok = torch.from_numpy((order // k).astype(np.int64))
     wt = weights.reshape(-1).index_select(0, torch.from_numpy(order)).float().contiguous()
     starts = torch.from_numpy(np.concatenate(([0], np.cumsum(counts))).astype(np.int64))
+    slot_row = np.full(N * k, -1, dtype=np.int64)
+    slot_row[order] = np.arange(len(order))
+    slot_row = torch.from_numpy(slot_row)
     y = torch.empty(len(order), H, dtype=torch.float32)
+    out = torch.empty(N, H, dtype=torch.float32)
     rc = getattr(library(), _FUNCS[w13.dtype])(
         xf.data_ptr(), H, I, w13.data_ptr(), w2.data_ptr(), starts.data_ptr(), E,
-        tok.data_ptr(), wt.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+        tok.data_ptr(), wt.data_ptr(), y.data_ptr(), slot_row.data_ptr(), N, k, out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if rc:
         raise MemoryError("the CPU MoE kernel ran out of memory")
-    return y
+    return out
