@@ -308,8 +308,9 @@ def main() -> None:
         "--paired",
         action="store_true",
         help="keep one engine per configuration (and HF) for the whole run and alternate their "
-        "generate calls, each warmed up on the full batch first; ratios are the median of each "
-        "round's ratio (steadier than fresh engines on a noisy host; needs memory for all)",
+        "generate calls, each round starting one engine later, each warmed up on the full batch "
+        "first; ratios are the median of each round's ratio (steadier than fresh engines on a "
+        "noisy host; needs memory for all; --repeat a multiple of the engines balances places)",
     )
     ap.add_argument("--metrics", action="store_true", help="print each run's serving metrics")
     ap.add_argument("--seed", type=int, default=0)
@@ -392,11 +393,16 @@ def main() -> None:
         try:
             for llm in engines.values():  # warm-up at full size: allocations, page faults
                 measure_splitmoe(llm, args, prompts)
-            for _ in range(args.repeat):
+            for i in range(args.repeat):
                 if hf is not None:
                     runs["HF transformers"].append(hf.measure())
-                for name, llm in engines.items():
-                    runs[name].append(measure_splitmoe(llm, args, prompts))
+                # each round starts one engine later: an engine's place in the round can move
+                # its figure by more than the differences measured (the last of three ran
+                # fastest, whichever it was), so every engine takes every place in turn
+                order = list(engines)
+                order = order[i % len(order) :] + order[: i % len(order)]
+                for name in order:
+                    runs[name].append(measure_splitmoe(engines[name], args, prompts))
         finally:
             for llm in engines.values():
                 llm.__exit__(None, None, None)
