@@ -102,6 +102,18 @@ def _noisy(times, seed: int, spike: float = 0.5, every: float = 0.2):
     return noisy
 
 
+def test_a_much_slower_count_is_re_run_rarely():
+    # m=1 takes twice m=2's time: re-running it every EXPLORE_EVERY steps would cost 3% of the
+    # time; it is re-run about as much less often as it is slower
+    tokens = (16,)
+    times = _simulate(40e-3 / 16, 1e-3, 39e-3 / 16, 2e-3, tokens)
+    assert times(1)[0].total > 1.9 * times(2)[0].total
+    steps = 8 * EXPLORE_EVERY
+    later = _run(MicroBatchChooser(ParallelConfig(1, 1)), times, tokens, steps)[2 * MIN_SAMPLES :]
+    assert later.count(1) <= RATIO_SAMPLES - MIN_SAMPLES + 1
+    assert later[-4 * EXPLORE_EVERY :].count(1) <= 1
+
+
 def test_a_slow_step_now_and_then_does_not_flip_the_choice():
     # m=2 is ~15% faster; a fifth of the steps (of either count) are 50% slower at random
     tokens = (64,)

@@ -26,9 +26,11 @@ depends on the model, the batch and the machine, so the count is predicted from 
 * each count in `EXPLORE` first runs `MIN_SAMPLES` steps of a bucket (in turn), then the
   model's count runs: the one it chose last in the bucket (at first the fewest) until another
   is predicted more than `MARGIN` faster;
-* a count in `EXPLORE` not run in a bucket for `EXPLORE_EVERY` steps (a quarter of that while
-  it has fewer than `RATIO_SAMPLES` steps there) is run once, so a wrong early estimate (or a
-  workload that changed) is corrected.
+* a count in `EXPLORE` not run in a bucket for `EXPLORE_EVERY` steps is run once, so a wrong
+  early estimate (or a workload that changed) is corrected; one predicted ``n * EXPLORE_GAP``
+  slower than the fastest, ``n`` times less often (re-running a count twice as slow costs a
+  whole step); while a count has fewer than `RATIO_SAMPLES` steps in the bucket, 4 times as
+  often and with 4 times the gap.
 
 The chooser is deterministic given the shared numbers: plain Python floats in a fixed order.
 """
@@ -45,7 +47,8 @@ from splitmoe.timeline import StepTimes
 
 CANDIDATES = (1, 2, 3, 4)  # counts the model predicts; more split decode batches too thin
 EXPLORE = (1, 2)  # counts kept measured, so that the model always has both
-EXPLORE_EVERY = 32  # steps; an exploring step costs at most one step's difference in 32
+EXPLORE_EVERY = 32  # steps between re-runs of a count predicted within EXPLORE_GAP of the best
+EXPLORE_GAP = 0.1  # a count predicted n times this much slower is re-run n times less often
 MIN_SAMPLES = 3  # steps of each explored count in a bucket before the model chooses
 WINDOW = 32  # steps the model is fitted to: long enough to see both counts, short to adapt
 RATIO_SAMPLES = 8  # a count's last steps in a bucket, whose measured / predicted median corrects
@@ -173,14 +176,27 @@ class MicroBatchChooser:
         new = [m for m in fits if seen[m] < MIN_SAMPLES]
         if new:  # (in turn, the least measured first)
             return min(new, key=lambda m: (seen[m], m))
-        # the count measured longest ago, when it is due: every EXPLORE_EVERY steps, a quarter
-        # of that while it has fewer than RATIO_SAMPLES steps measured in the bucket
+        preds = self.predictions(tokens)
+        # a count is re-run when due: every EXPLORE_EVERY steps while predicted within
+        # EXPLORE_GAP of the fastest, n times less often when predicted n * EXPLORE_GAP slower
+        # (re-running a much slower count then costs no more than a close one); while it has
+        # fewer than RATIO_SAMPLES steps in the bucket (its estimate is less sure), 4 times as
+        # often and with 4 times the gap
+        time = {p.micro_batches: p.corrected for p in preds}
+        fastest = min(time[m] for m in fits)
         last = {m: self.last_run.get((b, m), -EXPLORE_EVERY) for m in fits}
-        every = {m: EXPLORE_EVERY // (1 if seen[m] >= RATIO_SAMPLES else 4) for m in fits}
-        due = [m for m in fits if self.steps + 1 - last[m] >= every[m]]
+
+        def period(m: int) -> float:
+            gap = time[m] / fastest - 1.0 if fastest > 0.0 else 0.0
+            sure = seen[m] >= RATIO_SAMPLES
+            every, tolerance = (
+                (EXPLORE_EVERY, EXPLORE_GAP) if sure else (EXPLORE_EVERY / 4, 4 * EXPLORE_GAP)
+            )
+            return every * max(1.0, gap / tolerance)
+
+        due = [m for m in fits if self.steps + 1 - last[m] >= period(m)]
         if due:
             return min(due, key=lambda m: (last[m], m))
-        preds = self.predictions(tokens)
         # the count the model chose last stays (else the fewest) unless another is predicted
         # more than MARGIN faster: within it two counts are a tie, not worth a change of the
         # shapes every rank runs
