@@ -8,8 +8,9 @@ two machines never loads the other's instructions); where there is no compiler o
 fails, the layout is simply not a candidate (one warning). The library links the OpenMP
 runtime torch has loaded (``libgomp.so.1``), so both share one thread pool.
 
-Float32 and bfloat16 weights (widened as they are read), float32 arithmetic; plain SiLU experts
-without biases (GPT-OSS's run the other layouts).
+Float32 and bfloat16 weights (widened as they are read), float32 arithmetic; with bfloat16
+activations and weights on a CPU with AVX512-BF16, bf16 dot products into float32 sums (sizes in
+multiples of 32). Plain SiLU experts without biases (GPT-OSS's run the other layouts).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("moe_cpu.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c11", "-shared", "-fPIC", "-lm"]
 _FUNCS = {torch.float32: "smoe_f32", torch.bfloat16: "smoe_bf16"}
+_DOT_BF16 = "smoe_bf16dp"  # bf16 activations and weights, AVX512-BF16 dot products
 _LIB: ctypes.CDLL | None | bool = None  # False: unavailable here (warned once)
 
 
@@ -43,10 +45,11 @@ def library() -> ctypes.CDLL | None:
             _LIB = False
             return None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        for name in _FUNCS.values():
-            fn = getattr(lib, name)
-            fn.argtypes = [p, i64, i64, p, p, p, i64, p, p, p, p, i64, i64, p, ctypes.c_int]
-            fn.restype = ctypes.c_int
+        for name in (*_FUNCS.values(), _DOT_BF16):
+            fn = getattr(lib, name, None)  # (`_DOT_BF16` only where the CPU has AVX512-BF16)
+            if fn is not None:
+                fn.argtypes = [p, i64, i64, p, p, p, i64, p, p, p, p, i64, i64, p, ctypes.c_int]
+                fn.restype = ctypes.c_int
         _LIB = lib
     return _LIB or None
 
@@ -81,7 +84,14 @@ def moe(
     ``i % k``) grouped by expert, ``counts [E]`` pairs each. `fits` must hold."""
     E, H, I = w2.shape
     N = x.shape[0]
-    xf = x.float().contiguous()
+    lib = library()
+    dot = (
+        x.dtype == w13.dtype == torch.bfloat16
+        and H % 32 == 0
+        and I % 32 == 0
+        and hasattr(lib, _DOT_BF16)
+    )
+    xf = x.contiguous() if dot else x.float().contiguous()
     tok = torch.from_numpy((order // k).astype(np.int64))
     wt = weights.reshape(-1).index_select(0, torch.from_numpy(order)).float().contiguous()
     starts = torch.from_numpy(np.concatenate(([0], np.cumsum(counts))).astype(np.int64))
@@ -90,7 +100,7 @@ def moe(
     slot_row = torch.from_numpy(slot_row)
     y = torch.empty(len(order), H, dtype=torch.float32)
     out = torch.empty(N, H, dtype=torch.float32)
-    rc = getattr(library(), _FUNCS[w13.dtype])(
+    rc = getattr(lib, _DOT_BF16 if dot else _FUNCS[w13.dtype])(
         xf.data_ptr(), H, I, w13.data_ptr(), w2.data_ptr(), starts.data_ptr(), E,
         tok.data_ptr(), wt.data_ptr(), y.data_ptr(), slot_row.data_ptr(), N, k, out.data_ptr(),
         torch.get_num_threads(),
