@@ -3,9 +3,9 @@
 torch runs a CPU MoE as one GEMM per expert and projection, each its own parallel region over
 a few rows; the kernel gives each thread whole experts instead (`fused_moe_cpu`'s ``"native"``
 layout, timed against the others by `cpu_choice` like any layout). Built on first use with
-``-march=native -fopenmp`` (`native.build`, keyed by the CPU model too, so a cache shared by
-two machines never loads the other's instructions); where there is no compiler or the build
-fails, the layout is simply not a candidate (one warning). The library links the OpenMP
+``-march=native -fopenmp`` (`native.build`, keyed by the CPU model and flags too, so a cache
+shared by two machines never loads the other's instructions); where there is no compiler or the
+build fails, the layout is simply not a candidate (one warning). The library links the OpenMP
 runtime torch has loaded (``libgomp.so.1``), so both share one thread pool.
 
 Float32 and bfloat16 weights (widened as they are read), float32 arithmetic; with bfloat16
@@ -39,7 +39,8 @@ def library() -> ctypes.CDLL | None:
     global _LIB
     if _LIB is None:
         try:
-            lib = ctypes.CDLL(str(native.build(SOURCE, _FLAGS, "the CPU MoE kernel", cpu_model())))
+            key = cpu_model() + _cpu_flags()
+            lib = ctypes.CDLL(str(native.build(SOURCE, _FLAGS, "the CPU MoE kernel", key)))
         except (native.NativeUnavailable, OSError) as e:
             log.warning("%s; the CPU MoE runs torch's layouts only", e)
             _LIB = False
@@ -52,6 +53,19 @@ def library() -> ctypes.CDLL | None:
                 fn.restype = ctypes.c_int
         _LIB = lib
     return _LIB or None
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``/proc/cpuinfo``; "" elsewhere): with the model name, what
+    ``-march=native`` compiled for (a VM can hide features of its host's model)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13, act: dict) -> bool:
