@@ -139,9 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             # The server process works too (HTTP, detokenizing): a thread of a rank's pool that
             # loses its core to it stalls the pool's every barrier, while a core left to it
             # idles between requests. Which serves more depends on the machine and the load:
-            # --frontend-cores says how many the ranks leave it (none by default: colocated
-            # realistic preset on 2 cores, 64 streaming clients, 0 served 1.2-1.4x the tokens
-            # of 1 at a lower TTFT, in float32 and bfloat16; docs/serving.md).
+            # --frontend-cores says how many the ranks leave it (none by default: that served
+            # more tokens where measured; docs/serving.md has the figures).
             ranks = env.local_world_size if launched else config.parallel.world_size
             options["threads_per_rank"] = rank_threads(cores, args.frontend_cores, ranks)
             config = engine_config(args.model, **options)

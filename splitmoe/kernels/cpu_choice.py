@@ -46,16 +46,21 @@ log = logging.getLogger(__name__)
 CACHE_FILE_NAME = "cpu_kernels.json"
 
 
-def cpu_model() -> str:
-    """The CPU's model name: ``/proc/cpuinfo``'s "model name", else ``platform.processor()``."""
+def cpuinfo(field: str) -> str:
+    """The first ``field`` of ``/proc/cpuinfo`` ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown cpu"
+    return ""
+
+
+def cpu_model() -> str:
+    """The CPU's model name: ``/proc/cpuinfo``'s "model name", else ``platform.processor()``."""
+    return cpuinfo("model name") or platform.processor() or platform.machine() or "unknown cpu"
 
 
 def cache_dir() -> Path:

@@ -194,7 +194,7 @@ def fused_moe_cpu(
         if path not in (None, "per_expert"):
             raise ValueError(f"fused_moe_cpu: path {path!r} needs dense expert weights")
         return _moe_per_expert(x, w13, w2, weights, rows, b13, b2, act)
-    paths = CPU_MOE_PATHS[:3] if _grouped_mm_fits(x, w13, w2) else ("per_expert",)
+    paths = TORCH_MOE_PATHS if _grouped_mm_fits(x, w13, w2) else ("per_expert",)
     if moe_cpu.fits(x, w13, w2, b13, act):
         paths += ("native",)
     shape = _moe_shape_class(w13, pairs, b13, act)
@@ -211,7 +211,8 @@ def fused_moe_cpu(
 
 
 # the first is the reference the others must agree with (`KernelChoice.run`)
-CPU_MOE_PATHS = ("per_expert", "wleft", "xleft", "native")
+TORCH_MOE_PATHS = ("per_expert", "wleft", "xleft")
+CPU_MOE_PATHS = (*TORCH_MOE_PATHS, "native")  # (native: where `moe_cpu.fits`)
 
 
 class _SortedPairs(NamedTuple):

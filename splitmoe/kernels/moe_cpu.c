@@ -1,30 +1,28 @@
 /* The MoE expert FFN on CPU in one OpenMP region per layer (`moe_cpu.py` builds and calls it).
  *
- * The (token, expert) pairs come sorted by expert: expert e's are [starts[e], starts[e+1]),
- * pair p reads token tok[p] of x and is weighted by wt[p]. Each thread takes whole experts
- * (dynamic schedule) and runs an expert's gate/up GEMM, SiLU-and-multiply and down GEMM on its
- * few rows; y[p] = wt[p] * down(silu(gate) * up) is written per pair (no two threads write one
- * row). Then each token's row of out [N, H] is the sum of its pairs' rows in slot order
- * (slot_row[n * k + j]: the y row of token n's slot j, -1 where the slot is not computed here),
- * so the sums are the same whatever the threads did. An expert's weight rows are read once
- * for up to ROWS of its rows at a time: at decode sizes the GEMMs are bound by reading the
- * weights, and one parallel region over experts replaces one per expert and projection.
+ * order [P] holds the computed (token, slot) pairs' flat indices t * k + j, grouped by expert
+ * (counts [E] of each); pair p reads token order[p] / k of x and is weighted by wt[order[p]].
+ * Each thread takes whole experts (dynamic schedule) and runs an expert's gate/up GEMM,
+ * SiLU-and-multiply and down GEMM on its few rows, reading each weight row once for up to ROWS
+ * of them (at decode sizes the GEMMs are bound by reading the weights, and one parallel region
+ * over experts replaces one per expert and projection); y[p] = weight * down(silu(gate) * up)
+ * per pair. Then each token's row of out [N, H] is the sum of its slots' rows in slot order, so
+ * the sums are the same whatever the threads did.
  *
- * x, y and the arithmetic are float32; the weights float32 (`smoe_f32`) or bfloat16 (`smoe_bf16`,
- * widened as they are read). w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I], row-major.
- *
- * Where the compiler targets AVX512-BF16, `smoe_bf16dp` takes bfloat16 activations too and
- * multiplies pairs of bf16 values into float32 sums (`vdpbf16ps`), reading the weights as they
- * are stored; the SiLU-and-multiply output is rounded to bfloat16 (nearest even) for the down
- * GEMM, as a bf16 model computes it. H and I must be multiples of 32.
+ * The arithmetic is float32. `smoe_f32`: float32 x and weights; `smoe_bf16`: float32 x,
+ * bfloat16 weights widened as they are read. Where the compiler targets AVX512-BF16,
+ * `smoe_bf16dp`: bfloat16 x and weights, pairs of bf16 values multiplied into float32 sums
+ * (`vdpbf16ps`), the SiLU-and-multiply output rounded to bfloat16 (nearest even) for the down
+ * GEMM as a bf16 model computes it; H and I multiples of 32. w13 [E, 2I, H] (gate rows, then
+ * up), w2 [E, H, I], row-major. Returns 0, or -3 out of memory.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
-#include <stdlib.h>
-#include <string.h>
 
 #define ROWS 4
 
@@ -34,6 +32,8 @@ static inline float bf16_to_f32(uint16_t v) {
     memcpy(&f, &u, sizeof f);
     return f;
 }
+
+static inline float same(float v) { return v; }
 
 /* out[r][n] = sum_k in[r][k] * w[n][k] for r < nr (<= ROWS), n < N; in rows are pointers. */
 #define DEFINE_ROWS_GEMM(NAME, WT, LOAD)                                                        \
@@ -59,7 +59,10 @@ static inline float bf16_to_f32(uint16_t v) {
         }                                                                                       \
     }
 
-/* out[n] = the sum of token n's pairs' rows of y, in slot order. */
+DEFINE_ROWS_GEMM(rows_gemm_f32, float, same)
+DEFINE_ROWS_GEMM(rows_gemm_bf16, uint16_t, bf16_to_f32)
+
+/* out[n] = the sum of token n's slots' rows of y (slot_row: -1 where not computed here). */
 static void sum_tokens(const float *y, const int64_t *slot_row, int64_t N, int64_t k, int64_t H,
                        float *out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -75,63 +78,75 @@ static void sum_tokens(const float *y, const int64_t *slot_row, int64_t N, int64
     }
 }
 
-#define F32_LOAD(v) (v)
-DEFINE_ROWS_GEMM(rows_gemm_f32, float, F32_LOAD)
-DEFINE_ROWS_GEMM(rows_gemm_bf16, uint16_t, bf16_to_f32)
-
-#define DEFINE_MOE(NAME, WT, GEMM)                                                              \
-    int NAME(const float *x, int64_t H, int64_t I, const WT *w13, const WT *w2,               \
-             const int64_t *starts, int64_t E, const int64_t *tok, const float *wt, float *y,  \
-             const int64_t *slot_row, int64_t N, int64_t k, float *out, int threads) {          \
+/* XT: the activations' type (x, and the SiLU output the down GEMM reads), TO_X its rounding. */
+#define DEFINE_MOE(NAME, XT, WT, GEMM, TO_X)                                                    \
+    int NAME(const XT *x, int64_t H, int64_t I, const WT *w13, const WT *w2,                  \
+             const int64_t *counts, int64_t E, const int64_t *order, const float *wt,          \
+             int64_t N, int64_t k, float *out, int threads) {                                  \
+        int64_t P = 0, *starts = malloc(sizeof(int64_t) * (E + 1));                             \
+        int64_t *slot_row = malloc(sizeof(int64_t) * N * k);                                    \
+        if (!starts || !slot_row) goto oom;                                                     \
+        for (int64_t e = 0; e < E; e++) starts[e] = P, P += counts[e];                          \
+        starts[E] = P;                                                                          \
+        float *y = malloc(sizeof(float) * (P ? P : 1) * H);                                     \
+        if (!y) goto oom;                                                                       \
+        for (int64_t s = 0; s < N * k; s++) slot_row[s] = -1;                                   \
+        for (int64_t p = 0; p < P; p++) slot_row[order[p]] = p;                                 \
         int failed = 0;                                                                         \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                   \
         for (int64_t e = 0; e < E; e++) {                                                       \
             int64_t p0 = starts[e], p1 = starts[e + 1];                                         \
             if (p1 <= p0) continue;                                                             \
-            float *h = malloc(sizeof(float) * ROWS * (3 * I));                                  \
+            float *h = malloc(sizeof(float) * ROWS * 2 * I + sizeof(XT) * ROWS * I);           \
             if (!h) {                                                                           \
                 failed = 1;                                                                     \
                 continue;                                                                       \
             }                                                                                   \
-            float *a = h + ROWS * 2 * I;                                                        \
+            XT *a = (XT *)(h + ROWS * 2 * I);                                                   \
             for (int64_t p = p0; p < p1; p += ROWS) {                                           \
                 int64_t nr = p1 - p < ROWS ? p1 - p : ROWS;                                     \
-                const float *in[ROWS];                                                          \
-                for (int64_t r = 0; r < nr; r++) in[r] = x + tok[p + r] * H;                    \
+                const XT *in[ROWS], *ain[ROWS];                                                 \
+                for (int64_t r = 0; r < nr; r++) in[r] = x + order[p + r] / k * H;              \
                 GEMM(in, nr, w13 + e * 2 * I * H, 2 * I, H, h, 2 * I);                          \
-                const float *ain[ROWS];                                                         \
                 for (int64_t r = 0; r < nr; r++) {                                              \
                     const float *g = h + r * 2 * I, *u = g + I;                                 \
-                    float *ar = a + r * I;                                                      \
-                    for (int64_t i = 0; i < I; i++) ar[i] = g[i] / (1.f + expf(-g[i])) * u[i];  \
+                    XT *ar = a + r * I;                                                         \
+                    for (int64_t i = 0; i < I; i++)                                             \
+                        ar[i] = TO_X(g[i] / (1.f + expf(-g[i])) * u[i]);                        \
                     ain[r] = ar;                                                                \
                 }                                                                               \
                 GEMM(ain, nr, w2 + e * H * I, H, I, y + p * H, H);                              \
                 for (int64_t r = 0; r < nr; r++) {                                              \
-                    float s = wt[p + r], *yr = y + (p + r) * H;                                 \
+                    float s = wt[order[p + r]], *yr = y + (p + r) * H;                          \
                     for (int64_t j = 0; j < H; j++) yr[j] *= s;                                 \
                 }                                                                               \
             }                                                                                   \
             free(h);                                                                            \
         }                                                                                       \
-        if (failed) return -3;                                                                  \
-        sum_tokens(y, slot_row, N, k, H, out, threads);                                         \
-        return 0;                                                                               \
+        if (!failed) sum_tokens(y, slot_row, N, k, H, out, threads);                            \
+        free(y);                                                                                \
+        free(starts);                                                                           \
+        free(slot_row);                                                                         \
+        return failed ? -3 : 0;                                                                 \
+    oom:                                                                                        \
+        free(starts);                                                                           \
+        free(slot_row);                                                                         \
+        return -3;                                                                              \
     }
 
-DEFINE_MOE(smoe_f32, float, rows_gemm_f32)
-DEFINE_MOE(smoe_bf16, uint16_t, rows_gemm_bf16)
+DEFINE_MOE(smoe_f32, float, float, rows_gemm_f32, same)
+DEFINE_MOE(smoe_bf16, float, uint16_t, rows_gemm_bf16, same)
 
 #if defined(__AVX512BF16__)
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                          /* nearest even */
     return (uint16_t)(u >> 16);
 }
 
-/* out[r][n] = sum_k in[r][k] * w[n][k], bf16 inputs and weights, K a multiple of 32. */
+/* rows_gemm_* on bf16 inputs and weights (K a multiple of 32), bf16 pairs into float sums. */
 static void rows_gemm_dp(const uint16_t *const *in, int64_t nr, const uint16_t *w, int64_t N,
                          int64_t K, float *out, int64_t ld) {
     const uint16_t *i0 = in[0], *i1 = in[nr > 1 ? 1 : 0], *i2 = in[nr > 2 ? 2 : 0],
@@ -153,46 +168,5 @@ static void rows_gemm_dp(const uint16_t *const *in, int64_t nr, const uint16_t *
     }
 }
 
-int smoe_bf16dp(const uint16_t *x, int64_t H, int64_t I, const uint16_t *w13,
-                const uint16_t *w2, const int64_t *starts, int64_t E, const int64_t *tok,
-                const float *wt, float *y, const int64_t *slot_row, int64_t N, int64_t k,
-                float *out, int threads) {
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t e = 0; e < E; e++) {
-        int64_t p0 = starts[e], p1 = starts[e + 1];
-        if (p1 <= p0) continue;
-        float *h = malloc(sizeof(float) * ROWS * 2 * I);
-        uint16_t *a = malloc(sizeof(uint16_t) * ROWS * I);
-        if (!h || !a) {
-            free(h);
-            free(a);
-            failed = 1;
-            continue;
-        }
-        for (int64_t p = p0; p < p1; p += ROWS) {
-            int64_t nr = p1 - p < ROWS ? p1 - p : ROWS;
-            const uint16_t *in[ROWS];
-            for (int64_t r = 0; r < nr; r++) in[r] = x + tok[p + r] * H;
-            rows_gemm_dp(in, nr, w13 + e * 2 * I * H, 2 * I, H, h, 2 * I);
-            const uint16_t *ain[ROWS];
-            for (int64_t r = 0; r < nr; r++) {
-                const float *g = h + r * 2 * I, *u = g + I;
-                uint16_t *ar = a + r * I;
-                for (int64_t i = 0; i < I; i++) ar[i] = f32_to_bf16(g[i] / (1.f + expf(-g[i])) * u[i]);
-                ain[r] = ar;
-            }
-            rows_gemm_dp(ain, nr, w2 + e * H * I, H, I, y + p * H, H);
-            for (int64_t r = 0; r < nr; r++) {
-                float s = wt[p + r], *yr = y + (p + r) * H;
-                for (int64_t j = 0; j < H; j++) yr[j] *= s;
-            }
-        }
-        free(h);
-        free(a);
-    }
-    if (failed) return -3;
-    sum_tokens(y, slot_row, N, k, H, out, threads);
-    return 0;
-}
+DEFINE_MOE(smoe_bf16dp, uint16_t, uint16_t, rows_gemm_dp, f32_to_bf16)
 #endif

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from splitmoe.kernels import native
-from splitmoe.kernels.cpu_choice import cpu_model
+from splitmoe.kernels.cpu_choice import cpu_model, cpuinfo
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ def library() -> ctypes.CDLL | None:
     global _LIB
     if _LIB is None:
         try:
-            key = cpu_model() + _cpu_flags()
+            # (the flags with the model: what -march=native compiled for; a VM can hide some)
+            key = cpu_model() + cpuinfo("flags")
             lib = ctypes.CDLL(str(native.build(SOURCE, _FLAGS, "the CPU MoE kernel", key)))
         except (native.NativeUnavailable, OSError) as e:
             log.warning("%s; the CPU MoE runs torch's layouts only", e)
@@ -49,23 +50,10 @@ def library() -> ctypes.CDLL | None:
         for name in (*_FUNCS.values(), _DOT_BF16):
             fn = getattr(lib, name, None)  # (`_DOT_BF16` only where the CPU has AVX512-BF16)
             if fn is not None:
-                fn.argtypes = [p, i64, i64, p, p, p, i64, p, p, p, p, i64, i64, p, ctypes.c_int]
+                fn.argtypes = [p, i64, i64, p, p, p, i64, p, p, i64, i64, p, ctypes.c_int]
                 fn.restype = ctypes.c_int
         _LIB = lib
     return _LIB or None
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (``/proc/cpuinfo``; "" elsewhere): with the model name, what
-    ``-march=native`` compiled for (a VM can hide features of its host's model)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13, act: dict) -> bool:
@@ -105,19 +93,14 @@ def moe(
         and I % 32 == 0
         and hasattr(lib, _DOT_BF16)
     )
-    xf = x.contiguous() if dot else x.float().contiguous()
-    tok = torch.from_numpy((order // k).astype(np.int64))
-    wt = weights.reshape(-1).index_select(0, torch.from_numpy(order)).float().contiguous()
-    starts = torch.from_numpy(np.concatenate(([0], np.cumsum(counts))).astype(np.int64))
-    slot_row = np.full(N * k, -1, dtype=np.int64)
-    slot_row[order] = np.arange(len(order))
-    slot_row = torch.from_numpy(slot_row)
-    y = torch.empty(len(order), H, dtype=torch.float32)
+    xs = x.contiguous() if dot else x.float().contiguous()
+    order_t = torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64))
+    counts_t = torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int64))
+    wt = weights.reshape(-1).float().contiguous()  # [N * k], read at each pair's slot
     out = torch.empty(N, H, dtype=torch.float32)
     rc = getattr(lib, _DOT_BF16 if dot else _FUNCS[w13.dtype])(
-        xf.data_ptr(), H, I, w13.data_ptr(), w2.data_ptr(), starts.data_ptr(), E,
-        tok.data_ptr(), wt.data_ptr(), y.data_ptr(), slot_row.data_ptr(), N, k, out.data_ptr(),
-        torch.get_num_threads(),
+        xs.data_ptr(), H, I, w13.data_ptr(), w2.data_ptr(), counts_t.data_ptr(), E,
+        order_t.data_ptr(), wt.data_ptr(), N, k, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc:
         raise MemoryError("the CPU MoE kernel ran out of memory")
