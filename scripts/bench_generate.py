@@ -95,7 +95,7 @@ def measure_splitmoe(llm: LLM, args, prompts) -> dict:
         output_tok_s=n / wall,
         metrics=llm.metrics(),
         # the steps of this run per count (what ``micro_batches="auto"`` chose)
-        counts={m: n - before.get(m, 0) for m, n in after.items() if n > before.get(m, 0)},
+        counts={m: c - before.get(m, 0) for m, c in after.items() if c > before.get(m, 0)},
     )
 
 
@@ -396,9 +396,8 @@ def main() -> None:
             for i in range(args.repeat):
                 if hf is not None:
                     runs["HF transformers"].append(hf.measure())
-                # each round starts one engine later: an engine's place in the round can move
-                # its figure by more than the differences measured (the last of three ran
-                # fastest, whichever it was), so every engine takes every place in turn
+                # each round starts one engine later, so that every engine takes every place
+                # in the round in turn (what runs just before an engine can move its figure)
                 order = list(engines)
                 order = order[i % len(order) :] + order[: i % len(order)]
                 for name in order:
