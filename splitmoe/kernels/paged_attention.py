@@ -6,8 +6,9 @@ A step's queries are packed: sequence ``i`` contributes ``query_lens[i]`` consec
 last ``query_lens[i]`` of its ``seq_lens[i]`` tokens (a prefill chunk, an extension of a cached
 prefix, or one decode token), and each attends causally to every earlier token of its sequence.
 
-Backends: ``"torch"`` runs `paged_attention_ref` (on CPU the fast path too: each step's K/V
-gathered by whole blocks, one SDPA call for the decode rows and one for the prompt chunks);
+Backends: ``"torch"`` runs `paged_attention_ref` (on CPU the fast path too: the decode rows by
+the native kernel reading the cache in place, `attention_cpu`, or by SDPA on their K/V gathered
+by whole blocks, whichever measured faster; one SDPA call for the prompt chunks);
 ``"triton"`` sends one-token rows to the split-KV decode kernel (`decode_attention`) and longer
 rows to the FlashAttention prefill/extend kernel (`prefill_attention`), both of which read K/V
 through the block table.
@@ -28,7 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitmoe.kernels import attention_cpu
 from splitmoe.kernels.attention_metadata import AttentionMetadata, check_paged_inputs
+from splitmoe.kernels.cpu_choice import KernelChoice, pow2_bucket
 
 
 @dataclass(frozen=True)
@@ -37,12 +40,14 @@ class DecodePlan:
     layer): ``rows [Bd]`` their query rows (None when they are all of ``q``, in order),
     ``blocks [Bd * nblk]`` the cache blocks of each row in order, ``L`` keys per row (whole
     blocks), ``mask [Bd, 1, 1, L]`` 0 for a key of the sequence, -inf past its end (and, with a
-    window, before it: each row's blocks then start at its window's first block)."""
+    window, before it: each row's blocks then start at its window's first block); ``spans [Bd,
+    2]`` the same as each row's first and end key of those ``L``."""
 
     rows: torch.Tensor | None
     blocks: torch.Tensor
     length: int
     mask: torch.Tensor
+    spans: torch.Tensor
 
 
 def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -95,6 +100,7 @@ def _decode_plan(
         tables = meta.block_tables[:, :nblk] if everything else meta.block_tables[idx, :nblk]
         lens = meta.seq_lens if everything else meta.seq_lens[idx]
         kpos = torch.arange(nblk * block_size, device=dev)[None, :]  # [1, L]
+        start = torch.zeros_like(lens)  # [Bd] position of each row's first key in the plan
         if window is not None and window < (nblk - 1) * block_size:
             # only the blocks from each row's window's first on: (window - 1) // bs + 2 of them
             nw = min(nblk, (window - 1) // block_size + 2)
@@ -102,6 +108,7 @@ def _decode_plan(
             cols = (first + torch.arange(nw, device=dev)[None, :]).clamp(max=nblk - 1)
             tables = tables.gather(1, cols)  # [Bd, nw]
             kpos = first * block_size + torch.arange(nw * block_size, device=dev)[None, :]
+            start = first[:, 0] * block_size
             nblk = nw
         L = nblk * block_size
         seen = kpos < lens[:, None]  # [Bd, L]
@@ -109,7 +116,9 @@ def _decode_plan(
             seen &= kpos >= lens[:, None] - window
         mask = _additive_mask(seen, dtype)[:, None, None, :]
         blocks = tables.reshape(-1).long()  # [Bd * nblk]
-        plan = DecodePlan(rows=rows, blocks=blocks, length=L, mask=mask)
+        lo = (lens - window).clamp(min=0) - start if window is not None else start
+        spans = torch.stack([lo, lens - start], 1).long()  # [Bd, 2]
+        plan = DecodePlan(rows=rows, blocks=blocks, length=L, mask=mask, spans=spans)
     return plan
 
 
@@ -292,6 +301,10 @@ def paged_attention_ref(
 DECODE_GATHER_BYTES = 4 << 20
 
 
+# The kernels of decode rows on CPU, chosen per shape class by timing them (`cpu_choice`).
+CPU_DECODE_KERNELS = KernelChoice("decode_attention")
+
+
 def _decode_rows(
     qd: torch.Tensor,
     k_cache: torch.Tensor,
@@ -301,9 +314,34 @@ def _decode_rows(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one-token rows ``qd [Bd, nkv, g, d]`` (a GQA group's heads as its query
-    rows) over their blocks (`DecodePlan`): SDPA's CPU path (softmax in float32 for float32
-    inputs) with an additive mask (~1.6x faster than a boolean one at decode batch 32), in
-    chunks of rows of at most `DECODE_GATHER_BYTES` of K."""
+    rows) over their blocks (`DecodePlan`). On CPU, where the native kernel builds
+    (`attention_cpu`), it and `_decode_sdpa` are timed per shape class (rows and keys rounded
+    up to powers of two, heads, sinks) and the faster is kept; elsewhere `_decode_sdpa`."""
+    if not attention_cpu.fits(qd, k_cache, v_cache):
+        return _decode_sdpa(qd, k_cache, v_cache, plan, scale, sinks)
+    Bd, nkv, g, d = qd.shape
+    shape = (pow2_bucket(Bd), pow2_bucket(plan.length), nkv, g, d, sinks is not None)
+    calls = {
+        "sdpa": lambda: _decode_sdpa(qd, k_cache, v_cache, plan, scale, sinks),
+        "native": lambda: attention_cpu.decode(
+            qd, k_cache, v_cache, plan.blocks, plan.spans, scale, sinks
+        ),
+    }
+    kept = CPU_DECODE_KERNELS.kept(shape, qd.dtype)
+    return CPU_DECODE_KERNELS.run(shape, qd.dtype, {kept: calls[kept]} if kept else calls)
+
+
+def _decode_sdpa(
+    qd: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`_decode_rows` by torch: each chunk of rows' blocks gathered into one tensor (at most
+    `DECODE_GATHER_BYTES` of K), then SDPA's CPU path (softmax in float32 for float32 inputs)
+    with an additive mask (~1.6x faster than a boolean one at decode batch 32)."""
     Bd, nkv, _, d = qd.shape
     L = plan.length
     nblk = L // k_cache.shape[1]

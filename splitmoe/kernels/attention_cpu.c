@@ -1,0 +1,110 @@
+/* Decode attention over a paged KV cache on CPU (`attention_cpu.py` builds and calls it).
+ *
+ * One query token per row: q [B, nkv, g, d] (a GQA group's g heads share KV head h), float32.
+ * Row b reads the blocks blocks[b * nblk ...] of the caches k, v [blocks, bs, nkv, d] in order
+ * (key t of the row is slot t % bs of its block t / bs) and attends to its keys lo <= t < hi
+ * (span [B, 2]: its sequence, or the part of it in its window). Each (row, KV head) is one task
+ * (static schedule): the group's scores against each key read once, a float32 softmax (with
+ * sinks [nkv * g], a learned logit per head in the denominator only), then the weighted sum of
+ * the values, read once. No copy of the keys: the torch path gathers every row's blocks into
+ * a tensor for SDPA first. out [B, nkv, g, d] float32. d a multiple of 16. Returns 0, or -3
+ * out of memory.
+ *
+ * Vectors of 16 floats (GCC's vector extensions: one AVX-512 register, two AVX2 ones), each
+ * key's dot products summed lane-wise and then pairwise across lanes (a scalar loop over the
+ * lanes would be in order, and 4x slower). `sattn_f32`: float32 caches; `sattn_bf16`:
+ * bfloat16 caches widened as they are read.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline v16 load_f32(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v16 load_bf16(const uint16_t *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    v16 v;
+    memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+static inline float hsum(v16 a) {
+    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+#define DEFINE_DECODE(NAME, CT, LOAD)                                                           \
+    int NAME(const float *q, const CT *kc, const CT *vc, const int64_t *blocks, int64_t nblk,   \
+             const int64_t *span, int64_t B, int64_t nkv, int64_t g, int64_t d, int64_t bs,     \
+             float scale, const float *sinks, float *out, int threads) {                        \
+        int failed = 0;                                                                         \
+        const int64_t nc = d / 16, row = nkv * d; /* vectors per head; a slot's stride */      \
+        _Pragma("omp parallel num_threads(threads)") {                                          \
+            float *s = malloc(sizeof(float) * (size_t)(g * nblk * bs));                         \
+            v16 *acc = aligned_alloc(64, sizeof(v16) * (size_t)(g * nc + 1));                   \
+            if (!s || !acc) {                                                                   \
+                _Pragma("omp atomic write") failed = 1;                                         \
+            }                                                                                   \
+            _Pragma("omp for schedule(static)")                                                 \
+            for (int64_t task = 0; task < B * nkv; task++) {                                    \
+                if (!s || !acc) continue;                                                       \
+                int64_t b = task / nkv, h = task % nkv;                                         \
+                int64_t lo = span[2 * b], n = span[2 * b + 1] - lo;                             \
+                const float *qb = q + task * g * d;                                             \
+                const int64_t *bt = blocks + b * nblk;                                          \
+                for (int64_t j = 0; j < n; j++) { /* scores s[r * n + j] */                     \
+                    int64_t t = lo + j;                                                         \
+                    const CT *kp = kc + (bt[t / bs] * bs + t % bs) * row + h * d;               \
+                    for (int64_t r = 0; r < g; r++) {                                           \
+                        v16 a = load_f32(qb + r * d) * LOAD(kp);                                \
+                        for (int64_t c = 1; c < nc; c++)                                        \
+                            a += load_f32(qb + r * d + 16 * c) * LOAD(kp + 16 * c);             \
+                        s[r * n + j] = hsum(a) * scale;                                         \
+                    }                                                                           \
+                }                                                                               \
+                float denom[g];                                                                 \
+                for (int64_t r = 0; r < g; r++) { /* softmax numerators in place */            \
+                    float *sr = s + r * n, m = sinks ? sinks[h * g + r] : -INFINITY, z = 0.f;   \
+                    for (int64_t j = 0; j < n; j++) m = sr[j] > m ? sr[j] : m;                  \
+                    for (int64_t j = 0; j < n; j++) z += (sr[j] = expf(sr[j] - m));             \
+                    denom[r] = sinks ? z + expf(sinks[h * g + r] - m) : z;                      \
+                }                                                                               \
+                memset(acc, 0, sizeof(v16) * (size_t)(g * nc));                                 \
+                for (int64_t j = 0; j < n; j++) { /* acc[r] += p[r][j] * v_j */                 \
+                    int64_t t = lo + j;                                                         \
+                    const CT *vp = vc + (bt[t / bs] * bs + t % bs) * row + h * d;               \
+                    for (int64_t c = 0; c < nc; c++) {                                          \
+                        v16 v = LOAD(vp + 16 * c);                                              \
+                        for (int64_t r = 0; r < g; r++) acc[r * nc + c] += s[r * n + j] * v;    \
+                    }                                                                           \
+                }                                                                               \
+                float *ob = out + task * g * d;                                                 \
+                for (int64_t r = 0; r < g; r++)                                                 \
+                    for (int64_t c = 0; c < nc; c++) {                                          \
+                        v16 o = acc[r * nc + c] / denom[r];                                     \
+                        memcpy(ob + r * d + 16 * c, &o, sizeof o);                              \
+                    }                                                                           \
+            }                                                                                   \
+            free(s);                                                                            \
+            free(acc);                                                                          \
+        }                                                                                       \
+        return failed ? -3 : 0;                                                                 \
+    }
+
+DEFINE_DECODE(sattn_f32, float, load_f32)
+DEFINE_DECODE(sattn_bf16, uint16_t, load_bf16)
