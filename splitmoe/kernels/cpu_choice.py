@@ -10,8 +10,16 @@ tensors (a warm-up, and a check that they agree); the next calls each run one ca
 in place of the kernel, timed where it runs in the model step; once each has a few timings the
 fastest is kept, and every later call of the class runs it alone.
 
+A timing taken while the process lost a core is thrown away: a thread descheduled for a
+scheduler tick (4 ms at 250 Hz) makes a 0.3 ms GEMM look 30 ms, and a choice made of such
+timings once kept a GEMM 90x slower in the file for good. The kernel's own threads are
+preempted exactly when the process's count of involuntary context switches moves while it
+runs (`getrusage`), so such a call runs (its output is used) but its time is not counted.
+Where the cores stay contended (ranks sharing them), a class takes the timings it gets after
+`KernelChoice.max_rounds` thrown away, and keeps its decision in memory only.
+
 Decisions are kept in memory and in a JSON file shared by all ops and processes,
-``$SPLITMOE_CACHE_DIR/cpu_kernels.json`` (default ``~/.cache/splitmoe/``; the variable moves the
+``$SPLITMOE_CACHE_DIR/cpu_kernels-2.json`` (default ``~/.cache/splitmoe/``; the variable moves the
 file and switches nothing else), keyed by the CPU model, torch version, thread count, dtype, op
 and shape class (`choice_key`): a later process on the same machine measures nothing. Each rank
 decides on its own. The file is written atomically (a temporary file renamed over it); a
@@ -32,6 +40,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -43,7 +52,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CACHE_FILE_NAME = "cpu_kernels.json"
+# (version 2: the decisions of the first file counted the times of preempted calls)
+CACHE_FILE_NAME = "cpu_kernels-2.json"
+
+
+def involuntary_switches() -> int:
+    """Times this process's threads were preempted so far (``ru_nivcsw``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
 
 
 def cpuinfo(field: str) -> str:
@@ -82,7 +97,8 @@ def choice_key(
 class Decision:
     """The kernel kept for one shape class, and why: ``ms`` is each candidate's best time in
     milliseconds; ``dropped`` the candidates dropped for disagreeing; ``source`` is ``"timed"``
-    (measured by this process) or ``"cache file"``."""
+    (measured by this process), ``"timed on contended cores"`` (the same, of preempted calls:
+    kept in memory only) or ``"cache file"``."""
 
     choice: str
     ms: dict[str, float]
@@ -189,6 +205,8 @@ class KernelChoice:
         over tens of ms finds calls without a stall, where a best of 3 taken under load on
         the 2-core dev host picked a 2.6x slower MoE layout;
     timer: seconds, ``time.perf_counter`` (tests pass a fake clock);
+    switches: the process's involuntary context switches so far (`involuntary_switches`): a
+        call during which it moves is not timed (see the module doc);
     file: where decisions persist (`DEFAULT_FILE`).
     """
 
@@ -197,6 +215,7 @@ class KernelChoice:
     budget_s: float = 0.05
     max_rounds: int = 20
     timer: Callable[[], float] = time.perf_counter
+    switches: Callable[[], int] = involuntary_switches
     file: ChoiceFile = field(default_factory=lambda: DEFAULT_FILE)
 
     def __post_init__(self):
@@ -206,6 +225,7 @@ class KernelChoice:
         # classes on trial: (shape, dtype, threads) -> {candidate: its timings so far, s}
         self._trials: dict[tuple, dict[str, list[float]]] = {}
         self._dropped: dict[tuple, tuple[str, ...]] = {}  # classes on trial: who disagreed
+        self._preempted: dict[tuple, int] = {}  # classes on trial: timings thrown away
         self._cpu = cpu_model()
 
     def key(self, shape: tuple, dtype: torch.dtype, threads: int | None = None) -> str:
@@ -275,9 +295,15 @@ class KernelChoice:
             self._dropped[mem_key] = tuple(n for n in candidates if n not in names)
             return outputs[names[0]]
         name = min(times, key=lambda n: len(times[n]))
+        switched = self.switches()
         t = self.timer()
         out = candidates[name]()
-        times[name].append(self.timer() - t)
+        elapsed = self.timer() - t
+        if self.switches() != switched:  # preempted: not its time
+            self._preempted[mem_key] = self._preempted.get(mem_key, 0) + 1
+            if self._preempted[mem_key] <= self.max_rounds:
+                return out
+        times[name].append(elapsed)
         rounds = min(len(ts) for ts in times.values())
         spent = sum(sum(ts) for ts in times.values())
         if rounds >= self.max_rounds or (rounds >= self.rounds and spent >= self.budget_s):
@@ -288,11 +314,14 @@ class KernelChoice:
         shape, dtype, _ = mem_key
         choice = min(best, key=lambda name: best[name])
         ms = {n: round(s * 1e3, 4) for n, s in best.items()}
-        decision = Decision(choice, ms, "timed", self._dropped.pop(mem_key, ()))
+        contended = self._preempted.pop(mem_key, 0) > self.max_rounds
+        source = "timed on contended cores" if contended else "timed"
+        decision = Decision(choice, ms, source, self._dropped.pop(mem_key, ()))
         self._memory[mem_key] = decision
         del self._trials[mem_key]
-        self.file.put(self.key(shape, dtype), decision)
-        log.info("%s %s %s: %s -> %s", self.op, shape, dtype, decision.ms, choice)
+        if not contended:  # (a choice made of preempted timings is not kept for later)
+            self.file.put(self.key(shape, dtype), decision)
+        log.info("%s %s %s: %s -> %s (%s)", self.op, shape, dtype, ms, choice, source)
 
 
 def pow2_bucket(n: int) -> int:

@@ -22,17 +22,24 @@ class FakeClock:
     """A clock that only moves when a candidate runs: each call of ``kernel(name)`` advances it
     by that candidate's cost, and counts the call."""
 
-    def __init__(self, costs: dict[str, float]):
+    def __init__(self, costs: dict[str, float], preempt=lambda name, call: False):
         self.costs, self.now, self.calls = costs, 0.0, dict.fromkeys(costs, 0)
+        self.preempt, self.switched = preempt, 0  # which calls lose their core for 30 ms
 
     def __call__(self) -> float:
         return self.now
+
+    def switches(self) -> int:
+        return self.switched
 
     def candidates(self, value: torch.Tensor | None = None) -> dict:
         def kernel(name):
             def run():
                 self.now += self.costs[name]
                 self.calls[name] += 1
+                if self.preempt(name, self.calls[name]):
+                    self.now += 30e-3
+                    self.switched += 1
                 return torch.ones(3) if value is None else value[name]
 
             return run
@@ -51,7 +58,9 @@ def decide(choice, shape, clock, outs=None, dtype=torch.float32):
 
 def _chooser(tmp_path, clock, op="op", rounds=2, budget_s=0.0):
     file = ChoiceFile(tmp_path / "c.json")
-    return KernelChoice(op, rounds=rounds, budget_s=budget_s, timer=clock, file=file)
+    return KernelChoice(
+        op, rounds=rounds, budget_s=budget_s, timer=clock, switches=clock.switches, file=file
+    )
 
 
 def test_picks_the_fastest_and_times_once(tmp_path):
@@ -79,7 +88,7 @@ def test_short_kernels_get_more_rounds(tmp_path):
     # the first call, then timed calls until each has 2 and they add up to 10 ms: a b a b a
     assert clock.calls == {"a": 4, "b": 3}
     clock = FakeClock({"a": 3e-3, "b": 1e-3})
-    choice = KernelChoice("op", timer=clock, budget_s=1.0, max_rounds=5)
+    choice = KernelChoice("op", timer=clock, switches=clock.switches, budget_s=1.0, max_rounds=5)
     choice.file = ChoiceFile(tmp_path / "d.json")
     decide(choice, (8,), clock)
     assert clock.calls == {"a": 6, "b": 6}  # capped at max_rounds
@@ -141,8 +150,9 @@ def test_an_unwritable_cache_dir_is_ignored_with_one_warning(tmp_path, caplog):
     blocker.write_text("")  # a file where the directory should be
     clock = FakeClock({"a": 3e-3, "b": 1e-3})
     choice = KernelChoice(
-        "op", budget_s=0, timer=clock, file=ChoiceFile(blocker / "sub" / "c.json")
-    )
+        "op", budget_s=0, timer=clock, switches=clock.switches,
+        file=ChoiceFile(blocker / "sub" / "c.json"),
+    )  # fmt: skip
     with caplog.at_level(logging.WARNING):
         for rows in (1, 2, 4):
             decide(choice, (rows,), clock)
@@ -153,9 +163,9 @@ def test_an_unwritable_cache_dir_is_ignored_with_one_warning(tmp_path, caplog):
 def test_the_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("SPLITMOE_CACHE_DIR", str(tmp_path / "moved"))
     clock = FakeClock({"a": 3e-3, "b": 1e-3})
-    choice = KernelChoice("op", budget_s=0, timer=clock, file=ChoiceFile())
+    choice = KernelChoice("op", budget_s=0, timer=clock, switches=clock.switches, file=ChoiceFile())
     decide(choice, (4,), clock)
-    assert (tmp_path / "moved" / "cpu_kernels.json").exists()
+    assert (tmp_path / "moved" / "cpu_kernels-2.json").exists()
 
 
 def test_keys_differ_by_everything_speed_depends_on():
@@ -228,3 +238,32 @@ def test_a_kernel_added_since_a_decision_is_measured(tmp_path):
     later = _chooser(tmp_path, clock)
     later.run((8, 8), torch.float32, clock.candidates(outs))
     assert clock.calls == {"a": 0, "b": 0, "new": 1, "bad": 0}
+
+
+def test_preempted_calls_are_not_timed(tmp_path):
+    """A call during which the process lost a core (its involuntary context switches moved)
+    runs, but its time does not count: the fast kernel, preempted on its first timed calls,
+    still wins, and the decision is kept in the file."""
+    clock = FakeClock(
+        {"slow": 2e-3, "fast": 1e-3}, preempt=lambda name, n: name == "fast" and n < 4
+    )
+    choice = _chooser(tmp_path, clock)
+    decide(choice, (8,), clock)
+    decision = choice.decision((8,), torch.float32)
+    assert decision.choice == "fast" and decision.ms == {"slow": 2.0, "fast": 1.0}
+    assert clock.calls == {"slow": 3, "fast": 5}  # the first call, 2 thrown away, 2 timed
+    assert decision.source == "timed"
+    assert _chooser(tmp_path, FakeClock({})).decision((8,), torch.float32).choice == "fast"
+
+
+def test_on_contended_cores_the_choice_is_not_kept_for_later(tmp_path):
+    """Every call preempted (ranks sharing cores): after `max_rounds` thrown away the class
+    decides on the timings it gets, in memory only; the next process measures again."""
+    clock = FakeClock({"a": 2e-3, "b": 1e-3}, preempt=lambda name, n: True)
+    choice = _chooser(tmp_path, clock)
+    choice.max_rounds = 4
+    decide(choice, (8,), clock)
+    decision = choice.decision((8,), torch.float32)
+    assert decision.choice == "b" and decision.source == "timed on contended cores"
+    assert sum(clock.calls.values()) == 2 + 4 + 4  # first call, thrown away, 2 rounds
+    assert _chooser(tmp_path, FakeClock({})).decision((8,), torch.float32) is None
