@@ -7,7 +7,7 @@ setup(
     packages=find_packages(include=["splitmoe", "splitmoe.*"]),
     package_data={
         "splitmoe.sim": ["profiles/*.json", "configs/*.json"],
-        "splitmoe.kernels": ["*.c"],  # the balancer's CPU kernel, compiled on first use
+        "splitmoe.kernels": ["*.c", "*.h"],  # the native CPU kernels, compiled on first use
     },
     python_requires=">=3.10",
     # torch is pinned by the install scripts (scripts/setup_env.sh) to a CPU build on machines

@@ -10,9 +10,7 @@
  * a tensor for SDPA first. out [B, nkv, g, d] float32. d a multiple of 16. Returns 0, or -3
  * out of memory.
  *
- * Vectors of 16 floats (GCC's vector extensions: one AVX-512 register, two AVX2 ones), each
- * key's dot products summed lane-wise and then pairwise across lanes (a scalar loop over the
- * lanes would be in order, and 4x slower). `sattn_f32`: float32 caches; `sattn_bf16`:
+ * In vectors of 16 floats (`vec16.h`). `sattn_f32`: float32 caches; `sattn_bf16`:
  * bfloat16 caches widened as they are read.
  */
 #include <math.h>
@@ -20,33 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-static inline v16 load_f32(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline v16 load_bf16(const uint16_t *p) {
-    u16x16 h;
-    memcpy(&h, p, sizeof h);
-    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    v16 v;
-    memcpy(&v, &w, sizeof v);
-    return v;
-}
-
-static inline float hsum(v16 a) {
-    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
+#include "vec16.h"
 
 #define DEFINE_DECODE(NAME, CT, LOAD)                                                           \
     int NAME(const float *q, const CT *kc, const CT *vc, const int64_t *blocks, int64_t nblk,   \

@@ -28,7 +28,7 @@ from splitmoe.kernels.cpu_choice import cpu_model, cpuinfo
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("moe_cpu.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c11", "-shared", "-fPIC", "-lm"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-lm"]
 _FUNCS = {torch.float32: "smoe_f32", torch.bfloat16: "smoe_bf16"}
 _DOT_BF16 = "smoe_bf16dp"  # bf16 activations and weights, AVX512-BF16 dot products
 _LIB: ctypes.CDLL | None | bool = None  # False: unavailable here (warned once)

@@ -1,11 +1,11 @@
 """Native CPU kernels built on first use: the system C compiler, a per-user cache, ctypes.
 
 A kernel's C source is compiled once with ``$CC`` (else ``cc`` / ``gcc`` / ``clang``) into
-``$XDG_CACHE_HOME/splitmoe`` (``~/.cache/splitmoe``), named by the hash of the source, the
-compiler, the flags and (for flags that target this CPU) the CPU model, and loaded with ctypes:
-no build step at install time, no torch headers, and ranks that start together build it once (a
-rank that finds the library loads it; concurrent builds write to private names and rename
-atomically). `balance_cpu`, `moe_cpu` and `attention_cpu` are the kernels.
+``$XDG_CACHE_HOME/splitmoe`` (``~/.cache/splitmoe``), named by the hash of the source and the
+headers beside it, the compiler, the flags and (for flags that target this CPU) the CPU model,
+and loaded with ctypes: no build step at install time, no torch headers, and ranks that start
+together build it once (a rank that finds the library loads it; concurrent builds write to
+private names and rename atomically). `balance_cpu`, `moe_cpu` and `attention_cpu` are the kernels.
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ def compiler(what: str) -> str:
 def build(
     source: Path, flags: list[str], what: str, key: str = "", cache: Path | None = None
 ) -> Path:
-    """The compiled library of ``source``, building it if this source, compiler, ``flags`` and
-    ``key`` (e.g. the CPU model, for ``-march=native``) have none yet. ``what`` names the
+    """The compiled library of ``source``, building it if this source (with the headers beside
+    it), compiler, ``flags`` and ``key`` (e.g. the CPU model, for ``-march=native``) have none
+    yet. ``what`` names the
     kernel in errors."""
     cc = compiler(what)
-    src = source.read_bytes()
+    src = b"".join(p.read_bytes() for p in [source, *sorted(source.parent.glob("*.h"))])
     digest = hashlib.sha256(src + cc.encode() + " ".join(flags).encode() + key.encode())
     cache = cache or cache_dir()
     lib = cache / f"{source.stem}-{digest.hexdigest()[:16]}.so"

@@ -63,3 +63,19 @@ def test_without_a_compiler_the_layout_is_not_offered(tmp_path, monkeypatch, cap
     assert [r.message for r in caplog.records if "needs a C compiler" in r.message] != []
     assert len(caplog.records) == 1  # warned once
     torch.testing.assert_close(got, fused_moe_ref(x, w13, w2, ids, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_changed_header_builds_a_new_library(tmp_path):
+    """The build is named by the source and the headers beside it: a kernel never loads a
+    library built from another version of a header it includes."""
+    from splitmoe.kernels import native
+
+    (tmp_path / "k.h").write_text("#define K 1\n")
+    src = tmp_path / "k.c"
+    src.write_text('#include "k.h"\nint k(void) { return K; }\n')
+    flags = ["-O1", "-shared", "-fPIC"]
+    first = native.build(src, flags, "k", cache=tmp_path / "cache")
+    assert native.build(src, flags, "k", cache=tmp_path / "cache") == first
+    (tmp_path / "k.h").write_text("#define K 2\n")
+    second = native.build(src, flags, "k", cache=tmp_path / "cache")
+    assert second != first and second.exists()
