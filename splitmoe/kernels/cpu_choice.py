@@ -10,13 +10,15 @@ tensors (a warm-up, and a check that they agree); the next calls each run one ca
 in place of the kernel, timed where it runs in the model step; once each has a few timings the
 fastest is kept, and every later call of the class runs it alone.
 
-A timing taken while the process lost a core is thrown away: a thread descheduled for a
-scheduler tick (4 ms at 250 Hz) makes a 0.3 ms GEMM look 30 ms, and a choice made of such
-timings once kept a GEMM 90x slower in the file for good. The kernel's own threads are
-preempted exactly when the process's count of involuntary context switches moves while it
-runs (`getrusage`), so such a call runs (its output is used) but its time is not counted.
-Where the cores stay contended (ranks sharing them), a class takes the timings it gets after
-`KernelChoice.max_rounds` thrown away, and keeps its decision in memory only.
+A call during which the process lost a core is not judged by its time: a thread descheduled
+for a scheduler tick (4 ms at 250 Hz) makes a 0.3 ms GEMM look 30 ms, and a choice made of such
+timings once kept a 90x slower GEMM in the file for good. Such a call is one during which the
+process's count of involuntary context switches moved (`getrusage`) *and* its threads ran for
+less than all but half a thread's share of the call (CPU time against ``threads x wall``): a
+preemption of a few microseconds, which most multi-millisecond calls see, does not count. The
+call runs (its output is used), but only calls that kept their cores count as timings. A
+candidate that got none in `KernelChoice.max_rounds` calls (cores that stay contended: ranks
+sharing them) is judged on the others, and that decision is kept in memory only.
 
 Decisions are kept in memory and in a JSON file shared by all ops and processes,
 ``$SPLITMOE_CACHE_DIR/cpu_kernels-2.json`` (default ``~/.cache/splitmoe/``; the variable moves the
@@ -205,8 +207,9 @@ class KernelChoice:
         over tens of ms finds calls without a stall, where a best of 3 taken under load on
         the 2-core dev host picked a 2.6x slower MoE layout;
     timer: seconds, ``time.perf_counter`` (tests pass a fake clock);
-    switches: the process's involuntary context switches so far (`involuntary_switches`): a
-        call during which it moves is not timed (see the module doc);
+    switches: the process's involuntary context switches so far (`involuntary_switches`),
+    cpu_timer: the process's CPU seconds so far (``time.process_time``, all threads): with
+        ``switches``, which calls lost a core (see the module doc; tests pass fakes);
     file: where decisions persist (`DEFAULT_FILE`).
     """
 
@@ -216,6 +219,7 @@ class KernelChoice:
     max_rounds: int = 20
     timer: Callable[[], float] = time.perf_counter
     switches: Callable[[], int] = involuntary_switches
+    cpu_timer: Callable[[], float] = time.process_time
     file: ChoiceFile = field(default_factory=lambda: DEFAULT_FILE)
 
     def __post_init__(self):
@@ -223,9 +227,9 @@ class KernelChoice:
             raise ValueError(f"KernelChoice {self.op!r}: rounds must be >= 1, got {self.rounds}")
         self._memory: dict[tuple, Decision] = {}
         # classes on trial: (shape, dtype, threads) -> {candidate: its timings so far, s}
-        self._trials: dict[tuple, dict[str, list[float]]] = {}
+        # classes on trial: (shape, dtype, threads) -> {candidate: [(seconds, kept its cores)]}
+        self._trials: dict[tuple, dict[str, list[tuple[float, bool]]]] = {}
         self._dropped: dict[tuple, tuple[str, ...]] = {}  # classes on trial: who disagreed
-        self._preempted: dict[tuple, int] = {}  # classes on trial: timings thrown away
         self._cpu = cpu_model()
 
     def key(self, shape: tuple, dtype: torch.dtype, threads: int | None = None) -> str:
@@ -280,7 +284,9 @@ class KernelChoice:
         kernel whose weights stream from memory is timed streaming them (back-to-back
         repetitions keep a few experts' weights in cache and favour another layout). After
         `rounds` timings of each, and until they add up to `budget_s` or `max_rounds`, the
-        fastest best time is kept."""
+        fastest best time is kept. Only calls that kept their cores count as timings (see
+        the module doc); a candidate that had none in `max_rounds` calls is judged on the
+        others, and that decision is kept in memory only."""
         shape = mem_key[0]
         times = self._trials.get(mem_key)
         if times is None:
@@ -294,32 +300,43 @@ class KernelChoice:
             self._trials[mem_key] = {name: [] for name in names}
             self._dropped[mem_key] = tuple(n for n in candidates if n not in names)
             return outputs[names[0]]
-        name = min(times, key=lambda n: len(times[n]))
-        switched = self.switches()
+
+        def clean(n: str) -> list[float]:  # a candidate's times of calls that kept their cores
+            return [s for s, ok in times[n] if ok]
+
+        # the candidate with the fewest clean timings (and that has not used up its calls)
+        open_ = [n for n in times if len(times[n]) < self.max_rounds] or list(times)
+        name = min(open_, key=lambda n: (len(clean(n)), len(times[n])))
+        switched, cpu = self.switches(), self.cpu_timer()
         t = self.timer()
         out = candidates[name]()
         elapsed = self.timer() - t
-        if self.switches() != switched:  # preempted: not its time
-            self._preempted[mem_key] = self._preempted.get(mem_key, 0) + 1
-            if self._preempted[mem_key] <= self.max_rounds:
-                return out
-        times[name].append(elapsed)
-        rounds = min(len(ts) for ts in times.values())
-        spent = sum(sum(ts) for ts in times.values())
-        if rounds >= self.max_rounds or (rounds >= self.rounds and spent >= self.budget_s):
-            self._decide(mem_key, {n: min(ts) for n, ts in times.items()})
+        # preempted, and the process's threads ran for less than all but half a thread's time
+        lost = self.switches() != switched and (
+            self.cpu_timer() - cpu < (mem_key[2] - 0.5) * elapsed
+        )
+        times[name].append((elapsed, not lost))
+        rounds = min(len(clean(n)) for n in times)
+        spent = sum(s for ts in times.values() for s, _ in ts)
+        spent_calls = all(len(ts) >= self.max_rounds for ts in times.values())
+        if (
+            rounds >= self.max_rounds
+            or (rounds >= self.rounds and spent >= self.budget_s)
+            or spent_calls
+        ):
+            best = {n: min(clean(n) or [s for s, _ in times[n]]) for n in times}
+            self._decide(mem_key, best, contended=any(not clean(n) for n in times))
         return out
 
-    def _decide(self, mem_key: tuple, best: dict[str, float]) -> None:
+    def _decide(self, mem_key: tuple, best: dict[str, float], contended: bool) -> None:
         shape, dtype, _ = mem_key
         choice = min(best, key=lambda name: best[name])
         ms = {n: round(s * 1e3, 4) for n, s in best.items()}
-        contended = self._preempted.pop(mem_key, 0) > self.max_rounds
         source = "timed on contended cores" if contended else "timed"
         decision = Decision(choice, ms, source, self._dropped.pop(mem_key, ()))
         self._memory[mem_key] = decision
         del self._trials[mem_key]
-        if not contended:  # (a choice made of preempted timings is not kept for later)
+        if not contended:  # (a choice made of stalled timings is not kept for later)
             self.file.put(self.key(shape, dtype), decision)
         log.info("%s %s %s: %s -> %s (%s)", self.op, shape, dtype, ms, choice, source)
 

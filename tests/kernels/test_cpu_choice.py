@@ -24,7 +24,9 @@ class FakeClock:
 
     def __init__(self, costs: dict[str, float], preempt=lambda name, call: False):
         self.costs, self.now, self.calls = costs, 0.0, dict.fromkeys(costs, 0)
-        self.preempt, self.switched = preempt, 0  # which calls lose their core for 30 ms
+        # which calls are preempted: True loses a core for 30 ms, "brief" for no measurable time
+        self.preempt, self.switched = preempt, 0
+        self.cpu_s = 0.0  # the process's CPU time: every thread busy, but not while preempted
 
     def __call__(self) -> float:
         return self.now
@@ -32,13 +34,18 @@ class FakeClock:
     def switches(self) -> int:
         return self.switched
 
+    def cpu(self) -> float:
+        return self.cpu_s
+
     def candidates(self, value: torch.Tensor | None = None) -> dict:
         def kernel(name):
             def run():
                 self.now += self.costs[name]
+                self.cpu_s += self.costs[name] * torch.get_num_threads()
                 self.calls[name] += 1
-                if self.preempt(name, self.calls[name]):
-                    self.now += 30e-3
+                stall = self.preempt(name, self.calls[name])
+                if stall:
+                    self.now += 30e-3 if stall is True else 0.0
                     self.switched += 1
                 return torch.ones(3) if value is None else value[name]
 
@@ -59,7 +66,13 @@ def decide(choice, shape, clock, outs=None, dtype=torch.float32):
 def _chooser(tmp_path, clock, op="op", rounds=2, budget_s=0.0):
     file = ChoiceFile(tmp_path / "c.json")
     return KernelChoice(
-        op, rounds=rounds, budget_s=budget_s, timer=clock, switches=clock.switches, file=file
+        op,
+        rounds=rounds,
+        budget_s=budget_s,
+        timer=clock,
+        switches=clock.switches,
+        cpu_timer=clock.cpu,
+        file=file,
     )
 
 
@@ -88,7 +101,9 @@ def test_short_kernels_get_more_rounds(tmp_path):
     # the first call, then timed calls until each has 2 and they add up to 10 ms: a b a b a
     assert clock.calls == {"a": 4, "b": 3}
     clock = FakeClock({"a": 3e-3, "b": 1e-3})
-    choice = KernelChoice("op", timer=clock, switches=clock.switches, budget_s=1.0, max_rounds=5)
+    choice = KernelChoice(
+        "op", timer=clock, switches=clock.switches, cpu_timer=clock.cpu, budget_s=1.0, max_rounds=5
+    )
     choice.file = ChoiceFile(tmp_path / "d.json")
     decide(choice, (8,), clock)
     assert clock.calls == {"a": 6, "b": 6}  # capped at max_rounds
@@ -150,7 +165,7 @@ def test_an_unwritable_cache_dir_is_ignored_with_one_warning(tmp_path, caplog):
     blocker.write_text("")  # a file where the directory should be
     clock = FakeClock({"a": 3e-3, "b": 1e-3})
     choice = KernelChoice(
-        "op", budget_s=0, timer=clock, switches=clock.switches,
+        "op", budget_s=0, timer=clock, switches=clock.switches, cpu_timer=clock.cpu,
         file=ChoiceFile(blocker / "sub" / "c.json"),
     )  # fmt: skip
     with caplog.at_level(logging.WARNING):
@@ -163,7 +178,14 @@ def test_an_unwritable_cache_dir_is_ignored_with_one_warning(tmp_path, caplog):
 def test_the_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("SPLITMOE_CACHE_DIR", str(tmp_path / "moved"))
     clock = FakeClock({"a": 3e-3, "b": 1e-3})
-    choice = KernelChoice("op", budget_s=0, timer=clock, switches=clock.switches, file=ChoiceFile())
+    choice = KernelChoice(
+        "op",
+        budget_s=0,
+        timer=clock,
+        switches=clock.switches,
+        cpu_timer=clock.cpu,
+        file=ChoiceFile(),
+    )
     decide(choice, (4,), clock)
     assert (tmp_path / "moved" / "cpu_kernels-2.json").exists()
 
@@ -242,8 +264,9 @@ def test_a_kernel_added_since_a_decision_is_measured(tmp_path):
 
 def test_preempted_calls_are_not_timed(tmp_path):
     """A call during which the process lost a core (its involuntary context switches moved)
-    runs, but its time does not count: the fast kernel, preempted on its first timed calls,
-    still wins, and the decision is kept in the file."""
+    runs, but its time does not count: the fast kernel, preempted on its first two timed calls
+    (30 ms each), still wins on the calls that were not, and the decision is kept in the
+    file."""
     clock = FakeClock(
         {"slow": 2e-3, "fast": 1e-3}, preempt=lambda name, n: name == "fast" and n < 4
     )
@@ -257,13 +280,23 @@ def test_preempted_calls_are_not_timed(tmp_path):
 
 
 def test_on_contended_cores_the_choice_is_not_kept_for_later(tmp_path):
-    """Every call preempted (ranks sharing cores): after `max_rounds` thrown away the class
-    decides on the timings it gets, in memory only; the next process measures again."""
+    """Every call preempted (ranks sharing cores): after `max_rounds` calls of each the class
+    decides on the timings it got, in memory only; the next process measures again."""
     clock = FakeClock({"a": 2e-3, "b": 1e-3}, preempt=lambda name, n: True)
     choice = _chooser(tmp_path, clock)
     choice.max_rounds = 4
     decide(choice, (8,), clock)
     decision = choice.decision((8,), torch.float32)
     assert decision.choice == "b" and decision.source == "timed on contended cores"
-    assert sum(clock.calls.values()) == 2 + 4 + 4  # first call, thrown away, 2 rounds
+    assert sum(clock.calls.values()) == 2 + 4 + 4  # the first call, then max_rounds each
     assert _chooser(tmp_path, FakeClock({})).decision((8,), torch.float32) is None
+
+
+def test_a_brief_preemption_keeps_the_timing(tmp_path):
+    """Preempted for no measurable time (the process's threads ran all along): the call's time
+    counts, and the decision is kept in the file."""
+    clock = FakeClock({"a": 2e-3, "b": 1e-3}, preempt=lambda name, n: "brief")
+    choice = _chooser(tmp_path, clock)
+    decide(choice, (8,), clock)
+    assert clock.calls == {"a": 3, "b": 3}
+    assert choice.decision((8,), torch.float32).source == "timed"
