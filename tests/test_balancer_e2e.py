@@ -99,6 +99,7 @@ def test_rebalance_mid_run(tiny_ckpt, hf_ref, policy):
         redundant_experts=4,
         balancer=policy,
         device="cpu",
+        dtype="float32",  # (the HF oracle's; "auto" is bfloat16 on CPUs with native bf16)
     ) as llm:
         llm.generate(PROMPTS[:2], GREEDY)  # some load to place replicas by
         rids = llm.submit(PROMPTS, GREEDY)
