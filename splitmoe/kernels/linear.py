@@ -1,5 +1,6 @@
-"""Dense projections: ``F.linear``, on CPU through oneDNN's inner product or MKL's GEMM,
-whichever measured faster on this machine for the shape.
+"""Dense projections: ``F.linear``, on CPU through oneDNN's inner product, MKL's GEMM or (at a
+decode step's rows) the native kernel `linear_cpu`, whichever measured faster on this machine
+for the shape.
 
 ``F.linear`` reaches MKL's sgemm on CPU; oneDNN's inner product (the op Inductor's CPU freezing
 emits) is a second kernel for the same math. Which one is faster depends on the CPU (its
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from splitmoe.kernels import linear_cpu
 from splitmoe.kernels.cpu_choice import KernelChoice, pow2_bucket
 from splitmoe.kernels.quant import QuantizedWeight, dequantize_reused
 
@@ -32,8 +34,13 @@ _ONEDNN_LINEAR = _onednn_linear_op()
 # float16 needs AVX512-FP16, which oneDNN does not find on most CPUs
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
-# oneDNN or MKL per shape class, chosen by timing both (the first is the reference)
+# oneDNN, MKL or the native kernel per shape class, chosen by timing them (the first is the
+# reference)
 CPU_LINEAR = KernelChoice("linear")
+# The native kernel is written for a decode step's rows (4 rows of x per pass over a block of
+# weight rows): past them the libraries' blocked GEMMs win by construction, and a trial there
+# would only time a loser on prefill-sized calls.
+NATIVE_MAX_ROWS = 128
 
 
 def onednn_takes(x: torch.Tensor) -> bool:
@@ -53,10 +60,11 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear(x [T, K], w [N, K], b [N])`` -> ``[T, N]``. Where `onednn_takes` ``x`` (and
     the weight is contiguous, in x's dtype), oneDNN's inner product (used as it is: no
-    prepacked copy) or ``F.linear``, as `CPU_LINEAR` measured for the shape; else
-    ``F.linear``. A `QuantizedWeight` (FP8 blocks, MXFP4) runs on CUDA in the Triton kernel
-    that reads it (`quant_linear.linear_quant_triton`); elsewhere it is dequantized (float32,
-    then x's dtype) into a buffer reused for its shape, then the same GEMM."""
+    prepacked copy), ``F.linear`` or, up to `NATIVE_MAX_ROWS` rows, the native kernel
+    (`linear_cpu`), as `CPU_LINEAR` measured for the shape; else ``F.linear``. A
+    `QuantizedWeight` (FP8 blocks, MXFP4) runs on CUDA in the Triton kernel that reads it
+    (`quant_linear.linear_quant_triton`); elsewhere it is dequantized (float32, then x's
+    dtype) into a buffer reused for its shape, then the same GEMM."""
     if isinstance(w, QuantizedWeight):
         if x.device.type == "cuda":
             from splitmoe.kernels.quant_linear import linear_quant_triton
@@ -71,8 +79,12 @@ def linear(
         return _ONEDNN_LINEAR(x, w, b, "none", [], "")
     if path == "mkl":
         return F.linear(x, w, b)
+    if path == "native":
+        return linear_cpu.linear(x, w, b)
     calls = {
         "mkl": lambda: F.linear(x, w, b),
         "onednn": lambda: _ONEDNN_LINEAR(x, w, b, "none", [], ""),
     }
+    if x.shape[0] <= NATIVE_MAX_ROWS and linear_cpu.fits(x, w):
+        calls["native"] = lambda: linear_cpu.linear(x, w, b)
     return CPU_LINEAR.run(shape, x.dtype, calls)

@@ -5,7 +5,8 @@ A kernel's C source is compiled once with ``$CC`` (else ``cc`` / ``gcc`` / ``cla
 headers beside it, the compiler, the flags and (for flags that target this CPU) the CPU model,
 and loaded with ctypes: no build step at install time, no torch headers, and ranks that start
 together build it once (a rank that finds the library loads it; concurrent builds write to
-private names and rename atomically). `balance_cpu`, `moe_cpu` and `attention_cpu` are the kernels.
+private names and rename atomically). `balance_cpu`, `moe_cpu`, `attention_cpu` and
+`linear_cpu` are the kernels.
 """
 
 from __future__ import annotations

@@ -1,0 +1,74 @@
+"""The native CPU projection kernel (`linear_cpu.c`): ``x w^T + b`` at a decode step's few rows.
+
+The libraries' GEMMs (MKL, oneDNN) pack the weight on every call when no packed copy is kept,
+which at a few rows costs more than the product; the kernel reads each block of weight rows
+once and serves every row of ``x`` from it (`linear`'s ``"native"`` candidate, timed against
+them by `cpu_choice` like any other). Built on first use like `moe_cpu` (`native.build`,
+``-march=native``, keyed by the CPU model and flags); without a compiler or where the build
+fails it is simply not a candidate (one warning). Float32 and bfloat16 weights (widened as
+they are read), float32 arithmetic.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from splitmoe.kernels import native
+from splitmoe.kernels.cpu_choice import cpu_model, cpuinfo
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("linear_cpu.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
+_FUNCS = {torch.float32: "slinear_f32", torch.bfloat16: "slinear_bf16"}
+_LIB: ctypes.CDLL | None | bool = None  # False: unavailable here (warned once)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, built on first use; None where it cannot be built (warned once)."""
+    global _LIB
+    if _LIB is None:
+        try:
+            key = cpu_model() + cpuinfo("flags")  # what -march=native compiled for
+            lib = ctypes.CDLL(str(native.build(SOURCE, _FLAGS, "the CPU linear kernel", key)))
+        except (native.NativeUnavailable, OSError) as e:
+            log.warning("%s; CPU projections run the libraries' GEMMs only", e)
+            _LIB = False
+            return None
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        for name in _FUNCS.values():
+            getattr(lib, name).argtypes = [p, i64, i64, p, i64, p, p, ctypes.c_int]
+            getattr(lib, name).restype = ctypes.c_int
+        _LIB = lib
+    return _LIB or None
+
+
+def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the kernel takes these: a CPU matrix ``x`` and a contiguous float32 or bfloat16
+    weight, and a library built here."""
+    return (
+        x.is_cpu
+        and x.dim() == 2
+        and w.dtype in _FUNCS
+        and w.dim() == 2
+        and w.is_contiguous()
+        and library() is not None
+    )
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] w [N, K]^T (+ b [N])`` -> ``[M, N]`` in x's dtype. `fits` must hold."""
+    M, K = x.shape
+    N = w.shape[0]
+    xf = x.float().contiguous()
+    bf = None if b is None else b.float().contiguous()
+    out = torch.empty(M, N, dtype=torch.float32)
+    getattr(library(), _FUNCS[w.dtype])(
+        xf.data_ptr(), M, K, w.data_ptr(), N, None if bf is None else bf.data_ptr(),
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out.to(x.dtype)
