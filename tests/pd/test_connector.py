@@ -170,7 +170,7 @@ def test_a_hung_prefill_side_never_stalls_the_step_loop():
     """A pull that takes long (here: an agent that never answers) runs off the step loop:
     requests computed here keep stepping, the pulling one can be aborted, and its blocks go
     back only once the read has ended (nothing writes a block the pool handed out again)."""
-    dec = Side(32, timeout=1.0)
+    dec = Side(32, timeout=2.0)
     hung = HungAgent()
     prompt = list(range(5, 5 + 13))
     kv = {"transfer_id": "h", "do_remote_prefill": True, "remote_agents": [hung.address]}
@@ -178,7 +178,7 @@ def test_a_hung_prefill_side_never_stalls_the_step_loop():
     local = dec.sched.add(RequestSpec(2, prompt, SamplingParams(), 0.0))
     t0 = time.monotonic()
     batch = dec.sched.schedule()
-    assert time.monotonic() - t0 < 0.5  # (the pull did not run inline)
+    assert time.monotonic() - t0 < 1.5  # (the pull did not run inline: it takes the 2 s)
     assert batch.requests == [local] and dec.sched.pulling and dec.sched.has_work
     for _ in range(3):  # decode steps of the local request while the pull hangs
         for r, n in zip(batch.requests, batch.num_new_tokens):
