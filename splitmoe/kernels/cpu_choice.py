@@ -99,8 +99,8 @@ def choice_key(
 class Decision:
     """The kernel kept for one shape class, and why: ``ms`` is each candidate's best time in
     milliseconds; ``dropped`` the candidates dropped for disagreeing; ``source`` is ``"timed"``
-    (measured by this process), ``"timed on contended cores"`` (the same, of preempted calls:
-    kept in memory only) or ``"cache file"``."""
+    (measured by this process), ``"timed on contended cores"`` (the same, a candidate judged on
+    calls that lost a core: kept in memory only) or ``"cache file"``."""
 
     choice: str
     ms: dict[str, float]
@@ -226,7 +226,6 @@ class KernelChoice:
         if self.rounds < 1:
             raise ValueError(f"KernelChoice {self.op!r}: rounds must be >= 1, got {self.rounds}")
         self._memory: dict[tuple, Decision] = {}
-        # classes on trial: (shape, dtype, threads) -> {candidate: its timings so far, s}
         # classes on trial: (shape, dtype, threads) -> {candidate: [(seconds, kept its cores)]}
         self._trials: dict[tuple, dict[str, list[tuple[float, bool]]]] = {}
         self._dropped: dict[tuple, tuple[str, ...]] = {}  # classes on trial: who disagreed
@@ -319,11 +318,7 @@ class KernelChoice:
         rounds = min(len(clean(n)) for n in times)
         spent = sum(s for ts in times.values() for s, _ in ts)
         spent_calls = all(len(ts) >= self.max_rounds for ts in times.values())
-        if (
-            rounds >= self.max_rounds
-            or (rounds >= self.rounds and spent >= self.budget_s)
-            or spent_calls
-        ):
+        if spent_calls or (rounds >= self.rounds and spent >= self.budget_s):
             best = {n: min(clean(n) or [s for s, _ in times[n]]) for n in times}
             self._decide(mem_key, best, contended=any(not clean(n) for n in times))
         return out
