@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from splitmoe.kernels import native
-from splitmoe.kernels.cpu_choice import cpu_model, cpuinfo
 
 log = logging.getLogger(__name__)
 
@@ -32,21 +31,11 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel, built on first use; None where it cannot be built (warned once)."""
     global _LIB
     if _LIB is None:
-        try:
-            key = cpu_model() + cpuinfo("flags")  # what -march=native compiled for
-            path = native.build(SOURCE, _FLAGS, "the CPU decode attention kernel", key)
-            lib = ctypes.CDLL(str(path))
-        except (native.NativeUnavailable, OSError) as e:
-            log.warning("%s; CPU decode attention runs torch's SDPA only", e)
-            _LIB = False
-            return None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        for name in _FUNCS.values():
-            getattr(lib, name).argtypes = [
-                p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p, p, ctypes.c_int
-            ]  # fmt: skip
-            getattr(lib, name).restype = ctypes.c_int
-        _LIB = lib
+        sig = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p, p, ctypes.c_int]
+        _LIB = native.load(SOURCE, _FLAGS, "the CPU decode attention kernel",
+                           dict.fromkeys(_FUNCS.values(), sig), log,
+                           "CPU decode attention runs torch's SDPA only") or False  # fmt: skip
     return _LIB or None
 
 

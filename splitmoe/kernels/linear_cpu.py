@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from splitmoe.kernels import native
-from splitmoe.kernels.cpu_choice import cpu_model, cpuinfo
 
 log = logging.getLogger(__name__)
 
@@ -32,18 +31,11 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel, built on first use; None where it cannot be built (warned once)."""
     global _LIB
     if _LIB is None:
-        try:
-            key = cpu_model() + cpuinfo("flags")  # what -march=native compiled for
-            lib = ctypes.CDLL(str(native.build(SOURCE, _FLAGS, "the CPU linear kernel", key)))
-        except (native.NativeUnavailable, OSError) as e:
-            log.warning("%s; CPU projections run the libraries' GEMMs only", e)
-            _LIB = False
-            return None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        for name in _FUNCS.values():
-            getattr(lib, name).argtypes = [p, i64, i64, p, i64, p, p, ctypes.c_int]
-            getattr(lib, name).restype = ctypes.c_int
-        _LIB = lib
+        sig = [p, i64, i64, p, i64, p, p, ctypes.c_int]
+        _LIB = native.load(SOURCE, _FLAGS, "the CPU linear kernel",
+                           dict.fromkeys(_FUNCS.values(), sig), log,
+                           "CPU projections run the libraries' GEMMs only") or False  # fmt: skip
     return _LIB or None
 
 

@@ -26,43 +26,6 @@
 #include <immintrin.h>
 #endif
 
-#define ROWS 4
-
-static inline float same(float v) { return v; }
-
-/* out[r][n] = sum_k in[r][k] * w[n][k] for r < nr (<= ROWS), n < N, in vectors of 16 floats
- * (`vec16.h`; with `omp simd` reductions instead, a realistic-preset layer took ~10% longer). */
-#define DEFINE_ROWS_GEMM(NAME, WT, LOAD, LOAD_V)                                                \
-    static void NAME(const float *const *in, int64_t nr, const WT *w, int64_t N, int64_t K,    \
-                     float *out, int64_t ld) {                                                  \
-        const float *i0 = in[0], *i1 = in[nr > 1 ? 1 : 0], *i2 = in[nr > 2 ? 2 : 0],            \
-                    *i3 = in[nr > 3 ? 3 : 0];                                                   \
-        for (int64_t n = 0; n < N; n++) {                                                       \
-            const WT *wn = w + n * K;                                                           \
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                         \
-            int64_t k = 0;                                                                      \
-            for (; k + 16 <= K; k += 16) {                                                      \
-                v16 wk = LOAD_V(wn + k);                                                        \
-                a0 += load_f32(i0 + k) * wk;                                                    \
-                a1 += load_f32(i1 + k) * wk;                                                    \
-                a2 += load_f32(i2 + k) * wk;                                                    \
-                a3 += load_f32(i3 + k) * wk;                                                    \
-            }                                                                                   \
-            float t0 = hsum(a0), t1 = hsum(a1), t2 = hsum(a2), t3 = hsum(a3);                   \
-            for (; k < K; k++) { /* K past a multiple of 16 */                                  \
-                float wk = LOAD(wn[k]);                                                         \
-                t0 += i0[k] * wk, t1 += i1[k] * wk, t2 += i2[k] * wk, t3 += i3[k] * wk;         \
-            }                                                                                   \
-            out[n] = t0;                                                                        \
-            if (nr > 1) out[ld + n] = t1;                                                       \
-            if (nr > 2) out[2 * ld + n] = t2;                                                   \
-            if (nr > 3) out[3 * ld + n] = t3;                                                   \
-        }                                                                                       \
-    }
-
-DEFINE_ROWS_GEMM(rows_gemm_f32, float, same, load_f32)
-DEFINE_ROWS_GEMM(rows_gemm_bf16, uint16_t, bf16_to_f32, load_bf16)
-
 /* out[n] = the sum of token n's slots' rows of y (slot_row: -1 where not computed here). */
 static void sum_tokens(const float *y, const int64_t *slot_row, int64_t N, int64_t k, int64_t H,
                        float *out, int threads) {

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from splitmoe.kernels import native
-from splitmoe.kernels.cpu_choice import cpu_model, cpuinfo
 
 log = logging.getLogger(__name__)
 
@@ -38,21 +37,12 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernel, built on first use; None where it cannot be built (warned once)."""
     global _LIB
     if _LIB is None:
-        try:
-            # (the flags with the model: what -march=native compiled for; a VM can hide some)
-            key = cpu_model() + cpuinfo("flags")
-            lib = ctypes.CDLL(str(native.build(SOURCE, _FLAGS, "the CPU MoE kernel", key)))
-        except (native.NativeUnavailable, OSError) as e:
-            log.warning("%s; the CPU MoE runs torch's layouts only", e)
-            _LIB = False
-            return None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        for name in (*_FUNCS.values(), _DOT_BF16):
-            fn = getattr(lib, name, None)  # (`_DOT_BF16` only where the CPU has AVX512-BF16)
-            if fn is not None:
-                fn.argtypes = [p, i64, i64, p, p, p, i64, p, p, i64, i64, p, ctypes.c_int]
-                fn.restype = ctypes.c_int
-        _LIB = lib
+        sig = [p, i64, i64, p, p, p, i64, p, p, i64, i64, p, ctypes.c_int]
+        # (`_DOT_BF16` only where the CPU has AVX512-BF16)
+        _LIB = native.load(SOURCE, _FLAGS, "the CPU MoE kernel",
+                           dict.fromkeys([*_FUNCS.values(), _DOT_BF16], sig), log,
+                           "the CPU MoE runs torch's layouts only") or False  # fmt: skip
     return _LIB or None
 
 

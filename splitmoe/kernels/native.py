@@ -11,12 +11,16 @@ private names and rename atomically). `balance_cpu`, `moe_cpu`, `attention_cpu` 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from splitmoe.kernels.cpu_choice import cpu_model, cpuinfo
 
 
 class NativeUnavailable(RuntimeError):
@@ -70,4 +74,28 @@ def build(
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    return lib
+
+
+def load(
+    source: Path,
+    flags: list[str],
+    what: str,
+    signatures: dict[str, list],
+    log: logging.Logger,
+    without: str,
+) -> ctypes.CDLL | None:
+    """``source`` built for this CPU (`build`, keyed by the CPU's model and flags: what
+    ``-march=native`` compiles for, which a VM can narrow) and loaded, each function of
+    ``signatures`` (name -> argtypes; those the library lacks are skipped) returning an int;
+    None where it cannot be built, with one warning ending in ``without`` (what runs instead)."""
+    try:
+        lib = ctypes.CDLL(str(build(source, flags, what, cpu_model() + cpuinfo("flags"))))
+    except (NativeUnavailable, OSError) as e:
+        log.warning("%s; %s", e, without)
+        return None
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return lib

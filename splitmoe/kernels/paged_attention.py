@@ -327,8 +327,8 @@ def _decode_rows(
             qd, k_cache, v_cache, plan.blocks, plan.spans, scale, sinks
         ),
     }
-    kept = CPU_DECODE_KERNELS.kept(shape, qd.dtype)
-    return CPU_DECODE_KERNELS.run(shape, qd.dtype, {kept: calls[kept]} if kept else calls)
+    kept = CPU_DECODE_KERNELS.kept(shape, qd.dtype)  # (decided: a dict lookup)
+    return calls[kept]() if kept else CPU_DECODE_KERNELS.run(shape, qd.dtype, calls)
 
 
 def _decode_sdpa(

@@ -1,4 +1,5 @@
-/* Vectors of 16 floats for the native CPU kernels (`moe_cpu.c`, `attention_cpu.c`): GCC's vector
+/* Vectors of 16 floats for the native CPU kernels (`moe_cpu.c`, `attention_cpu.c`,
+ * `linear_cpu.c`), and the weight-row dot products the MoE and linear kernels share: GCC's vector
  * extensions, one AVX-512 register or two AVX2 ones, whatever -march=native targets. A sum across
  * lanes goes pairwise (`hsum`): an `omp simd` reduction sums the lanes one by one through memory,
  * several times slower on a decode step's short dot products. */
@@ -43,5 +44,44 @@ static inline float hsum(v16 a) {
     v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
+
+#define ROWS 4
+
+static inline float same(float v) { return v; }
+
+/* out[r * ld + n] = sum_k in[r][k] * w[n][k] for r < nr (<= ROWS), n < N: each weight row read
+ * once for up to ROWS rows of input (with `omp simd` reductions instead of these vectors, a
+ * realistic-preset MoE layer took ~10% longer). rows_gemm_f32: float32 w; rows_gemm_bf16:
+ * bfloat16 w widened as it is read. */
+#define DEFINE_ROWS_GEMM(NAME, WT, LOAD, LOAD_V)                                                \
+    static inline void NAME(const float *const *in, int64_t nr, const WT *w, int64_t N,        \
+                            int64_t K, float *out, int64_t ld) {                                \
+        const float *i0 = in[0], *i1 = in[nr > 1 ? 1 : 0], *i2 = in[nr > 2 ? 2 : 0],            \
+                    *i3 = in[nr > 3 ? 3 : 0];                                                   \
+        for (int64_t n = 0; n < N; n++) {                                                       \
+            const WT *wn = w + n * K;                                                           \
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                         \
+            int64_t k = 0;                                                                      \
+            for (; k + 16 <= K; k += 16) {                                                      \
+                v16 wk = LOAD_V(wn + k);                                                        \
+                a0 += load_f32(i0 + k) * wk;                                                    \
+                a1 += load_f32(i1 + k) * wk;                                                    \
+                a2 += load_f32(i2 + k) * wk;                                                    \
+                a3 += load_f32(i3 + k) * wk;                                                    \
+            }                                                                                   \
+            float t0 = hsum(a0), t1 = hsum(a1), t2 = hsum(a2), t3 = hsum(a3);                   \
+            for (; k < K; k++) { /* K past a multiple of 16 */                                  \
+                float wk = LOAD(wn[k]);                                                         \
+                t0 += i0[k] * wk, t1 += i1[k] * wk, t2 += i2[k] * wk, t3 += i3[k] * wk;         \
+            }                                                                                   \
+            out[n] = t0;                                                                        \
+            if (nr > 1) out[ld + n] = t1;                                                       \
+            if (nr > 2) out[2 * ld + n] = t2;                                                   \
+            if (nr > 3) out[3 * ld + n] = t3;                                                   \
+        }                                                                                       \
+    }
+
+DEFINE_ROWS_GEMM(rows_gemm_f32, float, same, load_f32)
+DEFINE_ROWS_GEMM(rows_gemm_bf16, uint16_t, bf16_to_f32, load_bf16)
 
 #endif
