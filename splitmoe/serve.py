@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on CPU without --threads-per-rank: cores the ranks leave to this process (HTTP, "
         "tokenizing, streaming); each local rank gets (cores - this) // ranks threads, at least 1",
     )
+    ap.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="answer /health as soon as the ranks are up, without first running made-up "
+        "requests at every batch size and prompt chunk (`LLM.warm_up`): the first clients' "
+        "steps then settle the kernel choices that a fresh machine measures",
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     add_engine_args(ap)
     return ap
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     state = ServerState(
-        engine=AsyncEngine(args.model, options, metrics, job),
+        engine=AsyncEngine(args.model, options, metrics, job, warmup=not args.no_warmup),
         config=config,
         tokenizer=tokenizer,
         chat_template=chat_template,

@@ -96,9 +96,9 @@ class Job:
 class AsyncEngine:
     """Starts an `LLM` on its own thread and serves `Job`s through it.
 
-    ``state``: ``"starting"`` until every rank is ready, then ``"ready"``; ``"failed"`` once a
-    rank failed (``error`` says how; every live job got an `EngineError`), ``"stopped"`` after
-    `stop`."""
+    ``state``: ``"starting"`` until every rank is ready (with ``warmup``, and has run
+    `LLM.warm_up`), then ``"ready"``; ``"failed"`` once a rank failed (``error`` says how; every
+    live job got an `EngineError`), ``"stopped"`` after `stop`."""
 
     def __init__(
         self,
@@ -106,8 +106,10 @@ class AsyncEngine:
         options: dict,
         metrics: ServerMetrics | None = None,
         launched: LaunchedJob | None = None,
+        warmup: bool = False,
     ):
         self.model = model
+        self.warmup = warmup
         self.options = options
         self.launched = launched
         self.metrics = metrics
@@ -180,8 +182,13 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.llm = LLM(self.model, launched=self.launched, **self.options)
+            if self.warmup:
+                ran = self.llm.warm_up()
+                logger.info("warmed up in %.1f s: %s", ran["seconds"], ran)
         except Exception as e:  # (bad options were checked before the server started)
             self._fail(f"start-up failed: {e}")
+            if self.llm is not None:  # (the warm-up failed: its ranks are stopped)
+                self.llm.close()
             self._ready.set()
             return
         self.state = "ready"

@@ -44,6 +44,7 @@ class Server:
         api_key: str | None = None,
         start_timeout: float = 120,
         env: dict[str, str] | None = None,
+        warmup: bool = False,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -52,6 +53,8 @@ class Server:
         cmd += ["--port", str(self.port), "--device", "cpu", "--dtype", "float32", *args]
         if api_key:
             cmd += ["--api-key", api_key]
+        if not warmup:  # (the server's default: tests that do not look at it skip its ~0.5 s)
+            cmd += ["--no-warmup"]
         paths = [*(env or {}).get("PYTHONPATH", "").split(os.pathsep), str(REPO)]
         paths.append(os.environ.get("PYTHONPATH", ""))
         env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(p for p in paths if p)}

@@ -30,7 +30,10 @@ def ckpt(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    srv = Server(ckpt, "--served-model-name", MODEL, "--max-num-seqs", "64", api_key=KEY)
+    # (the default warm-up, logged with -v: every test here runs after it)
+    srv = Server(
+        ckpt, "--served-model-name", MODEL, "--max-num-seqs", "64", "-v", api_key=KEY, warmup=True
+    )
     yield srv
     srv.stop()
 
@@ -42,6 +45,12 @@ def client(server):
 
 def _greedy(**extra) -> dict:
     return {"temperature": 0, "extra_body": {"ignore_eos": True, "return_token_ids": True, **extra}}
+
+
+def test_the_server_warms_up_before_it_answers_health(server):
+    # (made-up requests at batch sizes 1..64 and prompt chunks from 32 tokens, then ready)
+    assert "warmed up in" in server.output()
+    assert "'decode_batches': [1, 2, 4, 8, 16, 32, 64]" in server.output()
 
 
 def test_completions_match_hf_streamed_or_not(client, ckpt, hf_ref):
