@@ -7,7 +7,7 @@
  * (static schedule): the group's scores against each key read once, a float32 softmax (with
  * sinks [nkv * g], a learned logit per head in the denominator only), then the weighted sum of
  * the values, read once. No copy of the keys: the torch path gathers every row's blocks into
- * a tensor for SDPA first. out [B, nkv, g, d] float32. d a multiple of 16. Returns 0, or -3
+ * a tensor for SDPA first. Each key's slice is requested AHEAD keys before its use. out [B, nkv, g, d] float32. d a multiple of 16. Returns 0, or -3
  * out of memory.
  *
  * In vectors of 16 floats (`vec16.h`). `sattn_f32`: float32 caches; `sattn_bf16`:
@@ -20,6 +20,16 @@
 
 #include "vec16.h"
 
+/* Keys ahead of the one in use whose head slice is requested from memory: the rows' blocks lie
+ * anywhere in the pool, so the hardware prefetcher, which follows a stream within a page, misses
+ * the first keys of every block. */
+#define AHEAD 8
+#define PREFETCH(p)                                                                             \
+    do {                                                                                        \
+        for (int64_t o_ = 0; o_ < d * (int64_t)sizeof *(p); o_ += 64)                           \
+            __builtin_prefetch((const char *)(p) + o_);                                         \
+    } while (0)
+
 #define DEFINE_DECODE(NAME, CT, LOAD)                                                           \
     int NAME(const float *q, const CT *kc, const CT *vc, const int64_t *blocks, int64_t nblk,   \
              const int64_t *span, int64_t B, int64_t nkv, int64_t g, int64_t d, int64_t bs,     \
@@ -28,20 +38,25 @@
         const int64_t nc = d / 16, row = nkv * d; /* vectors per head; a slot's stride */      \
         _Pragma("omp parallel num_threads(threads)") {                                          \
             float *s = malloc(sizeof(float) * (size_t)(g * nblk * bs));                         \
+            int64_t *at = malloc(sizeof(int64_t) * (size_t)(nblk * bs + 1));                    \
             v16 *acc = aligned_alloc(64, sizeof(v16) * (size_t)(g * nc + 1));                   \
-            if (!s || !acc) {                                                                   \
+            if (!s || !at || !acc) {                                                            \
                 _Pragma("omp atomic write") failed = 1;                                         \
             }                                                                                   \
             _Pragma("omp for schedule(static)")                                                 \
             for (int64_t task = 0; task < B * nkv; task++) {                                    \
-                if (!s || !acc) continue;                                                       \
+                if (!s || !at || !acc) continue;                                                \
                 int64_t b = task / nkv, h = task % nkv;                                         \
                 int64_t lo = span[2 * b], n = span[2 * b + 1] - lo;                             \
                 const float *qb = q + task * g * d;                                             \
                 const int64_t *bt = blocks + b * nblk;                                          \
+                for (int64_t j = 0, blk = lo / bs, sl = lo % bs; j < n; j++) { /* key offsets */ \
+                    at[j] = (bt[blk] * bs + sl) * row + h * d;                                  \
+                    if (++sl == bs) sl = 0, blk++;                                              \
+                }                                                                               \
                 for (int64_t j = 0; j < n; j++) { /* scores s[r * n + j] */                     \
-                    int64_t t = lo + j;                                                         \
-                    const CT *kp = kc + (bt[t / bs] * bs + t % bs) * row + h * d;               \
+                    if (j + AHEAD < n) PREFETCH(kc + at[j + AHEAD]);                            \
+                    const CT *kp = kc + at[j];                                                  \
                     for (int64_t r = 0; r < g; r++) {                                           \
                         v16 a = load_f32(qb + r * d) * LOAD(kp);                                \
                         for (int64_t c = 1; c < nc; c++)                                        \
@@ -58,8 +73,8 @@
                 }                                                                               \
                 memset(acc, 0, sizeof(v16) * (size_t)(g * nc));                                 \
                 for (int64_t j = 0; j < n; j++) { /* acc[r] += p[r][j] * v_j */                 \
-                    int64_t t = lo + j;                                                         \
-                    const CT *vp = vc + (bt[t / bs] * bs + t % bs) * row + h * d;               \
+                    if (j + AHEAD < n) PREFETCH(vc + at[j + AHEAD]);                            \
+                    const CT *vp = vc + at[j];                                                  \
                     for (int64_t c = 0; c < nc; c++) {                                          \
                         v16 v = LOAD(vp + 16 * c);                                              \
                         for (int64_t r = 0; r < g; r++) acc[r * nc + c] += s[r * n + j] * v;    \
@@ -73,6 +88,7 @@
                     }                                                                           \
             }                                                                                   \
             free(s);                                                                            \
+            free(at);                                                                           \
             free(acc);                                                                          \
         }                                                                                       \
         return failed ? -3 : 0;                                                                 \
