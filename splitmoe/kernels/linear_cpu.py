@@ -5,8 +5,9 @@ which at a few rows costs more than the product; the kernel reads each block of 
 once and serves every row of ``x`` from it (`linear`'s ``"native"`` candidate, timed against
 them by `cpu_choice` like any other). Built on first use like `moe_cpu` (`native.build`,
 ``-march=native``, keyed by the CPU model and flags); without a compiler or where the build
-fails it is simply not a candidate (one warning). Float32 and bfloat16 weights (widened as
-they are read), float32 arithmetic.
+fails it is simply not a candidate (one warning). Float32 and bfloat16 weights, float32 sums;
+bfloat16 x on a bfloat16 weight goes through AVX512-BF16 dot products where the CPU has them
+(else both are widened as they are read).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("linear_cpu.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
 _FUNCS = {torch.float32: "slinear_f32", torch.bfloat16: "slinear_bf16"}
+_DOT_BF16 = "slinear_bf16dp"  # bf16 x and weights, AVX512-BF16 dot products
 _LIB: ctypes.CDLL | None | bool = None  # False: unavailable here (warned once)
 
 
@@ -33,8 +35,9 @@ def library() -> ctypes.CDLL | None:
     if _LIB is None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         sig = [p, i64, i64, p, i64, p, p, ctypes.c_int]
+        # (`_DOT_BF16` only where the CPU has AVX512-BF16)
         _LIB = native.load(SOURCE, _FLAGS, "the CPU linear kernel",
-                           dict.fromkeys(_FUNCS.values(), sig), log,
+                           dict.fromkeys([*_FUNCS.values(), _DOT_BF16], sig), log,
                            "CPU projections run the libraries' GEMMs only") or False  # fmt: skip
     return _LIB or None
 
@@ -53,13 +56,17 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] w [N, K]^T (+ b [N])`` -> ``[M, N]`` in x's dtype. `fits` must hold."""
+    """``x [M, K] w [N, K]^T (+ b [N])`` -> ``[M, N]`` in x's dtype. `fits` must hold. Both in
+    bfloat16 (K a multiple of 32) on a CPU with AVX512-BF16: products of bf16 pairs, as the
+    libraries' bf16 GEMMs compute them; else x is widened to float32."""
     M, K = x.shape
     N = w.shape[0]
-    xf = x.float().contiguous()
+    lib = library()
+    dot = x.dtype == w.dtype == torch.bfloat16 and K % 32 == 0 and hasattr(lib, _DOT_BF16)
+    xf = x.contiguous() if dot else x.float().contiguous()
     bf = None if b is None else b.float().contiguous()
     out = torch.empty(M, N, dtype=torch.float32)
-    getattr(library(), _FUNCS[w.dtype])(
+    getattr(lib, _DOT_BF16 if dot else _FUNCS[w.dtype])(
         xf.data_ptr(), M, K, w.data_ptr(), N, None if bf is None else bf.data_ptr(),
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip

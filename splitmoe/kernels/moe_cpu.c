@@ -22,9 +22,6 @@
 #include <string.h>
 
 #include "vec16.h"
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 
 /* out[n] = the sum of token n's slots' rows of y (slot_row: -1 where not computed here). */
 static void sum_tokens(const float *y, const int64_t *slot_row, int64_t N, int64_t k, int64_t H,
@@ -102,35 +99,5 @@ DEFINE_MOE(smoe_f32, float, float, rows_gemm_f32, same)
 DEFINE_MOE(smoe_bf16, float, uint16_t, rows_gemm_bf16, same)
 
 #if defined(__AVX512BF16__)
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                          /* nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-/* rows_gemm_* on bf16 inputs and weights (K a multiple of 32), bf16 pairs into float sums. */
-static void rows_gemm_dp(const uint16_t *const *in, int64_t nr, const uint16_t *w, int64_t N,
-                         int64_t K, float *out, int64_t ld) {
-    const uint16_t *i0 = in[0], *i1 = in[nr > 1 ? 1 : 0], *i2 = in[nr > 2 ? 2 : 0],
-                   *i3 = in[nr > 3 ? 3 : 0];
-    for (int64_t n = 0; n < N; n++) {
-        const uint16_t *wn = w + n * K;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t k = 0; k < K; k += 32) {
-            __m512bh wv = (__m512bh)_mm512_loadu_si512(wn + k);
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(i0 + k), wv);
-            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(i1 + k), wv);
-            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(i2 + k), wv);
-            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(i3 + k), wv);
-        }
-        out[n] = _mm512_reduce_add_ps(a0);
-        if (nr > 1) out[ld + n] = _mm512_reduce_add_ps(a1);
-        if (nr > 2) out[2 * ld + n] = _mm512_reduce_add_ps(a2);
-        if (nr > 3) out[3 * ld + n] = _mm512_reduce_add_ps(a3);
-    }
-}
-
 DEFINE_MOE(smoe_bf16dp, uint16_t, uint16_t, rows_gemm_dp, f32_to_bf16)
 #endif
