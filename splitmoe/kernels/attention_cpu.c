@@ -7,8 +7,8 @@
  * (static schedule): the group's scores against each key read once, a float32 softmax (with
  * sinks [nkv * g], a learned logit per head in the denominator only), then the weighted sum of
  * the values, read once. No copy of the keys: the torch path gathers every row's blocks into
- * a tensor for SDPA first. Each key's slice is requested AHEAD keys before its use. out [B, nkv, g, d] float32. d a multiple of 16. Returns 0, or -3
- * out of memory.
+ * a tensor for SDPA first. Each key's slice is requested AHEAD keys before its use.
+ * out [B, nkv, g, d] float32. d a multiple of 16. Returns 0, or -3 out of memory.
  *
  * In vectors of 16 floats (`vec16.h`). `sattn_f32`: float32 caches; `sattn_bf16`:
  * bfloat16 caches widened as they are read.

@@ -22,8 +22,9 @@ sharing them) is judged on the others, and that decision is kept in memory only.
 
 Decisions are kept in memory and in a JSON file shared by all ops and processes,
 ``$SPLITMOE_CACHE_DIR/cpu_kernels-2.json`` (default ``~/.cache/splitmoe/``; the variable moves the
-file and switches nothing else), keyed by the CPU model, torch version, thread count, dtype, op
-and shape class (`choice_key`): a later process on the same machine measures nothing. Each rank
+file and switches nothing else), keyed by the CPU model, torch version, the native kernels'
+sources, thread count, dtype, op and shape class (`choice_key`): a later process on the same
+machine measures nothing; a new version of a kernel is measured again. Each rank
 decides on its own. The file is written atomically (a temporary file renamed over it); a
 corrupt or unwritable file is ignored with one warning. Delete it to measure again.
 
@@ -38,6 +39,8 @@ machine's outputs do not change from one call (or process) to the next.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -87,12 +90,33 @@ def cache_dir() -> Path:
 
 
 def choice_key(
-    op: str, shape: tuple, dtype: torch.dtype, threads: int, cpu: str, torch_version: str
+    op: str,
+    shape: tuple,
+    dtype: torch.dtype,
+    threads: int,
+    cpu: str,
+    torch_version: str,
+    kernels: str,
 ) -> str:
-    """The cache file's key of one decision: everything a kernel's speed depends on here."""
+    """The cache file's key of one decision: everything a kernel's speed depends on here
+    (``kernels``: `native_sources_digest`)."""
     dt = str(dtype).removeprefix("torch.")
     shape_s = ",".join(str(s) for s in shape)
-    return f"cpu={cpu}|torch={torch_version}|threads={threads}|dtype={dt}|op={op}|shape={shape_s}"
+    return (
+        f"cpu={cpu}|torch={torch_version}|kernels={kernels}|threads={threads}|dtype={dt}|"
+        f"op={op}|shape={shape_s}"
+    )
+
+
+@functools.cache
+def native_sources_digest() -> str:
+    """A digest of splitmoe's native kernels' sources (``kernels/*.c``, ``*.h``): a decision
+    made against one version of a kernel says nothing about the next."""
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for p in sorted([*here.glob("*.c"), *here.glob("*.h")]):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -234,7 +258,9 @@ class KernelChoice:
     def key(self, shape: tuple, dtype: torch.dtype, threads: int | None = None) -> str:
         """The cache file's key of ``shape`` in ``dtype`` at ``threads`` (torch's now)."""
         threads = torch.get_num_threads() if threads is None else threads
-        return choice_key(self.op, shape, dtype, threads, self._cpu, torch.__version__)
+        return choice_key(
+            self.op, shape, dtype, threads, self._cpu, torch.__version__, native_sources_digest()
+        )
 
     def decision(self, shape: tuple, dtype: torch.dtype) -> Decision | None:
         """The kept decision of this shape class (memory, then the file), or None."""

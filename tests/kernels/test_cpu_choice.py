@@ -191,13 +191,17 @@ def test_the_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_keys_differ_by_everything_speed_depends_on():
-    base = dict(op="moe", shape=(8, 64), dtype=torch.float32, threads=2, cpu="A", torch_version="2")
+    base = dict(
+        op="moe", shape=(8, 64), dtype=torch.float32, threads=2, cpu="A", torch_version="2",
+        kernels="k1",
+    )  # fmt: skip
     key = choice_key(**base)
     for change in (
         {"cpu": "B"},
         {"dtype": torch.bfloat16},
         {"threads": 1},
         {"torch_version": "3"},
+        {"kernels": "k2"},  # (a native kernel's source changed)
         {"op": "linear"},
         {"shape": (16, 64)},
     ):
