@@ -10,7 +10,8 @@
  * a tensor for SDPA first. Each key's slice is requested AHEAD keys before its use.
  * out [B, nkv, g, d] float32. d a multiple of 16. Returns 0, or -3 out of memory.
  *
- * In vectors of 16 floats (`vec16.h`). `sattn_f32`: float32 caches; `sattn_bf16`:
+ * In vectors of 16 floats (`vec16.h`), the softmax's exponentials too (`exp16`: libm's expf
+ * one score at a time took a fifth to a third of the kernel). `sattn_f32`: float32 caches; `sattn_bf16`:
  * bfloat16 caches widened as they are read.
  */
 #include <math.h>
@@ -29,6 +30,26 @@
         for (int64_t o_ = 0; o_ < d * (int64_t)sizeof *(p); o_ += 64)                           \
             __builtin_prefetch((const char *)(p) + o_);                                         \
     } while (0)
+
+/* exp of x <= 0 (scores less their maximum), 16 at a time: 2^n e^r with n the nearest integer
+ * to x / ln 2 and r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' expf polynomial (within
+ * 2 ulp of expf); below -87.3 it is taken at -87.3 (~1e-38: nothing beside the maximum's 1). */
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+static inline v16 exp16(v16 x) {
+    const float magic = 12582912.f; /* 1.5 * 2^23: adding it rounds to an integer */
+    i32x16 low = x < -87.3f;
+    x = (v16)(((i32x16)x & ~low) | ((i32x16)((v16){0} - 87.3f) & low));
+    v16 t = x * 1.44269504088896341f + magic, n = t - magic;
+    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    v16 y = p * r * r + r + 1.f;
+    i32x16 ni = (i32x16)t - (i32x16)((v16){0} + magic);
+    return y * (v16)((ni + 127) << 23);
+}
 
 #define DEFINE_DECODE(NAME, CT, LOAD)                                                           \
     int NAME(const float *q, const CT *kc, const CT *vc, const int64_t *blocks, int64_t nblk,   \
@@ -68,7 +89,14 @@
                 for (int64_t r = 0; r < g; r++) { /* softmax numerators in place */            \
                     float *sr = s + r * n, m = sinks ? sinks[h * g + r] : -INFINITY, z = 0.f;   \
                     for (int64_t j = 0; j < n; j++) m = sr[j] > m ? sr[j] : m;                  \
-                    for (int64_t j = 0; j < n; j++) z += (sr[j] = expf(sr[j] - m));             \
+                    v16 zv = {0};                                                               \
+                    int64_t j = 0;                                                              \
+                    for (; j + 16 <= n; j += 16) {                                              \
+                        v16 e = exp16(load_f32(sr + j) - m);                                    \
+                        memcpy(sr + j, &e, sizeof e);                                           \
+                        zv += e;                                                                \
+                    }                                                                           \
+                    for (z = hsum(zv); j < n; j++) z += (sr[j] = expf(sr[j] - m));              \
                     denom[r] = sinks ? z + expf(sinks[h * g + r] - m) : z;                      \
                 }                                                                               \
                 memset(acc, 0, sizeof(v16) * (size_t)(g * nc));                                 \
