@@ -188,6 +188,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def filters(self) -> bool:
+        """Whether a sampled row's support is cut (``min_p``, ``top_k``, ``top_p``)."""
+        return self.min_p > 0.0 or self.top_k > 0 or self.top_p < 1.0
+
     def check_vocab(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:

@@ -9,7 +9,9 @@ Per row of logits:
    the request's own generator.
 
 Rows without any of these controls (all greedy, none adjusting logits: the common decode batch)
-take one numpy argmax and nothing else. Log-probabilities (`token_logprobs`) are those of the
+take one numpy argmax and nothing else; sampled rows whose only control is the temperature
+(what an OpenAI client sends by default) take their probabilities in one batch
+(`temperature_probs`), and every draw is one uniform number of the row's stream (`draw`). Log-probabilities (`token_logprobs`) are those of the
 raw model distribution, as vLLM reports them.
 """
 
@@ -19,10 +21,12 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from splitmoe.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+DRAW_BLOCK = 1024  # tokens per block of `draw`'s first level
 
 
 class TokenHistory(Protocol):
@@ -81,8 +85,12 @@ def sample(
     if not any(p.temperature or p.adjusts_logits for p in params):
         return tokens
     draws: list[tuple[int, torch.Tensor]] = []  # (row, its probabilities [V])
+    plain: list[int] = []  # sampled rows with no control but the temperature: one batch
     for i, p in enumerate(params):
         if p.greedy and not p.adjusts_logits:
+            continue
+        if not p.greedy and not p.adjusts_logits and not p.filters:
+            plain.append(i)
             continue
         row = logits[i].to(torch.float32, copy=True)  # [V]
         if p.adjusts_logits:
@@ -93,9 +101,56 @@ def sample(
             tokens[i] = int(row.argmax())
         else:
             draws.append((i, sampling_probs(row, p)))
-    for i, probs in draws:
-        tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+    batches = []  # (rows, their probabilities [R, V]), all computed before any draw
+    if draws:
+        batches.append(([i for i, _ in draws], torch.stack([probs for _, probs in draws])))
+    if plain:
+        temps = [params[i].temperature for i in plain]
+        batches.append((plain, temperature_probs(logits[plain].float(), temps)))
+    for rows, probs in batches:
+        for i, t in zip(rows, draw(probs, [generators[i] for i in rows])):
+            tokens[i] = t
     return tokens
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
+    """One token per row of ``probs [R, V]``, row r from ``generators[r]``: one uniform number
+    each, through the row's cumulative distribution, in two levels: the sums of blocks of
+    `DRAW_BLOCK` tokens, accumulated in float64, pick the block, then the block's tokens (in
+    float64) the token. A token of probability 0 is never drawn. (``torch.multinomial`` draws
+    V exponential numbers per row instead: for 32 rows of 4096 tokens ~4 ms on a 2-core CPU,
+    a tenth of a decode step; of 151,936 tokens, 130 ms. A float64 cumulative sum of every
+    row: 37 ms.)"""
+    u = torch.cat([torch.rand(1, generator=g, device=g.device, dtype=torch.float64)
+                   for g in generators]).to(probs.device)  # fmt: skip
+    R, V = probs.shape
+    blocks = -(-V // DRAW_BLOCK)
+    if V % DRAW_BLOCK:
+        probs = F.pad(probs, (0, blocks * DRAW_BLOCK - V))
+    p = probs.view(R, blocks, DRAW_BLOCK)
+    sums = p.sum(-1).double()  # [R, blocks]
+    upto = sums.cumsum(-1)  # [R, blocks]
+    target = (u * upto[:, -1]).unsqueeze(1)  # [R, 1]
+    rows = torch.arange(R, device=probs.device)
+    b = torch.searchsorted(upto, target, right=True).squeeze(1).clamp_(max=blocks - 1)  # [R]
+    within = p[rows, b].double().cumsum(-1) + (upto[rows, b] - sums[rows, b]).unsqueeze(1)
+    j = torch.searchsorted(within, target, right=True).squeeze(1).clamp_(max=DRAW_BLOCK - 1)
+    return (b * DRAW_BLOCK + j).clamp_(max=V - 1).tolist()
+
+
+def temperature_probs(logits: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
+    """`sampling_probs` of rows ``logits [R, V]`` (float32) whose only control is their
+    temperature, in one batch."""
+    top = logits.amax(dim=-1, keepdim=True)  # [R, 1]
+    if not torch.isfinite(top).all():
+        bad = float(top[~torch.isfinite(top)][0])
+        raise ValueError(
+            f"cannot sample: a row's largest logit is {bad} (every token masked, or the model "
+            "gave inf/nan)"
+        )
+    big = torch.finfo(logits.dtype).max  # (see `sampling_probs`)
+    t = torch.tensor([min(x, big) for x in temperatures], device=logits.device).unsqueeze(1)
+    return ((logits - top) / t).softmax(-1)
 
 
 def adjust_logits(

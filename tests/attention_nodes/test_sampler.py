@@ -14,7 +14,14 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from splitmoe.attention_nodes.sampler import adjust_logits, make_generator, sample, sampling_probs
+from splitmoe.attention_nodes.sampler import (
+    adjust_logits,
+    draw,
+    make_generator,
+    sample,
+    sampling_probs,
+    temperature_probs,
+)
 from splitmoe.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -302,3 +309,51 @@ def test_any_params_in_range_sample_a_token(
     assert 0 <= token < 32
     if min_tokens > len(out):
         assert token != 0  # (EOS is masked until min_tokens)
+
+
+def test_rows_with_only_a_temperature_take_the_batched_path_to_the_same_distribution():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 40, generator=g) * 3
+    temps = [0.3, 1.0, 1.7, 1e-30, 1e38]
+    got = temperature_probs(logits, temps)
+    for row, t, probs in zip(logits, temps, got):
+        torch.testing.assert_close(probs, sampling_probs(row.clone(), SamplingParams(temperature=t)))
+
+
+def test_draws_follow_the_distribution_and_never_take_a_zero():
+    probs = torch.tensor([[0.5, 0.0, 0.2, 0.3], [0.0, 0.0, 1.0, 0.0]])
+    gens = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)]
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        a, b = draw(probs, gens)
+        counts[a] += 1
+        assert b == 2
+    assert counts[1] == 0
+    # within ~5 standard deviations of 4000 x p (sd <= sqrt(4000 x 0.25) ~ 32)
+    assert ((counts - 4000 * probs[0]).abs() < 160).all(), counts
+
+
+def test_a_batch_of_sampled_rows_draws_each_from_its_own_stream():
+    logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0.8, seed=s) for s in range(6)]
+    alone = [sample(logits[i : i + 1], [params[i]], [make_generator(params[i], i, 0, CPU)])[0]
+             for i in range(6)]  # fmt: skip
+    gens = [make_generator(p, i, 0, CPU) for i, p in enumerate(params)]
+    assert sample(logits, params, gens) == alone
+
+
+@pytest.mark.parametrize("V", [5, 1024, 3000])  # within one block, exactly one, a padded tail
+def test_draws_land_on_the_token_whose_interval_holds_the_uniform(V):
+    g = torch.Generator().manual_seed(V)
+    probs = torch.rand(3, V, generator=g)
+    probs[:, ::2] = 0  # (never drawn)
+    probs /= probs.sum(-1, keepdim=True)
+    gens = [torch.Generator().manual_seed(s) for s in range(3)]
+    copies = [torch.Generator().manual_seed(s) for s in range(3)]
+    for _ in range(20):
+        got = draw(probs, gens)
+        for r, t in enumerate(got):
+            u = float(torch.rand(1, generator=copies[r], dtype=torch.float64))
+            cdf = probs[r].double().cumsum(0)
+            assert probs[r, t] > 0
+            assert cdf[t] > u * cdf[-1] - 1e-9 and (t == 0 or cdf[t - 1] <= u * cdf[-1] + 1e-9)
