@@ -11,8 +11,8 @@
  * out [B, nkv, g, d] float32. d a multiple of 16. Returns 0, or -3 out of memory.
  *
  * In vectors of 16 floats (`vec16.h`), the softmax's exponentials too (`exp16`: libm's expf
- * one score at a time took a fifth to a third of the kernel). `sattn_f32`: float32 caches; `sattn_bf16`:
- * bfloat16 caches widened as they are read.
+ * one score at a time took a fifth to a third of the kernel). `sattn_f32`: float32 caches;
+ * `sattn_bf16`: bfloat16 caches widened as they are read.
  */
 #include <math.h>
 #include <stdint.h>
