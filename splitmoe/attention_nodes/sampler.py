@@ -11,8 +11,9 @@ Per row of logits:
 Rows without any of these controls (all greedy, none adjusting logits: the common decode batch)
 take one numpy argmax and nothing else; sampled rows whose only control is the temperature
 (what an OpenAI client sends by default) take their probabilities in one batch
-(`temperature_probs`), and every draw is one uniform number of the row's stream (`draw`). Log-probabilities (`token_logprobs`) are those of the
-raw model distribution, as vLLM reports them.
+(`temperature_probs`), and every draw is one uniform number of the row's stream (`draw`).
+Log-probabilities (`token_logprobs`) are those of the raw model distribution, as vLLM reports
+them.
 """
 
 from __future__ import annotations

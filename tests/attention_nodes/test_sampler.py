@@ -317,7 +317,8 @@ def test_rows_with_only_a_temperature_take_the_batched_path_to_the_same_distribu
     temps = [0.3, 1.0, 1.7, 1e-30, 1e38]
     got = temperature_probs(logits, temps)
     for row, t, probs in zip(logits, temps, got):
-        torch.testing.assert_close(probs, sampling_probs(row.clone(), SamplingParams(temperature=t)))
+        want = sampling_probs(row.clone(), SamplingParams(temperature=t))
+        torch.testing.assert_close(probs, want)
 
 
 def test_draws_follow_the_distribution_and_never_take_a_zero():
