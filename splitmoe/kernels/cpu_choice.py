@@ -254,12 +254,13 @@ class KernelChoice:
         self._trials: dict[tuple, dict[str, list[tuple[float, bool]]]] = {}
         self._dropped: dict[tuple, tuple[str, ...]] = {}  # classes on trial: who disagreed
         self._cpu = cpu_model()
+        self._kernels = native_sources_digest()  # (read once: `key` runs inside compiled code)
 
     def key(self, shape: tuple, dtype: torch.dtype, threads: int | None = None) -> str:
         """The cache file's key of ``shape`` in ``dtype`` at ``threads`` (torch's now)."""
         threads = torch.get_num_threads() if threads is None else threads
         return choice_key(
-            self.op, shape, dtype, threads, self._cpu, torch.__version__, native_sources_digest()
+            self.op, shape, dtype, threads, self._cpu, torch.__version__, self._kernels
         )
 
     def decision(self, shape: tuple, dtype: torch.dtype) -> Decision | None:
