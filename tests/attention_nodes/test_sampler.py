@@ -18,6 +18,7 @@ from splitmoe.attention_nodes.sampler import (
     adjust_logits,
     draw,
     make_generator,
+    pick,
     sample,
     sampling_probs,
     temperature_probs,
@@ -358,3 +359,18 @@ def test_draws_land_on_the_token_whose_interval_holds_the_uniform(V):
             cdf = probs[r].double().cumsum(0)
             assert probs[r, t] > 0
             assert cdf[t] > u * cdf[-1] - 1e-9 and (t == 0 or cdf[t - 1] <= u * cdf[-1] + 1e-9)
+
+
+def test_pick_takes_no_zero_at_the_ends_of_the_unit_interval():
+    V = 2 * 1024 + 7  # (blocks of 1024, and a padded tail)
+    probs = torch.zeros(4, V)
+    probs[:, 5] = 0.25  # the first token with mass
+    probs[:, 1500] = 0.5
+    probs[:, 2050] = 0.25  # the last token with mass: zeros after it, in its block and beyond
+    largest = 1 - 2.0**-53  # (torch.rand's largest float64)
+    u = torch.tensor([0.0, 0.25, 0.75, largest], dtype=torch.float64)
+    assert pick(probs, u).tolist() == [5, 1500, 2050, 2050]
+    # float32 sums of many small masses: still within the row's tokens of mass
+    probs = torch.rand(3, 5000) * (torch.arange(5000) % 3 == 0)
+    got = pick(probs, torch.tensor([0.0, 0.5, largest], dtype=torch.float64))
+    assert all(probs[r, t] > 0 for r, t in enumerate(got.tolist()))
