@@ -22,21 +22,14 @@ from splitmoe.kernels import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("attention_cpu.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-lm"]
 _FUNCS = {torch.float32: "sattn_f32", torch.bfloat16: "sattn_bf16"}
-_LIB: ctypes.CDLL | None | bool = None  # False: unavailable here (warned once)
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, built on first use; None where it cannot be built (warned once)."""
-    global _LIB
-    if _LIB is None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        sig = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p, p, ctypes.c_int]
-        _LIB = native.load(SOURCE, _FLAGS, "the CPU decode attention kernel",
-                           dict.fromkeys(_FUNCS.values(), sig), log,
-                           "CPU decode attention runs torch's SDPA only") or False  # fmt: skip
-    return _LIB or None
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_SIG = [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _P,
+        ctypes.c_int]  # fmt: skip
+# the loaded kernel, built on first use; None where it cannot be built (warned once)
+library = native.Kernel(SOURCE, "the CPU decode attention kernel",
+                        dict.fromkeys(_FUNCS.values(), _SIG), log,
+                        "CPU decode attention runs torch's SDPA only")  # fmt: skip
 
 
 def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -23,23 +23,15 @@ from splitmoe.kernels import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("linear_cpu.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
 _FUNCS = {torch.float32: "slinear_f32", torch.bfloat16: "slinear_bf16"}
 _DOT_BF16 = "slinear_bf16dp"  # bf16 x and weights, AVX512-BF16 dot products
-_LIB: ctypes.CDLL | None | bool = None  # False: unavailable here (warned once)
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, built on first use; None where it cannot be built (warned once)."""
-    global _LIB
-    if _LIB is None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        sig = [p, i64, i64, p, i64, p, p, ctypes.c_int]
-        # (`_DOT_BF16` only where the CPU has AVX512-BF16)
-        _LIB = native.load(SOURCE, _FLAGS, "the CPU linear kernel",
-                           dict.fromkeys([*_FUNCS.values(), _DOT_BF16], sig), log,
-                           "CPU projections run the libraries' GEMMs only") or False  # fmt: skip
-    return _LIB or None
+_SIG = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+# the loaded kernel, built on first use; None where it cannot be built (warned once);
+# `_DOT_BF16` only where the CPU has AVX512-BF16
+library = native.Kernel(SOURCE, "the CPU linear kernel",
+                        dict.fromkeys([*_FUNCS.values(), _DOT_BF16], _SIG), log,
+                        "CPU projections run the libraries' GEMMs only")  # fmt: skip
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -27,23 +27,15 @@ from splitmoe.kernels import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("moe_cpu.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-lm"]
 _FUNCS = {torch.float32: "smoe_f32", torch.bfloat16: "smoe_bf16"}
 _DOT_BF16 = "smoe_bf16dp"  # bf16 activations and weights, AVX512-BF16 dot products
-_LIB: ctypes.CDLL | None | bool = None  # False: unavailable here (warned once)
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, built on first use; None where it cannot be built (warned once)."""
-    global _LIB
-    if _LIB is None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        sig = [p, i64, i64, p, p, p, i64, p, p, i64, i64, p, ctypes.c_int]
-        # (`_DOT_BF16` only where the CPU has AVX512-BF16)
-        _LIB = native.load(SOURCE, _FLAGS, "the CPU MoE kernel",
-                           dict.fromkeys([*_FUNCS.values(), _DOT_BF16], sig), log,
-                           "the CPU MoE runs torch's layouts only") or False  # fmt: skip
-    return _LIB or None
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_SIG = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _P, ctypes.c_int]
+# the loaded kernel, built on first use; None where it cannot be built (warned once);
+# `_DOT_BF16` only where the CPU has AVX512-BF16
+library = native.Kernel(SOURCE, "the CPU MoE kernel",
+                        dict.fromkeys([*_FUNCS.values(), _DOT_BF16], _SIG), log,
+                        "the CPU MoE runs torch's layouts only")  # fmt: skip
 
 
 def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13, act: dict) -> bool:

@@ -99,3 +99,30 @@ def load(
         if fn is not None:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return lib
+
+
+# How the tensor kernels (`moe_cpu`, `attention_cpu`, `linear_cpu`) are compiled: for this CPU,
+# OpenMP (sharing torch's libgomp, which the process has loaded), GCC's vector extensions.
+KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-lm"]
+
+
+class Kernel:
+    """A tensor kernel's library, built and loaded on its first call (`load` with
+    `KERNEL_FLAGS`), then kept; None where it cannot be built, warned once on ``log``.
+    ``signatures``: name -> argtypes (those the library lacks, e.g. an AVX512-BF16 variant
+    on a CPU without it, are skipped); ``without``: what runs instead."""
+
+    def __init__(
+        self, source: Path, what: str, signatures: dict[str, list], log: logging.Logger,
+        without: str,
+    ):  # fmt: skip
+        self.source, self.what, self.signatures = source, what, signatures
+        self.log, self.without = log, without
+        self._lib: ctypes.CDLL | None | bool = None  # False: unavailable here (warned once)
+
+    def __call__(self) -> ctypes.CDLL | None:
+        if self._lib is None:
+            lib = load(self.source, KERNEL_FLAGS, self.what, self.signatures, self.log,
+                       self.without)  # fmt: skip
+            self._lib = lib or False
+        return self._lib or None

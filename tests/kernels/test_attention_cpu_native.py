@@ -71,7 +71,7 @@ def test_what_it_does_not_take():
 
 
 def test_without_a_compiler_decode_runs_sdpa(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(attention_cpu, "_LIB", None)
+    monkeypatch.setattr(attention_cpu.library, "_lib", None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # (no library built before)
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))

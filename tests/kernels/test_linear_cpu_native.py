@@ -61,7 +61,7 @@ def test_what_it_does_not_take():
 
 
 def test_without_a_compiler_linear_runs_the_libraries(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(linear_cpu, "_LIB", None)
+    monkeypatch.setattr(linear_cpu.library, "_lib", None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # (no library built before)
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))

@@ -51,7 +51,7 @@ def test_experts_it_does_not_take():
 
 
 def test_without_a_compiler_the_layout_is_not_offered(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(moe_cpu, "_LIB", None)
+    monkeypatch.setattr(moe_cpu.library, "_lib", None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # (no library built before)
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))
