@@ -162,6 +162,29 @@ def test_prefill_steps_do_not_bend_the_decode_choice():
     assert later.count(2) >= len(later) - _explorations(len(later)) - 1
 
 
+def test_a_batch_that_shrinks_starts_from_the_neighbouring_bucket():
+    # attention-heavy decode of 16 requests (m=2 wins), then requests finish one by one: the
+    # steps of 8-15 tokens take the choice of 16 tokens over, without running the slower m=1
+    # MIN_SAMPLES times again in turn
+    def times(tokens):
+        return _simulate(40e-3 / 16, 1e-3, 11e-3 / 16, 2e-3, tokens)
+
+    chooser = MicroBatchChooser(ParallelConfig(1, 1))
+    _run(chooser, times((16,)), (16,), 40)
+    tail = []
+    for n in range(15, 7, -1):
+        tail += _run(chooser, times((n,)), (n,), 2)
+    # (m=1 is re-run on the neighbour's schedule alone: every EXPLORE_EVERY / 4 steps while
+    # it has fewer than RATIO_SAMPLES steps)
+    assert tail.count(1) <= len(tail) // (EXPLORE_EVERY // 4), tail
+    # where the neighbour's choice is wrong, the bucket's own steps correct it: here the
+    # experts' weight read dominates at 4-7 tokens, and m=1 wins
+    light = _simulate(5e-3 / 8, 60e-3, 1e-3 / 8, 3e-3, (6,))
+    assert light(1)[0].total < 0.7 * light(2)[0].total
+    counts = _run(chooser, light, (6,), 3 * EXPLORE_EVERY)
+    assert counts[-EXPLORE_EVERY:].count(1) >= EXPLORE_EVERY - 2, counts
+
+
 def test_every_rank_chooses_alike_from_the_shared_numbers():
     # ranks see the same exchanged times (whatever order they arrive in on each rank) and
     # therefore make the same choices, step after step, with changing batches

@@ -25,7 +25,11 @@ depends on the model, the batch and the machine, so the count is predicted from 
   reason the bucket hides;
 * each count in `EXPLORE` first runs `MIN_SAMPLES` steps of a bucket (in turn), then the
   model's count runs: the one it chose last in the bucket (at first the fewest) until another
-  is predicted more than `MARGIN` faster;
+  is predicted more than `MARGIN` faster; a bucket next to one so measured (half or twice the
+  tokens: a batch whose requests finish one by one) starts from that bucket's steps instead,
+  its ratios, last runs and choice, until each count has `MIN_SAMPLES` steps of its own (the
+  cost model already scales with the tokens; exploring again would run the slower count
+  `MIN_SAMPLES` more times at every halving of the batch);
 * a count in `EXPLORE` not run in a bucket for `EXPLORE_EVERY` steps is run once, so a wrong
   early estimate (or a workload that changed) is corrected; one predicted ``n * EXPLORE_GAP``
   slower than the fastest, ``n`` times less often (re-running a count twice as slow costs a
@@ -142,7 +146,7 @@ class MicroBatchChooser:
 
     def predictions(self, tokens: Sequence[int]) -> list[Prediction]:
         """Every candidate count's predicted forward time for a step of ``tokens``."""
-        t_max, n, b = max(tokens), sum(tokens), _bucket(tokens)
+        t_max, n, b = max(tokens), sum(tokens), self._like(tokens)
         recent = {m: r for (bk, m), r in self.recent.items() if bk == b}
         # as many of each count's last steps as the least measured explored count has, so
         # that no count looks faster for having been run (and so measured) more often
@@ -169,8 +173,22 @@ class MicroBatchChooser:
     def stats(self) -> dict:
         return {"micro_batch_steps": {str(m): n for m, n in sorted(self.chosen.items())}}
 
-    def _choose(self, tokens: Sequence[int]) -> int:
+    def _measured(self, bucket: int, fits: Sequence[int]) -> bool:
+        """Whether each of ``fits`` has run `MIN_SAMPLES` steps in ``bucket``."""
+        return all(len(self.recent.get((bucket, m), ())) >= MIN_SAMPLES for m in fits)
+
+    def _like(self, tokens: Sequence[int]) -> int:
+        """The bucket whose steps stand for a step of ``tokens``: its own once each explored
+        count has run `MIN_SAMPLES` steps there, else a neighbour's (half the tokens, then twice)
+        where they have, else its own."""
         b = _bucket(tokens)
+        fits = [m for m in EXPLORE if m <= max(tokens)]
+        if self._measured(b, fits):
+            return b
+        return next((nb for nb in (b - 1, b + 1) if self._measured(nb, fits)), b)
+
+    def _choose(self, tokens: Sequence[int]) -> int:
+        own, b = _bucket(tokens), self._like(tokens)
         fits = [m for m in EXPLORE if m <= max(tokens)]
         seen = {m: len(self.recent.get((b, m), ())) for m in fits}
         new = [m for m in fits if seen[m] < MIN_SAMPLES]
@@ -184,7 +202,7 @@ class MicroBatchChooser:
         # often and with 4 times the gap
         time = {p.micro_batches: p.corrected for p in preds}
         fastest = min(time[m] for m in fits)
-        last = {m: self.last_run.get((b, m), -EXPLORE_EVERY) for m in fits}
+        last = {m: max(self.last_run.get((k, m), -EXPLORE_EVERY) for k in (own, b)) for m in fits}
 
         def period(m: int) -> float:
             gap = time[m] / fastest - 1.0 if fastest > 0.0 else 0.0
@@ -200,11 +218,12 @@ class MicroBatchChooser:
         # the count the model chose last stays (else the fewest) unless another is predicted
         # more than MARGIN faster: within it two counts are a tie, not worth a change of the
         # shapes every rank runs
-        best = next((p for p in preds if p.micro_batches == self._kept.get(b)), preds[0])
+        kept = self._kept.get(own, self._kept.get(b))
+        best = next((p for p in preds if p.micro_batches == kept), preds[0])
         for p in preds:
             if p.corrected < best.corrected * (1.0 - MARGIN):
                 best = p
-        self._kept[b] = best.micro_batches
+        self._kept[own] = best.micro_batches
         return best.micro_batches
 
     def _ratio(self, samples: list[StepSample]) -> float | None:
