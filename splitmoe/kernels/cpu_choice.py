@@ -48,6 +48,7 @@ import platform
 import resource
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,6 +206,8 @@ class ChoiceFile:
 
 # The file every `KernelChoice` shares unless given another.
 DEFAULT_FILE = ChoiceFile()
+# every `KernelChoice` of this process (`classes_on_trial`)
+_CHOICES: list[weakref.ref[KernelChoice]] = []
 
 
 def outputs_agree(a: Any, b: Any) -> bool:
@@ -255,6 +258,7 @@ class KernelChoice:
         self._dropped: dict[tuple, tuple[str, ...]] = {}  # classes on trial: who disagreed
         self._cpu = cpu_model()
         self._kernels = native_sources_digest()  # (read once: `key` runs inside compiled code)
+        _CHOICES[:] = [r for r in _CHOICES if r() is not None] + [weakref.ref(self)]
 
     def key(self, shape: tuple, dtype: torch.dtype, threads: int | None = None) -> str:
         """The cache file's key of ``shape`` in ``dtype`` at ``threads`` (torch's now)."""
@@ -361,6 +365,13 @@ class KernelChoice:
         if not contended:  # (a choice made of stalled timings is not kept for later)
             self.file.put(self.key(shape, dtype), decision)
         log.info("%s %s %s: %s -> %s (%s)", self.op, shape, dtype, ms, choice, source)
+
+
+def classes_on_trial() -> int:
+    """Shape classes that some `KernelChoice` of this process is still timing: while one is,
+    its calls run other candidates than the kept one (what a caller that times its own code,
+    such as the simulator's calibration, must let settle first)."""
+    return sum(len(c._trials) for c in (r() for r in list(_CHOICES)) if c is not None)
 
 
 def pow2_bucket(n: int) -> int:

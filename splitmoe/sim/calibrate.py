@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from splitmoe.kernels.cpu_choice import classes_on_trial
 from splitmoe.sim.hardware import HardwareProfile, Overheads
 
 ROOFLINE_CPU = HardwareProfile(
@@ -40,8 +41,19 @@ ROOFLINE_CPU = HardwareProfile(
 )
 
 
+# calls of a timed function at most before its kernel choices must have settled
+SETTLE_CALLS = 300
+
+
 def _median_time(fn, repeats: int = 7, inner: int = 1) -> float:
+    """Median seconds of ``fn`` over ``repeats`` (of ``inner`` calls each), after calls that
+    let the CPU kernel choices its shapes meet settle (`classes_on_trial`): while a class is
+    on trial its calls run the other candidates too, and the runtime runs only the kept one."""
     fn()
+    for _ in range(SETTLE_CALLS):
+        if not classes_on_trial():
+            break
+        fn()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()

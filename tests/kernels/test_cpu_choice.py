@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitmoe.kernels.cpu_choice import ChoiceFile, KernelChoice, choice_key, pow2_bucket
+from splitmoe.kernels.cpu_choice import (
+    ChoiceFile,
+    KernelChoice,
+    choice_key,
+    classes_on_trial,
+    pow2_bucket,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,6 +99,22 @@ def test_picks_the_fastest_and_times_once(tmp_path):
     assert clock.calls == {"a": 3, "b": 6, "c": 3}
     decide(choice, (16, 64), clock)  # a new shape class is timed
     assert clock.calls == {"a": 6, "b": 9, "c": 6}
+
+
+def test_classes_on_trial_counts_every_chooser_until_decided(tmp_path):
+    # (what the simulator's calibration waits on before it times the runtime's own code)
+    before = classes_on_trial()
+    clock = FakeClock({"a": 3e-3, "b": 1e-3})
+    first, second = _chooser(tmp_path, clock, "op1"), _chooser(tmp_path, clock, "op2")
+    first.run((8,), torch.float32, clock.candidates())
+    second.run((8,), torch.float32, clock.candidates())
+    second.run((16,), torch.float32, clock.candidates())
+    assert classes_on_trial() == before + 3
+    decide(first, (8,), clock)
+    decide(second, (16,), clock)
+    assert classes_on_trial() == before + 1
+    del second  # (a chooser gone is not waited on)
+    assert classes_on_trial() == before
 
 
 def test_short_kernels_get_more_rounds(tmp_path):
