@@ -310,9 +310,9 @@ def main() -> None:
         help="keep one engine per configuration (and HF) for the whole run and alternate their "
         "generate calls, each round starting one engine later, each warmed up on the full batch "
         "first; ratios are the median of each round's ratio (needs memory for all; --repeat a "
-        "multiple of the engines balances places). On a 2-core host the engine created first "
-        "ran ~15%% slower throughout, whichever it was (cause not found): compare micro-batch "
-        "counts with fresh engines, the default",
+        "multiple of the engines balances places). On a VM the engine created first can run "
+        "5-15%% slower throughout, on slower memory pages (docs/comm.md): compare "
+        "micro-batch counts with fresh engines, the default",
     )
     ap.add_argument("--metrics", action="store_true", help="print each run's serving metrics")
     ap.add_argument("--seed", type=int, default=0)
