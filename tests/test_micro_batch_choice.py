@@ -177,11 +177,14 @@ def test_a_batch_that_shrinks_starts_from_the_neighbouring_bucket():
     # (m=1 is re-run on the neighbour's schedule alone: every EXPLORE_EVERY / 4 steps while
     # it has fewer than RATIO_SAMPLES steps)
     assert tail.count(1) <= len(tail) // (EXPLORE_EVERY // 4), tail
-    # where the neighbour's choice is wrong, the bucket's own steps correct it: here the
-    # experts' weight read dominates at 4-7 tokens, and m=1 wins
-    light = _simulate(5e-3 / 8, 60e-3, 1e-3 / 8, 3e-3, (6,))
+    # where the neighbour's choice is wrong, the bucket's own steps correct it: a job whose
+    # experts' weight read dominates at 8-15 tokens (m=1 wins) next to the measured 16 tokens
+    chooser = MicroBatchChooser(ParallelConfig(1, 1))
+    _run(chooser, times((16,)), (16,), 40)
+    light = _simulate(5e-3 / 12, 60e-3, 1e-3 / 12, 3e-3, (12,))
     assert light(1)[0].total < 0.7 * light(2)[0].total
-    counts = _run(chooser, light, (6,), 3 * EXPLORE_EVERY)
+    counts = _run(chooser, light, (12,), 3 * EXPLORE_EVERY)
+    assert counts[: 2 * MIN_SAMPLES] != [1, 2] * MIN_SAMPLES  # (it did start from the neighbour)
     assert counts[-EXPLORE_EVERY:].count(1) >= EXPLORE_EVERY - 2, counts
 
 

@@ -29,7 +29,11 @@ depends on the model, the batch and the machine, so the count is predicted from 
   tokens: a batch whose requests finish one by one) starts from that bucket's steps instead,
   its ratios, last runs and choice, until each count has `MIN_SAMPLES` steps of its own (the
   cost model already scales with the tokens; exploring again would run the slower count
-  `MIN_SAMPLES` more times at every halving of the batch);
+  `MIN_SAMPLES` more times at every halving of the batch). Where the neighbour's choice is
+  wrong for the bucket, it holds until the other count's re-runs have given the bucket its
+  own steps (~20 steps in the tests' job that flips between 16 and 12 tokens); the counts'
+  times change with the tokens continuously, so next to a crossover, where a neighbour can be
+  wrong, the two counts are close;
 * a count in `EXPLORE` not run in a bucket for `EXPLORE_EVERY` steps is run once, so a wrong
   early estimate (or a workload that changed) is corrected; one predicted ``n * EXPLORE_GAP``
   slower than the fastest, ``n`` times less often (re-running a count twice as slow costs a
