@@ -207,7 +207,7 @@ class ChoiceFile:
 # The file every `KernelChoice` shares unless given another.
 DEFAULT_FILE = ChoiceFile()
 # every `KernelChoice` of this process (`classes_on_trial`)
-_CHOICES: list[weakref.ref[KernelChoice]] = []
+_CHOICES: weakref.WeakSet[KernelChoice] = weakref.WeakSet()
 
 
 def outputs_agree(a: Any, b: Any) -> bool:
@@ -222,7 +222,7 @@ def outputs_agree(a: Any, b: Any) -> bool:
     return bool((a.float() - b.float()).abs().max() <= tol * scale)
 
 
-@dataclass
+@dataclass(eq=False)  # (one chooser is one identity: hashable, for `_CHOICES`)
 class KernelChoice:
     """One op's measured choice among interchangeable kernels, per shape class.
 
@@ -258,7 +258,7 @@ class KernelChoice:
         self._dropped: dict[tuple, tuple[str, ...]] = {}  # classes on trial: who disagreed
         self._cpu = cpu_model()
         self._kernels = native_sources_digest()  # (read once: `key` runs inside compiled code)
-        _CHOICES[:] = [r for r in _CHOICES if r() is not None] + [weakref.ref(self)]
+        _CHOICES.add(self)
 
     def key(self, shape: tuple, dtype: torch.dtype, threads: int | None = None) -> str:
         """The cache file's key of ``shape`` in ``dtype`` at ``threads`` (torch's now)."""
@@ -371,7 +371,7 @@ def classes_on_trial() -> int:
     """Shape classes that some `KernelChoice` of this process is still timing: while one is,
     its calls run other candidates than the kept one (what a caller that times its own code,
     such as the simulator's calibration, must let settle first)."""
-    return sum(len(c._trials) for c in (r() for r in list(_CHOICES)) if c is not None)
+    return sum(len(c._trials) for c in list(_CHOICES))
 
 
 def pow2_bucket(n: int) -> int:
