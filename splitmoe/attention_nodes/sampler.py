@@ -138,17 +138,22 @@ def pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     sums = p.sum(-1).double()  # [R, blocks]
     upto = sums.cumsum(-1)  # [R, blocks]
     total = upto[:, -1:]  # [R, 1]
-    below = torch.nextafter(total, torch.zeros_like(total))  # (targets stay below the total)
-    target = torch.minimum(u.unsqueeze(1) * total, below)
+    target = torch.minimum(u.unsqueeze(1) * total, _below(total))  # (below the total)
     # upto[b - 1] <= target < upto[b]: block b has mass
     b = torch.searchsorted(upto, target, right=True).squeeze(1)  # [R]
     rows = torch.arange(R, device=probs.device)
     share = (target.squeeze(1) - (upto[rows, b] - sums[rows, b])) / sums[rows, b]
     local = p[rows, b].double().cumsum(-1)  # [R, DRAW_BLOCK]
     end = local[:, -1:]
-    within = torch.minimum(share.clamp(min=0).unsqueeze(1) * end, torch.nextafter(end, 0 * end))
+    within = torch.minimum(share.clamp(min=0).unsqueeze(1) * end, _below(end))
     j = torch.searchsorted(local, within, right=True).squeeze(1)  # local[j] > within: p > 0
     return b * DRAW_BLOCK + j
+
+
+def _below(x: torch.Tensor) -> torch.Tensor:
+    """The largest floats below ``x`` (> 0): a target kept under them is under ``x`` whatever
+    the rounding of the product that made it."""
+    return torch.nextafter(x, torch.zeros_like(x))
 
 
 def temperature_probs(logits: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
