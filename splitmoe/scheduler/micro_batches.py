@@ -148,9 +148,11 @@ class MicroBatchChooser:
         key = (_bucket(tokens), m)
         self.recent.setdefault(key, deque(maxlen=RATIO_SAMPLES)).append(sample)
 
-    def predictions(self, tokens: Sequence[int]) -> list[Prediction]:
-        """Every candidate count's predicted forward time for a step of ``tokens``."""
-        t_max, n, b = max(tokens), sum(tokens), self._like(tokens)
+    def predictions(self, tokens: Sequence[int], like: int | None = None) -> list[Prediction]:
+        """Every candidate count's predicted forward time for a step of ``tokens``, from the
+        steps of bucket ``like`` (`_like`'s, unless given)."""
+        t_max, n = max(tokens), sum(tokens)
+        b = self._like(tokens, _fits(tokens)) if like is None else like
         recent = {m: r for (bk, m), r in self.recent.items() if bk == b}
         # as many of each count's last steps as the least measured explored count has, so
         # that no count looks faster for having been run (and so measured) more often
@@ -181,24 +183,23 @@ class MicroBatchChooser:
         """Whether each of ``fits`` has run `MIN_SAMPLES` steps in ``bucket``."""
         return all(len(self.recent.get((bucket, m), ())) >= MIN_SAMPLES for m in fits)
 
-    def _like(self, tokens: Sequence[int]) -> int:
-        """The bucket whose steps stand for a step of ``tokens``: its own once each explored
-        count has run `MIN_SAMPLES` steps there, else a neighbour's (half the tokens, then twice)
-        where they have, else its own."""
+    def _like(self, tokens: Sequence[int], fits: Sequence[int]) -> int:
+        """The bucket whose steps stand for a step of ``tokens`` (explored counts ``fits``):
+        its own once each of ``fits`` has run `MIN_SAMPLES` steps there, else a neighbour's
+        (half the tokens, then twice) where they have, else its own."""
         b = _bucket(tokens)
-        fits = [m for m in EXPLORE if m <= max(tokens)]
         if self._measured(b, fits):
             return b
         return next((nb for nb in (b - 1, b + 1) if self._measured(nb, fits)), b)
 
     def _choose(self, tokens: Sequence[int]) -> int:
-        own, b = _bucket(tokens), self._like(tokens)
-        fits = [m for m in EXPLORE if m <= max(tokens)]
+        fits = _fits(tokens)
+        own, b = _bucket(tokens), self._like(tokens, fits)
         seen = {m: len(self.recent.get((b, m), ())) for m in fits}
         new = [m for m in fits if seen[m] < MIN_SAMPLES]
         if new:  # (in turn, the least measured first)
             return min(new, key=lambda m: (seen[m], m))
-        preds = self.predictions(tokens)
+        preds = self.predictions(tokens, b)
         # a count is re-run when due: every EXPLORE_EVERY steps while predicted within
         # EXPLORE_GAP of the fastest, n times less often when predicted n * EXPLORE_GAP slower
         # (re-running a much slower count then costs no more than a close one); while it has
@@ -258,6 +259,11 @@ class MicroBatchChooser:
             ]
         )
         return att, exp, trip
+
+
+def _fits(tokens: Sequence[int]) -> list[int]:
+    """The explored counts a step of ``tokens`` can run (no more micro-batches than tokens)."""
+    return [m for m in EXPLORE if m <= max(tokens)]
 
 
 def _bucket(tokens: Sequence[int]) -> int:
