@@ -50,7 +50,12 @@ def test_compiled_matches_hf(tiny_ckpt, hf_ref):
     # (the first steps compile: tens of seconds on a loaded 2-core host)
     with cpu_llm(ckpt, 1, 0, enforce_eager=False, timeout_s=600.0) as llm:
         outs = llm.generate(prompts, params)
+        stats = llm.stats()[0]
     assert [list(o.token_ids) for o in outs] == want
+    # compiled by Inductor, not fallen back to eager (the router's GEMM went through the CPU
+    # kernel choice's oneDNN call, which Inductor cannot lower, until `linear` left it to it)
+    assert stats["compile_errors"] == {}
+    assert stats["cuda_graph_sizes"] == [] and stats["cuda_graph_steps"] == 0  # (CPU: none)
 
 
 def _pieces_agree(model: AttentionModel, pieces: CompiledPieces, rows: int) -> None:

@@ -138,13 +138,11 @@ def _linear_outside_graph() -> Callable[..., torch.Tensor]:
 def _proj(
     x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`linear`; inside a compiled piece (`splitmoe.attention_nodes.compiled`) ``F.linear``, so
-    that Inductor sees the GEMM and picks its kernel, or, for a `QuantizedWeight`, `linear`
-    outside the graph (a graph break: its dequantizing buffer is reused state)."""
-    if torch.compiler.is_compiling():
-        if isinstance(w, QuantizedWeight):
-            return _linear_outside_graph()(x, w, b)
-        return F.linear(x, w, b)
+    """`linear` (inside a compiled piece, `splitmoe.attention_nodes.compiled`, that is
+    ``F.linear``: Inductor sees the GEMM and picks its kernel); for a `QuantizedWeight` there,
+    `linear` outside the graph (a graph break: its dequantizing buffer is reused state)."""
+    if isinstance(w, QuantizedWeight) and torch.compiler.is_compiling():
+        return _linear_outside_graph()(x, w, b)
     return linear(x, w, b)
 
 

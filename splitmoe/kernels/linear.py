@@ -61,7 +61,8 @@ def linear(
     """``F.linear(x [T, K], w [N, K], b [N])`` -> ``[T, N]``. Where `onednn_takes` ``x`` (and
     the weight is contiguous, in x's dtype), oneDNN's inner product (used as it is: no
     prepacked copy), ``F.linear`` or, up to `NATIVE_MAX_ROWS` rows, the native kernel
-    (`linear_cpu`), as `CPU_LINEAR` measured for the shape; else ``F.linear``. A
+    (`linear_cpu`), as `CPU_LINEAR` measured for the shape; else, or inside a graph that
+    ``torch.compile`` traces, ``F.linear``. A
     `QuantizedWeight` (FP8 blocks, MXFP4) runs on CUDA in the Triton kernel that reads it
     (`quant_linear.linear_quant_triton`); elsewhere it is dequantized (float32, then x's
     dtype) into a buffer reused for its shape, then the same GEMM."""
@@ -71,7 +72,9 @@ def linear(
 
             return linear_quant_triton(x, w, b)
         w = dequantize_reused(w, x.dtype)
-    if not (onednn_takes(x) and w.dtype == x.dtype and w.is_contiguous()):
+    if torch.compiler.is_compiling() or not (
+        onednn_takes(x) and w.dtype == x.dtype and w.is_contiguous()
+    ):  # (in a compiled graph Inductor picks the GEMM: it lowers no oneDNN call of ours)
         return F.linear(x, w, b)
     shape = (pow2_bucket(x.shape[0]), *w.shape, b is not None)
     path = CPU_LINEAR.kept(shape, x.dtype)  # (decided: a dict lookup)
