@@ -133,7 +133,8 @@ class CudaGraphSegment:
 
     def __init__(self, fn: Callable[[], tuple], pool):
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread-local: a transport's thread may touch CUDA while the rank captures
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = fn()
 
     def replay(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from splitmoe.attention_nodes.compiled import CompiledPieces
 from splitmoe.attention_nodes.grammar import GrammarBackend, GrammarState, apply_grammar_masks
 from splitmoe.attention_nodes.graphs import DecodeGraphs
 from splitmoe.attention_nodes.kv_cache import GroupedKVCache, PagedKVCache
@@ -236,6 +237,13 @@ class AttentionWorker:
             "attention_backend": self.model.attention_backend.name,
             "moe_backend": local.backend.name if local else None,  # None: on expert ranks
             "weight_bytes": self.model.weight_bytes + (local.weight_bytes if local else 0),
+            # decode steps replayed from CUDA graphs, and the batch sizes captured ([]: eager)
+            "cuda_graph_steps": self.graphs.replays if self.graphs else 0,
+            "cuda_graph_sizes": sorted(self.graphs.buckets) if self.graphs else [],
+            # compiled pieces that fell back to eager, and why (enforce_eager=False)
+            "compile_errors": (
+                self.model.pieces.errors if isinstance(self.model.pieces, CompiledPieces) else {}
+            ),
             **(self.kv_connector.stats() if self.kv_connector else {}),
         }
 

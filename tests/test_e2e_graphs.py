@@ -1,0 +1,52 @@
+"""Token-exact greedy agreement with HF transformers (float32) with decode replayed from CUDA
+graphs (``enforce_eager=False``: the compiled pieces, and every decode step of one micro-batch
+from the captured bucket at or above its batch, padded). Needs a GPU: without one the option
+captures nothing (`tests/attention_nodes/test_graphs.py` checks the no-op and the static-buffer
+plumbing on CPU), so these tests are skipped; `scripts/gpu_check.sh` runs them on a lent GPU.
+
+Five prompts of different lengths decode as five sequences, so every step replays bucket 8 with
+three padded rows, and the sequences finish their prompts at different steps (steps mixing
+prefill and decode run eagerly, between replays). The stats must show graphs replayed: a capture
+that failed falls back to eager with a warning and would otherwise pass unseen.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import prompt_ids
+
+from splitmoe import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+MAX_TOKENS = 12
+PROMPTS = [prompt_ids(n, seed=i) for i, n in enumerate((1, 6, 23, 9, 3))]
+
+# MHA with a dense first layer's MLP, MLA, sliding-window layers with sinks; colocated and with
+# the experts on a rank of their own (two ranks sharing the GPU)
+CASES = [("qwen3_moe_dense", 0), ("qwen3_moe", 1), ("deepseek_v3", 0), ("gpt_oss", 1)]
+
+
+@pytest.mark.parametrize("ckpt_name,expert_ranks", CASES, ids=[f"{n}-1+{e}" for n, e in CASES])
+def test_graphed_decode_matches_hf(ckpt_name, expert_ranks, tiny_ckpt, hf_ref):
+    ckpt = tiny_ckpt(ckpt_name)
+    expected = [hf_ref(ckpt, p, MAX_TOKENS) for p in PROMPTS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(ckpt),
+        expert_ranks=expert_ranks,
+        micro_batches=1,
+        dtype="float32",
+        device="cuda",
+        max_num_seqs=8,
+        enforce_eager=False,
+        timeout_s=600,
+    ) as llm:
+        outs = llm.generate(PROMPTS, params)
+        stats = llm.stats()[0]
+    assert stats["compile_errors"] == {}
+    assert stats["cuda_graph_sizes"] == [1, 2, 4, 8]
+    assert stats["cuda_graph_steps"] >= MAX_TOKENS - 2, "decode steps ran eagerly"
+    for i, (want, out) in enumerate(zip(expected, outs)):
+        assert list(out.token_ids) == want, f"prompt {i} (len {len(PROMPTS[i])})"
