@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from tiny_models import require_hf_swiglu_config
 
 import splitmoe.kernels.fused_moe as fm
 from splitmoe.kernels.fused_moe import fused_moe
@@ -26,6 +27,7 @@ def _hf_experts(seed: int = 0):
         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
     )  # fmt: skip
     m = GptOssExperts(cfg)
+    require_hf_swiglu_config(cfg, [m])
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in m.parameters():
