@@ -6,7 +6,7 @@ setup(
     description="Attention-FFN disaggregated inference runtime for Mixture-of-Experts models",
     packages=find_packages(include=["splitmoe", "splitmoe.*"]),
     package_data={
-        "splitmoe.sim": ["profiles/*.json", "configs/*.json"],
+        "splitmoe.sim": ["profiles/*.json", "profiles/measured/*.json", "configs/*.json"],
         "splitmoe.kernels": ["*.c", "*.h"],  # the native CPU kernels, compiled on first use
     },
     python_requires=">=3.10",

@@ -60,17 +60,22 @@ def test_fit_recovers_the_step_constants_of_a_known_machine():
         assert _step(fitted, *key) == pytest.approx(_step(truth, *key), rel=0.05), key
 
 
-def _bench_kernels():
+def _script(name: str):
+    """``scripts/NAME.py`` as a module."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kernels"] = mod
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def _bench_kernels():
+    return _script("bench_kernels")
 
 
 def test_kernel_fragment_from_rows_sets_the_efficiencies(tmp_path):
@@ -157,3 +162,26 @@ def test_plan_takes_a_kernel_fragment(tmp_path, capsys):
     with pytest.raises(ValueError, match="not a kernel fragment"):
         path.write_text(json.dumps({"kind": "other"}))
         plan.main([*args, "--profile", str(path)])
+
+
+def test_shipped_h200_fragment_plans(capsys):
+    """The fragment an H200 measured (`profiles/measured/h200-kernels.json`) is one
+    `plan.py --profile` takes: it sets the H200 profile's efficiencies to the measured ones
+    (paged decode 4.11 TB/s of 4.8, grouped GEMM 376 TFLOP/s of 989 at 8192 tokens), and the
+    planner prints a plan with them."""
+    import json
+    from pathlib import Path
+
+    import splitmoe.sim.hardware as hardware
+    from splitmoe.sim.calibrate import apply_kernel_fragment
+
+    path = Path(hardware.__file__).parent / "profiles" / "measured" / "h200-kernels.json"
+    frag = json.loads(path.read_text())
+    assert frag["device"] == "NVIDIA H200" and frag["dtype"] == "bfloat16"
+    got = apply_kernel_fragment(hardware.load_profile("h200"), frag)
+    assert got.mem_efficiency == pytest.approx(4.108e12 / 4.8e12, rel=1e-3)
+    assert got.flops_efficiency == pytest.approx(376.5e12 / 989e12, rel=1e-3)
+    plan = _script("plan")
+    argv = ["--model", "deepseek-v3", "--hardware", "h200", "--gpus", "64", "--tpot-slo", "50ms"]
+    assert plan.main([*argv, "--quick", "--verdict", "--profile", str(path)]) == 0
+    assert "AF: " in capsys.readouterr().out
