@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_generate import make_prompts, measure_splitmoe
+from bench_generate import make_prompts, measure_splitmoe, median_run
 
 from splitmoe import LLM, SamplingParams
 from splitmoe.config import ModelConfig
@@ -58,7 +58,7 @@ def bench(args, experts: int, eager: bool, prompts: dict, warmups: dict) -> dict
     out = {"startup_s": startup, "sizes": stats["cuda_graph_sizes"], "batches": {}}
     out["compile_errors"] = stats["compile_errors"]
     for b, rs in runs.items():
-        med = sorted(rs, key=lambda r: r["decode_tok_s"])[len(rs) // 2]
+        med = median_run(rs)
         out["batches"][b] = dict(
             decode_tok_s=med["decode_tok_s"],
             tpot_ms=med["tpot_ms"],

@@ -105,11 +105,9 @@ def bench(fn, device: torch.device, smoke: bool) -> float:
     return (time.perf_counter() - t) * 1e3 / reps
 
 
-def bench_graph(fn) -> float | None:
-    """Milliseconds per replay of a CUDA graph of ``fn`` (None where ``fn`` cannot be captured:
-    it synchronises with the host)."""
-    import triton.testing
-
+def capture(fn) -> torch.cuda.CUDAGraph | None:
+    """A CUDA graph of ``fn``, warmed up first (None where ``fn`` cannot be captured: it
+    synchronises with the host)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
@@ -121,7 +119,15 @@ def bench_graph(fn) -> float | None:
             fn()
     except RuntimeError:
         return None
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=50)
+    return graph
+
+
+def bench_graph(fn) -> float | None:
+    """Milliseconds per replay of a CUDA graph of ``fn`` (None where it cannot be captured)."""
+    import triton.testing
+
+    graph = capture(fn)
+    return None if graph is None else triton.testing.do_bench(graph.replay, warmup=10, rep=50)
 
 
 def paged_batch(seqs, nh, nkv, d, dtype, device, seed=0):
@@ -357,14 +363,7 @@ def launch_overhead_s(n: int = 200, tries: int = 5) -> float:
         for _ in range(n):
             x.add_(1)
 
-    side = torch.cuda.Stream()  # warm-up off the capture stream, as torch.cuda.graph asks
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        eager()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        eager()
+    graph = capture(eager)
 
     def median_s(fn) -> float:
         times = []

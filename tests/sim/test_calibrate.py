@@ -74,10 +74,6 @@ def _script(name: str):
     return mod
 
 
-def _bench_kernels():
-    return _script("bench_kernels")
-
-
 def test_kernel_fragment_from_rows_sets_the_efficiencies(tmp_path):
     """A synthetic run's rows, as an H100 would give them: the fragment keeps the best
     graph-timed paged-decode GB/s and the MoE kernels' best TFLOP/s per token count, and a
@@ -87,7 +83,7 @@ def test_kernel_fragment_from_rows_sets_the_efficiencies(tmp_path):
     from splitmoe.sim.calibrate import apply_kernel_fragment
     from splitmoe.sim.hardware import load_profile
 
-    bk = _bench_kernels()
+    bk = _script("bench_kernels")
     Row = bk.Row
     rows = [
         Row("decode", "qwen3-235b-a22b", "B=8 ctx=8192", "triton", 0.2, 0.1, gbps=2000.0),
@@ -129,7 +125,7 @@ def test_kernel_fragment_without_a_gpu_exits_cleanly(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the fragment would be measured")
     out = tmp_path / "frag.json"
-    assert _bench_kernels().main(["--profile-fragment", str(out)]) == 0
+    assert _script("bench_kernels").main(["--profile-fragment", str(out)]) == 0
     assert "no CUDA device" in capsys.readouterr().out and not out.exists()
 
 
