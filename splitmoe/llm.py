@@ -19,7 +19,6 @@ import queue
 import random
 import select
 import signal
-import socket
 import struct
 import sys
 import time
@@ -50,12 +49,6 @@ logger = logging.getLogger("splitmoe")
 
 class RankFailure(RuntimeError):
     """A rank process raised or died; the whole job was stopped."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _FRAME = struct.Struct("<Q")  # the byte length of each pickled message on a rank's pipe
@@ -662,10 +655,12 @@ class LLM:
         self._to_rank = [*self._in_qs, *(_Relayed(self._in_qs[0], r) for r in range(local, W))]
         if job is not None:
             init_method = job.init_method
-        elif cfg.parallel.fault_tolerance and W > 1:  # (the store must outlive any rank)
-            self._store, init_method = hosted_store("127.0.0.1", cfg.parallel.timeout)
         else:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            # the rendezvous store is bound here, on a port the OS picks, before any rank
+            # starts: a port picked free and bound later by rank 0 can be taken meanwhile
+            # (EADDRINUSE with several servers starting at once); with fault tolerance it
+            # must also outlive any rank
+            self._store, init_method = hosted_store("127.0.0.1", cfg.parallel.timeout)
         where = (job.local_rank, job.local_world_size) if job else (None, None)
         readers = []
         bell_reader, bell = ctx.Pipe(duplex=False)  # (shared by the ranks: see `_Outbox`)
