@@ -72,8 +72,9 @@ class Server:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
+                out = self.output()  # (before `stop` closes the log)
                 self.stop()
-                raise RuntimeError(f"server not healthy in {start_timeout} s:\n{self.output()}")
+                raise RuntimeError(f"server not healthy in {start_timeout} s:\n{out}")
             time.sleep(0.2)
 
     @property
