@@ -875,6 +875,7 @@ class LLM:
         _kill_all(self._procs, self._in_qs)
         self._procs = []
         self._out.close()
+        self._store = None  # (the rendezvous store's socket and thread go with it)
         self._finalizer.detach()
 
     def close(self) -> None:
