@@ -81,6 +81,19 @@ def micro_batch_steps(llm: LLM) -> dict[str, int]:
     return dict(llm.stats()[0].get("micro_batch_steps", {}))
 
 
+def batch_timings(ttft_s: float, wall_s: float, batch: int, n: int) -> dict:
+    """How every engine is timed against the others: ``ttft_s`` a 1-token run of the batch,
+    ``wall_s`` the full run of ``n`` tokens each; decode is the difference."""
+    decode = wall_s - ttft_s
+    return dict(
+        wall_s=wall_s,
+        ttft_ms=1e3 * ttft_s,
+        tpot_ms=1e3 * decode / (n - 1),
+        decode_tok_s=batch * (n - 1) / decode,
+        output_tok_s=batch * n / wall_s,
+    )
+
+
 def measure_splitmoe(llm: LLM, args, prompts, first=None) -> dict:
     """One timed run of ``prompts``. With ``first`` (other prompts of the same shape), timed as
     HF and the vLLM peer are: TTFT is the wall time of a 1-token run of ``first`` (the whole
@@ -100,25 +113,23 @@ def measure_splitmoe(llm: LLM, args, prompts, first=None) -> dict:
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t
     after = micro_batch_steps(llm)
-    ttft = [o.metrics.ttft for o in outs]
-    if first_s is None:
-        ttft_s = statistics.mean(ttft)
-        decode_time = max(o.metrics.e2e_latency for o in outs) - max(ttft)
-        tpot_s = statistics.mean(o.metrics.tpot for o in outs)
-    else:
-        ttft_s, decode_time = first_s, wall - first_s
-        tpot_s = decode_time / (args.max_tokens - 1)
-    n = sum(len(o.token_ids) for o in outs)
-    return dict(
+    common = dict(
         tokens=[o.token_ids for o in outs],
-        wall_s=wall,
-        ttft_ms=1e3 * ttft_s,
-        tpot_ms=1e3 * tpot_s,
-        decode_tok_s=len(outs) * (args.max_tokens - 1) / decode_time,
-        output_tok_s=n / wall,
         metrics=llm.metrics(),
         # the steps of this run per count (what ``micro_batches="auto"`` chose)
         counts={m: c - before.get(m, 0) for m, c in after.items() if c > before.get(m, 0)},
+    )
+    if first_s is not None:
+        return dict(batch_timings(first_s, wall, len(outs), args.max_tokens), **common)
+    ttft = [o.metrics.ttft for o in outs]
+    decode_time = max(o.metrics.e2e_latency for o in outs) - max(ttft)
+    return dict(
+        common,
+        wall_s=wall,
+        ttft_ms=1e3 * statistics.mean(ttft),
+        tpot_ms=1e3 * statistics.mean(o.metrics.tpot for o in outs),
+        decode_tok_s=len(outs) * (args.max_tokens - 1) / decode_time,
+        output_tok_s=sum(len(o.token_ids) for o in outs) / wall,
     )
 
 
@@ -177,15 +188,7 @@ class HFBench:
         n, B = self.args.max_tokens, self.x.shape[0]
         ttft, _ = self._run(1, self.first)
         wall, out = self._run(n, self.x)
-        decode = wall - ttft
-        return dict(
-            tokens=out[:, self.x.shape[1] :].tolist(),
-            wall_s=wall,
-            ttft_ms=1e3 * ttft,
-            tpot_ms=1e3 * decode / (n - 1),
-            decode_tok_s=B * (n - 1) / decode,
-            output_tok_s=B * n / wall,
-        )
+        return dict(batch_timings(ttft, wall, B, n), tokens=out[:, self.x.shape[1] :].tolist())
 
 
 VLLM_PEER = Path(__file__).with_name("vllm_peer.py")
