@@ -32,7 +32,8 @@ The candidates must compute the same math. In float32 they agree to rounding, no
 (a GEMM's summation order differs between MKL's and oneDNN's kernels and between operand
 layouts: ~1e-6 relative); a candidate whose output differs from the first candidate's by more
 than a rounding tolerance (1e-4 of the output's scale in float32, 5e-2 in 16 bits) is dropped
-with a warning. While a class is on trial (its first few calls in the first process on a
+with a warning, and so is one that raises (a library without a kernel for the dtype on this
+CPU). While a class is on trial (its first few calls in the first process on a
 machine) its calls run different candidates; once it is decided the choice is stable, so a
 machine's outputs do not change from one call (or process) to the next.
 """
@@ -123,9 +124,9 @@ def native_sources_digest() -> str:
 @dataclass(frozen=True)
 class Decision:
     """The kernel kept for one shape class, and why: ``ms`` is each candidate's best time in
-    milliseconds; ``dropped`` the candidates dropped for disagreeing; ``source`` is ``"timed"``
-    (measured by this process), ``"timed on contended cores"`` (the same, a candidate judged on
-    calls that lost a core: kept in memory only) or ``"cache file"``."""
+    milliseconds; ``dropped`` the candidates dropped for failing or disagreeing; ``source`` is
+    ``"timed"`` (measured by this process), ``"timed on contended cores"`` (the same, a
+    candidate judged on calls that lost a core: kept in memory only) or ``"cache file"``."""
 
     choice: str
     ms: dict[str, float]
@@ -255,7 +256,7 @@ class KernelChoice:
         self._memory: dict[tuple, Decision] = {}
         # classes on trial: (shape, dtype, threads) -> {candidate: [(seconds, kept its cores)]}
         self._trials: dict[tuple, dict[str, list[tuple[float, bool]]]] = {}
-        self._dropped: dict[tuple, tuple[str, ...]] = {}  # classes on trial: who disagreed
+        self._dropped: dict[tuple, tuple[str, ...]] = {}  # on trial: who failed or disagreed
         self._cpu = cpu_model()
         self._kernels = native_sources_digest()  # (read once: `key` runs inside compiled code)
         _CHOICES.add(self)
@@ -307,9 +308,11 @@ class KernelChoice:
 
     def _explore(self, mem_key: tuple, candidates: Mapping[str, Callable[[], Any]]) -> Any:
         """A call of a class still on trial. The first runs every candidate (a warm-up:
-        oneDNN builds its kernel, the threads wake up), drops those that disagree with the
-        first and returns the first's output. Each later call runs the candidate with the
-        fewest timings so far, in place of the kernel the caller would run, and times it:
+        oneDNN builds its kernel, the threads wake up), drops those that raise (a library
+        without a kernel for the dtype on this CPU: oneDNN's bfloat16 inner product needs
+        AVX512) or disagree with the first that ran, and returns that one's output (where every
+        candidate raises, the first's error is raised). Each later call runs the candidate with
+        the fewest timings so far, in place of the kernel the caller would run, and times it:
         in place, because a model step reads other weights between two calls of an op, so a
         kernel whose weights stream from memory is timed streaming them (back-to-back
         repetitions keep a few experts' weights in cache and favour another layout). After
@@ -320,8 +323,18 @@ class KernelChoice:
         shape = mem_key[0]
         times = self._trials.get(mem_key)
         if times is None:
-            names = list(candidates)
-            outputs = {name: candidates[name]() for name in names}
+            outputs, errors = {}, {}
+            for name, call in candidates.items():
+                try:
+                    outputs[name] = call()
+                except Exception as e:  # (e.g. oneDNN without a kernel for the dtype on this CPU)
+                    errors[name] = e
+            if not outputs:  # (every kernel refuses the call: the caller's problem, not theirs)
+                raise next(iter(errors.values()))
+            for name, e in errors.items():
+                log.warning("%s %s: kernel %r failed (%s: %s); not used", self.op, shape, name,
+                            type(e).__name__, e)  # fmt: skip
+            names = list(outputs)
             for name in names[1:]:
                 if not outputs_agree(outputs[names[0]], outputs[name]):
                     log.warning("%s %s: kernel %r disagrees with %r; not used", self.op, shape,

@@ -31,8 +31,13 @@ def _onednn_linear_op():
 
 
 _ONEDNN_LINEAR = _onednn_linear_op()
-# float16 needs AVX512-FP16, which oneDNN does not find on most CPUs
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# bfloat16 needs AVX512 (oneDNN has no bfloat16 inner product on an AVX2-only CPU), float16
+# AVX512-FP16, which oneDNN does not find on most CPUs
+_ONEDNN_DTYPES = (torch.float32,) + (
+    (torch.bfloat16,)
+    if _ONEDNN_LINEAR is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    else ()
+)
 
 # oneDNN, MKL or the native kernel per shape class, chosen by timing them (the first is the
 # reference)
@@ -44,8 +49,8 @@ NATIVE_MAX_ROWS = 128
 
 
 def onednn_takes(x: torch.Tensor) -> bool:
-    """Whether `linear` may run ``x`` on oneDNN: a contiguous CPU matrix in float32 /
-    bfloat16."""
+    """Whether `linear` may run ``x`` on oneDNN: a contiguous CPU matrix in float32 (or
+    bfloat16, where this CPU's oneDNN multiplies it)."""
     return (
         _ONEDNN_LINEAR is not None
         and x.device.type == "cpu"

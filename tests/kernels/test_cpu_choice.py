@@ -326,3 +326,45 @@ def test_a_brief_preemption_keeps_the_timing(tmp_path):
     decide(choice, (8,), clock)
     assert clock.calls == {"a": 3, "b": 3}
     assert choice.decision((8,), torch.float32).source == "timed"
+
+
+def test_a_failing_candidate_is_dropped_and_all_failing_raises(tmp_path, caplog):
+    """A library without a kernel for the dtype on this CPU (oneDNN's bfloat16 inner product
+    on an AVX2-only CPU) raises: that candidate is dropped and remembered, the others decide;
+    where the reference is the one that fails, the next one that ran stands in for it; where
+    every candidate raises, the caller gets the first's error."""
+
+    def failing(cands: dict, *names: str) -> dict:
+        def boom(name):
+            def run():
+                raise RuntimeError(f"{name}: could not create a primitive descriptor")
+
+            return run
+
+        return {n: (boom(n) if n in names else c) for n, c in cands.items()}
+
+    clock = FakeClock({"ref": 2e-3, "broken": 1e-3, "fast": 1.5e-3})
+    choice = _chooser(tmp_path, clock)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(100):
+            choice.run((1,), torch.float32, failing(clock.candidates(), "broken"))
+            if choice.decision((1,), torch.float32) is not None:
+                break
+    got = choice.decision((1,), torch.float32)
+    assert got.choice == "fast" and got.dropped == ("broken",)
+    assert "'broken' failed (RuntimeError" in caplog.text
+    # the next process reads the decision and never calls the failing kernel
+    again = _chooser(tmp_path, clock)
+    assert again.run((1,), torch.float32, failing(clock.candidates(), "broken")) is not None
+
+    # the reference fails: the next candidate is the reference
+    clock = FakeClock({"ref": 2e-3, "other": 1e-3})
+    outs = {"ref": torch.tensor([1.0]), "other": torch.tensor([7.0])}
+    choice = _chooser(tmp_path / "b", clock)
+    assert choice.run((2,), torch.float32, failing(clock.candidates(outs), "ref")) is outs["other"]
+
+    # every candidate fails: the first's error, nothing decided
+    choice = _chooser(tmp_path / "c", clock)
+    with pytest.raises(RuntimeError, match="ref: could not"):
+        choice.run((3,), torch.float32, failing(clock.candidates(), "ref", "other"))
+    assert choice.decision((3,), torch.float32) is None
