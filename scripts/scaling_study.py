@@ -183,14 +183,15 @@ def plan_topologies(args, notes: list[str]) -> list[Topology]:
     return topos
 
 
-def held_out_plan() -> tuple[list[Topology], dict[Topology, list[int]]]:
+def held_out_plan(runs=None) -> tuple[list[Topology], dict[Topology, list[int]]]:
     """The held-out sweep's topologies and each one's closed batches: every calibration run and
-    every held-out point (flat transport, static balancer, micro-batches pinned)."""
+    every held-out point (``runs``, default `HELD_OUT_RUNS`; flat transport, static balancer,
+    micro-batches pinned)."""
     from splitmoe.sim.calibrate import CALIBRATION_RUNS
     from splitmoe.sim.validate import HELD_OUT_RUNS
 
     batches: dict[Topology, list[int]] = {}
-    for a, e, b, m in sorted(set(CALIBRATION_RUNS) | set(HELD_OUT_RUNS)):
+    for a, e, b, m in sorted(set(CALIBRATION_RUNS) | set(runs or HELD_OUT_RUNS)):
         topo = Topology(a, e, "flat", m, "static", 0, 1)
         batches.setdefault(topo, []).append(b)
     return list(batches), batches
@@ -615,9 +616,21 @@ def parse_args(argv=None):
     ap.add_argument("--held-out", action="store_true", help="the held-out check (issue 41): "
                     "calibration runs and the 16 held-out points of the realistic preset, "
                     "exit 1 below 15 within ±15%%")  # fmt: skip
+    ap.add_argument("--held-out-batches", type=csv_list(int), default=None,
+                    help="with --held-out: the two closed batches of the 16 points (default "
+                    "8,32); a new set for a model that has seen the last one")  # fmt: skip
     args = ap.parse_args(argv)
     if args.held_out and args.quick:
         ap.error("--held-out and --quick are different sweeps: pass one")
+    if args.held_out_batches is not None:
+        from splitmoe.sim.calibrate import CALIBRATION_RUNS
+
+        b, used = args.held_out_batches, sorted({r[2] for r in CALIBRATION_RUNS})
+        if not args.held_out:
+            ap.error("--held-out-batches goes with --held-out")
+        if len(set(b)) != 2 or min(b) < 2 or set(used) & set(b):
+            ap.error(f"--held-out-batches: two batches of 2 or more that no calibration run "
+                     f"uses (they use {used}), got {b}")  # fmt: skip
     if args.held_out:
         from splitmoe.sim.calibrate import CALIBRATION_PROMPT, CALIBRATION_TOKENS
 
@@ -650,14 +663,14 @@ def main(argv=None) -> int:
             by_key = {id_key(r): r for r in check.rows}
             rows = [by_key.get(id_key(r), r) for r in rows]
             print(check.table())
-            print(held_out_line(check) if args.held_out else check.verdict())
+            print(held_out_line(check, args) if args.held_out else check.verdict())
         write_csv(rows, out / "scaling.csv")
         for p in write_plots(rows, out / "plots", notes):
             print(f"plot: {p}")
-        return exit_code(check, args.held_out) if args.profile else 0
+        return exit_code(check, held_out_set(args)) if args.profile else 0
     batches = None
     if args.held_out:
-        topos, batches = held_out_plan()
+        topos, batches = held_out_plan(held_out_set(args))
         print(frozen_model())
     else:
         topos = plan_topologies(args, notes)
@@ -703,7 +716,7 @@ def main(argv=None) -> int:
     print("\n" + table(rows))
     verdict = None
     if check is not None:
-        verdict = held_out_line(check) if args.held_out else check.verdict()
+        verdict = held_out_line(check, args) if args.held_out else check.verdict()
         if args.held_out:
             verdict = frozen_model() + "\n" + verdict
         text = check.table() + "\n" + verdict
@@ -712,25 +725,35 @@ def main(argv=None) -> int:
     print("\n" + "\n".join(summary))
     if verdict is not None:
         print(verdict)  # last, where a reader of the log looks
-    return exit_code(check, args.held_out)
+    return exit_code(check, held_out_set(args))
 
 
-def held_out_line(check) -> str:
+def held_out_set(args) -> tuple | None:
+    """The held-out points of this run (`held_out_runs` at ``--held-out-batches``), or None
+    without ``--held-out``."""
+    from splitmoe.sim.validate import HELD_OUT_BATCHES, held_out_runs
+
+    if not args.held_out:
+        return None
+    return held_out_runs(tuple(args.held_out_batches or HELD_OUT_BATCHES))
+
+
+def held_out_line(check, args) -> str:
     from splitmoe.sim.validate import held_out
 
-    return held_out(check)[2]
+    return held_out(check, held_out_set(args))[2]
 
 
-def exit_code(check, held_out: bool = False) -> int:
+def exit_code(check, held_out_runs: tuple | None = None) -> int:
     """The study's exit status: 1 when a check ran and failed, else 0. The check fails where a
-    validation run is outside the tolerance (`Check.passed`); the held-out check where fewer
-    than `HELD_OUT_PASS` held-out points are within it."""
+    validation run is outside the tolerance (`Check.passed`); the held-out check (``runs``)
+    where fewer than `HELD_OUT_PASS` held-out points are within it."""
     if check is None:
         return 0
-    if held_out:
+    if held_out_runs:
         from splitmoe.sim.validate import held_out as count
 
-        return 0 if count(check)[1] else 1
+        return 0 if count(check, held_out_runs)[1] else 1
     return 0 if check.passed else 1
 
 

@@ -14,8 +14,8 @@ tokens; ``T = B`` in decode) is, with ``m`` micro-batches (primes: one micro-bat
                                  n_coll o_coll(W), to each micro-batch of m Ta' and m Te')
                  ranks sharing cores (more rank processes than cores: waits sleep):
                                  m Tc' + `shared_cores_compute`: at m = 1 one side after the
-                                 other; at m >= 2 the side an exchange wakes takes the cores
-                                 first, the slower side computes on what it leaves free
+                                 other; at m >= 2 the slower side keeps its cores and the side
+                                 an exchange wakes computes on what it leaves free
                colocated:     max(m (Ta' + Te'), m Tc') + min(Ta' + Te', Tc')   (Tc = 0 when each
                                  rank holds every expert)
     step       o_step + o_seqstep * B + o_coll(W) [+ (A + E) o_shared] + LM head + sum over layers
@@ -28,8 +28,9 @@ cheaper, per layer) on the count matrix those loads imply. Host overheads ``o_*`
 roofline come from the `HardwareProfile`. Ranks sharing too few cores (bracketed terms) sleep
 while they wait: each exchange pays ``o_wake`` per rank it wakes (every expert rank, every
 attention rank with sequences, ``A_busy``), every step ``o_shared`` per rank process (the step
-boundary wakes each), and their work that grows with the tokens runs ``oversubscribed`` times
-slower (their fixed per-layer cost does not). The ``global`` balancer adds its all-gather of
+boundary wakes each), and the work that grows with the tokens of a side whose several ranks
+compute at once runs ``oversubscribed`` times slower (their fixed per-layer cost does not; a lone
+rank of its side is not slowed). The ``global`` balancer adds its all-gather of
 counts among the A attention ranks, ``o_coll(A)`` (+ ``(A - 1) o_wake`` where ranks sleep), to
 each micro-batch's exchange. A closed batch of fewer requests than attention ranks leaves ranks
 empty: the experts and the driver see only the requests there are.
@@ -481,7 +482,12 @@ class Simulator:
         wakes = dep.expert_ranks + busy_attention if sleeping else 0.0
         tc = self._comm(dep, t_mb, load, wakes) if tokens else 0.0
         fa, fe = oh.attn_layer_s, self.ehw.overheads.moe_layer_s
-        ta, te = fa + (attn_moe - fa) * slow, fe + (te - fe) * slow
+        # ... where ranks sleep, the slow-down is of a side whose several ranks compute at once
+        # (a lone rank of its side computes on a core and a cache of its own: 2A+1E's expert
+        # rank computes a layer as fast as 1A+1E's, at one micro-batch and at two)
+        slow_a = slow if not sleeping or dep.attention_ranks > 1 else 1.0
+        slow_e = slow if not sleeping or dep.expert_ranks > 1 else 1.0
+        ta, te = fa + (attn_moe - fa) * slow_a, fe + (te - fe) * slow_e
         if dep.colocated:
             comp = ta + te
             layer = max(full * comp, mb * tc) + min(comp, tc)
@@ -504,7 +510,7 @@ class Simulator:
                 else 0.0
             )
             layer = max(full * ta + mb * own, full * te + mb * own, mb * tc, ta + te + tc)
-        dense = full * (fa + (attn_dense - fa) * slow)
+        dense = full * (fa + (attn_dense - fa) * slow_a)
         if tp > 1:
             dense += mb * self._allreduce(tp, t_mb)
         head = self._linear(seqs * q_per_seq, m.hidden * m.vocab, tp, fp8=False)
@@ -520,7 +526,7 @@ class Simulator:
             + oh.seq_step_s * seqs
             + oh.collective(dep.ranks)
             + (oh.shared_step_s * dep.ranks if slow > 1 else 0.0)  # each woken at the boundary
-            + head * slow
+            + head * slow_a
             + m.num_moe_layers * layer
             + m.num_dense_layers * dense
             + mtp
@@ -652,27 +658,27 @@ def shared_cores_compute(
     A side's micro-batch alone takes ``t * max(1, ranks / cores)`` (more ranks than cores take
     turns). One micro-batch: the two sides one after the other. With two or more, each
     micro-batch of the slower side (the bottleneck, which keeps computing) runs beside one of
-    the faster side, whose ranks have just been woken by an exchange, and the woken ranks take
-    the cores first: the scheduler (EEVDF) runs the eligible task with the earliest virtual
-    deadline, and a rank that has slept is owed time while the bottleneck, running without a
-    pause, has used its share; a woken rank lands on an idle core if there is one, else beside
-    the waker. So the bottleneck side computes, during the woken side's work, only on the cores
-    that side leaves free (2 attention ranks + 1 expert rank on 2 cores: none, and the expert
-    rank's micro-batch waits for the attention ranks' one, ``ta + te``; 1 + 2: one core for
-    two expert ranks, ``te + ta / 2``).
+    the faster side, woken by an exchange. The bottleneck's ranks keep their cores (a running
+    task is not moved) and the woken ranks compute on the cores left free, sharing them; where
+    none is left, their work takes turns with the bottleneck's. Measured on 2 cores
+    (`scripts/trace_step.py`, 2 attention ranks + 1 expert rank, two micro-batches): the expert
+    rank computed 86% of the step, each micro-batch's experts 4% slower than 1 + 1's, and the
+    attention ranks' compute took twice as long as at one micro-batch (two ranks on the one core
+    left): ``max(te, 2 ta)``. 1 + 2 (no core left): ``te + ta / 2``; 2 + 2: ``te + ta``.
     """
     phase_a = ta * max(1.0, attention / cores)
     phase_e = te * max(1.0, experts / cores)
     if micro_batches <= 1:
         return phase_a + phase_e
     if phase_e >= phase_a:  # (the side that keeps computing, and the side it wakes)
-        t_b, n_b, woken, n_w = te, experts, phase_a, attention
+        bottleneck, n_b, t_w, n_w = phase_e, experts, ta, attention
     else:
-        t_b, n_b, woken, n_w = ta, attention, phase_e, experts
-    free = max(0.0, cores - n_w)  # cores the woken side leaves the bottleneck side
-    during = min(1.0, free / n_b)  # the bottleneck side's speed while the woken side works
-    after = min(1.0, cores / n_b)
-    slot = woken + max(0.0, t_b - woken * during) / after
+        bottleneck, n_b, t_w, n_w = phase_a, attention, te, experts
+    free = cores - n_b  # cores the bottleneck side leaves
+    if free > 0:
+        slot = max(bottleneck, t_w * max(1.0, n_w / free))
+    else:
+        slot = bottleneck + t_w * n_w / cores
     return micro_batches * slot
 
 

@@ -177,6 +177,18 @@ def test_held_out_plan_measures_calibration_and_held_out_points(study):
     assert (args.prompt_len, args.max_tokens) == (16, 32)  # the calibration runs' workload
     with pytest.raises(SystemExit):
         study.parse_args(["--held-out", "--quick"])
+    # a new set of 16 for a model that has seen these: two other batches, none a calibration's
+    args = study.parse_args(["--held-out", "--held-out-batches", "12,24"])
+    fresh = study.held_out_set(args)
+    assert len(fresh) == 16 and {k[2] for k in fresh} == {12, 24}
+    topos, batches = study.held_out_plan(fresh)
+    planned = {(t.attention_ranks, t.expert_ranks, b, t.micro_batches) for t in topos
+               for b in batches[t]}  # fmt: skip
+    assert planned == set(CALIBRATION_RUNS) | set(fresh)
+    for bad in (["--held-out-batches", "12,24"], ["--held-out", "--held-out-batches", "16,24"],
+                ["--held-out", "--held-out-batches", "12"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            study.parse_args(bad)
 
 
 def test_held_out_check_counts_the_sixteen_points(study, tmp_path, capsys):
