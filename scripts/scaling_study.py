@@ -746,8 +746,8 @@ def held_out_line(check, args) -> str:
 
 def exit_code(check, held_out_runs: tuple | None = None) -> int:
     """The study's exit status: 1 when a check ran and failed, else 0. The check fails where a
-    validation run is outside the tolerance (`Check.passed`); the held-out check (``runs``)
-    where fewer than `HELD_OUT_PASS` held-out points are within it."""
+    validation run is outside the tolerance (`Check.passed`); the held-out check (the points
+    ``held_out_runs``) where fewer than `HELD_OUT_PASS` of them are within it."""
     if check is None:
         return 0
     if held_out_runs:
