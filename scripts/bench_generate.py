@@ -350,11 +350,24 @@ def main() -> None:
         "5-15%% slower throughout, on slower memory pages (docs/comm.md): compare "
         "micro-batch counts with fresh engines, the default",
     )
+    ap.add_argument(
+        "--decode-timing",
+        choices=("runs", "requests"),
+        default="runs",
+        help="runs: every engine alike, TTFT a 1-token run of the batch and decode the rest of "
+        "the full run's wall time; requests (splitmoe rows only: with --skip-hf, no --peer): "
+        "decode from the requests' own timings, the last first token to the last token, for "
+        "prefill-heavy runs, where the runs' decode is a small difference of two large, noisy "
+        "wall times (it credits decode steps that run beside a split prefill: compare "
+        "splitmoe rows only)",
+    )
     ap.add_argument("--metrics", action="store_true", help="print each run's serving metrics")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.max_tokens < 2:
         ap.error("--max-tokens must be >= 2 to measure decoding")
+    if args.decode_timing == "requests" and (not args.skip_hf or args.peer):
+        ap.error("--decode-timing requests times splitmoe rows only: add --skip-hf, no --peer")
     args.model = resolve_model(args.model)
     cfg = ModelConfig.from_hf(args.model)
     device = args.device
@@ -377,6 +390,7 @@ def main() -> None:
     # every engine's TTFT is a 1-token run of these (other prompts: nothing of ``prompts`` in a
     # prefix cache), its decode the rest of the full run's wall time
     first = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed + 2)
+    own = None if args.decode_timing == "requests" else first  # (splitmoe's rows' TTFT run)
     experts = [int(e) for e in args.expert_ranks.split(",")]
     counts = [None if m == "auto" else int(m) for m in args.micro_batches.split(",")]
     backends = args.backend.split(",")
@@ -442,7 +456,7 @@ def main() -> None:
                 order = list(engines)
                 order = order[i % len(order) :] + order[: i % len(order)]
                 for name in order:
-                    runs[name].append(measure_splitmoe(engines[name], args, prompts, first))
+                    runs[name].append(measure_splitmoe(engines[name], args, prompts, own))
         finally:
             for llm in engines.values():
                 llm.__exit__(None, None, None)
@@ -450,7 +464,7 @@ def main() -> None:
         for _ in range(args.repeat):
             for c in configs:
                 runs[label(*c)].append(
-                    bench_splitmoe(args, prompts, first, warmup, c[0], c[2], c[1], c[3], c[4])
+                    bench_splitmoe(args, prompts, own, warmup, c[0], c[2], c[1], c[3], c[4])
                 )
         if not args.skip_hf:
             runs["HF transformers"].append(HFBench(args, prompts, first).measure())
