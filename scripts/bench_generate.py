@@ -390,7 +390,7 @@ def main() -> None:
     # every engine's TTFT is a 1-token run of these (other prompts: nothing of ``prompts`` in a
     # prefix cache), its decode the rest of the full run's wall time
     first = make_prompts(cfg.vocab_size, args.batch, args.prompt_len, args.seed + 2)
-    own = None if args.decode_timing == "requests" else first  # (splitmoe's rows' TTFT run)
+    splitmoe_first = None if args.decode_timing == "requests" else first  # (their TTFT run)
     experts = [int(e) for e in args.expert_ranks.split(",")]
     counts = [None if m == "auto" else int(m) for m in args.micro_batches.split(",")]
     backends = args.backend.split(",")
@@ -456,7 +456,9 @@ def main() -> None:
                 order = list(engines)
                 order = order[i % len(order) :] + order[: i % len(order)]
                 for name in order:
-                    runs[name].append(measure_splitmoe(engines[name], args, prompts, own))
+                    runs[name].append(
+                        measure_splitmoe(engines[name], args, prompts, splitmoe_first)
+                    )
         finally:
             for llm in engines.values():
                 llm.__exit__(None, None, None)
@@ -464,7 +466,9 @@ def main() -> None:
         for _ in range(args.repeat):
             for c in configs:
                 runs[label(*c)].append(
-                    bench_splitmoe(args, prompts, own, warmup, c[0], c[2], c[1], c[3], c[4])
+                    bench_splitmoe(
+                        args, prompts, splitmoe_first, warmup, c[0], c[2], c[1], c[3], c[4]
+                    )
                 )
         if not args.skip_hf:
             runs["HF transformers"].append(HFBench(args, prompts, first).measure())

@@ -652,6 +652,7 @@ def main(argv=None) -> int:
     if not args.model:  # (the held-out sweep's preset is the realistic one)
         args.model = realistic_model_path() if args.held_out else default_model_path()
     out = Path(args.out)
+    runs = held_out_set(args)  # (None without --held-out)
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     if args.from_csv:
@@ -663,14 +664,14 @@ def main(argv=None) -> int:
             by_key = {id_key(r): r for r in check.rows}
             rows = [by_key.get(id_key(r), r) for r in rows]
             print(check.table())
-            print(held_out_line(check, args) if args.held_out else check.verdict())
+            print(held_out_line(check, runs) if runs else check.verdict())
         write_csv(rows, out / "scaling.csv")
         for p in write_plots(rows, out / "plots", notes):
             print(f"plot: {p}")
-        return exit_code(check, held_out_set(args)) if args.profile else 0
+        return exit_code(check, runs) if args.profile else 0
     batches = None
     if args.held_out:
-        topos, batches = held_out_plan(held_out_set(args))
+        topos, batches = held_out_plan(runs)
         print(frozen_model())
     else:
         topos = plan_topologies(args, notes)
@@ -716,7 +717,7 @@ def main(argv=None) -> int:
     print("\n" + table(rows))
     verdict = None
     if check is not None:
-        verdict = held_out_line(check, args) if args.held_out else check.verdict()
+        verdict = held_out_line(check, runs) if runs else check.verdict()
         if args.held_out:
             verdict = frozen_model() + "\n" + verdict
         text = check.table() + "\n" + verdict
@@ -725,7 +726,7 @@ def main(argv=None) -> int:
     print("\n" + "\n".join(summary))
     if verdict is not None:
         print(verdict)  # last, where a reader of the log looks
-    return exit_code(check, held_out_set(args))
+    return exit_code(check, runs)
 
 
 def held_out_set(args) -> tuple | None:
@@ -738,10 +739,10 @@ def held_out_set(args) -> tuple | None:
     return held_out_runs(tuple(args.held_out_batches or HELD_OUT_BATCHES))
 
 
-def held_out_line(check, args) -> str:
+def held_out_line(check, runs: tuple) -> str:
     from splitmoe.sim.validate import held_out
 
-    return held_out(check, held_out_set(args))[2]
+    return held_out(check, runs)[2]
 
 
 def exit_code(check, held_out_runs: tuple | None = None) -> int:
