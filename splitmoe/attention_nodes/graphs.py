@@ -40,46 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
+from splitmoe.cuda_graphs import CudaGraphSegment, bucket_for, capture_sizes, pad_rows
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger("splitmoe")
-
-MAX_CAPTURE_SIZE = 512
-
-
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """The batch-size buckets captured for ``max_num_seqs`` running requests, ascending:
-    1, 2, 4, then multiples of 8 (vLLM's list), up to ``max_num_seqs`` rounded up to a
-    bucket, at most `MAX_CAPTURE_SIZE`."""
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
-    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
-    sizes = [1, 2, 4] + list(range(8, MAX_CAPTURE_SIZE + 1, 8))
-    return [s for s in sizes if s < top] + [next(s for s in sizes if s >= top)]
-
-
-def bucket_for(num_tokens: int, sizes: list[int]) -> int | None:
-    """The smallest of ``sizes`` (ascending) holding ``num_tokens``; None for 0 tokens or more
-    than the largest (run eagerly)."""
-    if num_tokens < 1:
-        return None
-    for s in sizes:
-        if s >= num_tokens:
-            return s
-    return None
-
-
-def pad_rows(t: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``t [T, ...]`` with ``rows - T`` copies of its last row appended (``rows >= T >= 1``),
-    written into ``out`` (``[rows, ...]``) when given."""
-    T = t.shape[0]
-    if not 1 <= T <= rows:
-        raise ValueError(f"pad_rows: {T} rows cannot be padded to {rows}")
-    if out is None:
-        out = t.new_empty((rows, *t.shape[1:]))
-    out[:T].copy_(t)
-    out[T:].copy_(t[T - 1 :].expand(rows - T, *t.shape[1:]))
-    return out
 
 
 @dataclass
@@ -125,39 +89,6 @@ def pad_meta(meta: AttentionMetadata, out: AttentionMetadata) -> None:
     pad_rows(meta.slot_mapping, R, out.slot_mapping)
     pad_rows(meta.block_tables, R, out.block_tables[:, :width])
     out.derived.clear()
-
-
-class CudaGraphSegment:
-    """``fn()`` captured in a CUDA graph (in ``pool``); `replay` reruns it, its outputs in
-    `outputs`."""
-
-    def __init__(self, fn: Callable[[], tuple], pool):
-        self.graph = torch.cuda.CUDAGraph()
-        # thread-local: a transport's thread may touch CUDA while the rank captures
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.outputs = fn()
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-
-class RerunSegment:
-    """`CudaGraphSegment`'s contract without a GPU: ``fn()`` run once for its outputs, `replay`
-    runs it again on the same static inputs and copies into those outputs. (Used on CPU to test
-    the static-buffer plumbing: buckets, padding, chaining, unpadding.)"""
-
-    def __init__(self, fn: Callable[[], tuple], pool=None):
-        self.fn = fn
-        self.outputs = fn()
-
-    def replay(self) -> None:
-        for have, new in zip(_tensors(self.outputs), _tensors(self.fn())):
-            have.copy_(new)
-
-
-def _tensors(out: tuple) -> list[torch.Tensor]:
-    h, x, routing = out
-    return [t for t in (h, x, *(routing or ())) if t is not None]
 
 
 @dataclass
