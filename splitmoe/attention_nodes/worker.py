@@ -172,7 +172,10 @@ class AttentionWorker:
         # (GPT-OSS) run without prefix caching.
         prefix_caching = cfg.cache.enable_prefix_caching and not n_sliding
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        # CUDA graphs of decode steps, captured now, before any request (None: eager, on CPU)
+        # CUDA graphs of decode steps, captured now, before any request (None: eager, on CPU);
+        # colocated, of the local experts too
+        if isinstance(self.experts, LocalExperts):
+            self.experts.capture_graphs(cfg.cuda_graphs, sched.max_num_seqs, m.top_k)
         self.graphs = DecodeGraphs.create(
             self.model, self.kv_cache, device, cfg.cuda_graphs, sched.max_num_seqs,
             cfg.max_model_len, block_size,
@@ -240,6 +243,11 @@ class AttentionWorker:
             # decode steps replayed from CUDA graphs, and the batch sizes captured ([]: eager)
             "cuda_graph_steps": self.graphs.replays if self.graphs else 0,
             "cuda_graph_sizes": sorted(self.graphs.buckets) if self.graphs else [],
+            # colocated: the local experts' calls replayed from their own graphs
+            "expert_cuda_graph_steps": local.graphs.replays if local and local.graphs else 0,
+            "expert_cuda_graph_sizes": sorted(local.graphs.buckets)
+            if local and local.graphs
+            else [],
             # compiled pieces that fell back to eager, and why (enforce_eager=False)
             "compile_errors": (
                 self.model.pieces.errors if isinstance(self.model.pieces, CompiledPieces) else {}

@@ -11,6 +11,7 @@ import torch
 
 from splitmoe.comm.transport import ExpertBatch
 from splitmoe.config import ModelConfig
+from splitmoe.expert_nodes.graphs import ExpertGraphs
 from splitmoe.kernels.backends import MoeBackend
 from splitmoe.kernels.quant import held_bytes
 from splitmoe.models.loader import load_expert_weights
@@ -103,6 +104,23 @@ class LocalExperts:
             else dict(swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
         )
         self.weights_reloaded = 0  # (layer, slot) weights replaced by rebalances
+        self.graphs: ExpertGraphs | None = None  # (`capture_graphs`)
+
+    def capture_graphs(self, enabled: bool, max_rows: int, top_k: int) -> None:
+        """Captures CUDA graphs of every layer's `compute_eager` for calls of up to
+        ``max_rows`` rows of ``top_k`` slots (`ExpertGraphs`), on CUDA where ``enabled``
+        (``enforce_eager=False``); a no-op elsewhere."""
+        self.graphs = ExpertGraphs.create(
+            self.compute_eager,
+            self.weights,
+            {layer: len(ids) for layer, ids in self.layer_experts.items()},
+            self.cfg.hidden_size,
+            self.dtype,
+            self.device,
+            max_rows,
+            top_k,
+            enabled=enabled,
+        )
 
     @property
     def weight_bytes(self) -> int:
@@ -160,7 +178,19 @@ class LocalExperts:
     def compute(
         self, layer: int, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """``x [N, H]``, ``local_ids / weights [N, k]`` (-1: not here) -> sums ``[N, H]``."""
+        """``x [N, H]``, ``local_ids / weights [N, k]`` (-1: not here) -> sums ``[N, H]``:
+        replayed from the captured CUDA graphs where there are some for the call
+        (`capture_graphs`), else `compute_eager`."""
+        if self.graphs is not None:
+            y = self.graphs.replay(layer, x, local_ids, weights)
+            if y is not None:
+                return y
+        return self.compute_eager(layer, x, local_ids, weights)
+
+    def compute_eager(
+        self, layer: int, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """`compute` by the MoE backend's kernels, launched now."""
         w13, w2, *bias = self.weights[layer]
         b13, b2 = bias or (None, None)
         return self.backend.experts(x, w13, w2, local_ids, weights, b13=b13, b2=b2, **self.act)

@@ -33,11 +33,17 @@ class ExpertWorker:
             device,
             moe_backend(cfg.moe_backend, device),
         )
+        # CUDA graphs of every layer's experts, captured now (a no-op on CPU): a call holds at
+        # most one row per token of every attention rank's decode batch
+        self.experts.capture_graphs(
+            cfg.cuda_graphs, cfg.scheduler.max_num_seqs * topo.num_attention, cfg.model.top_k
+        )
         self.transport = transport
         self.tokens_served = 0
         self.timeline = Timeline()
 
     def stats(self) -> dict:
+        graphs = self.experts.graphs
         return {
             "experts": self.experts.expert_ids,
             "slots": {str(k): v for k, v in self.experts.layer_experts.items()},
@@ -46,6 +52,10 @@ class ExpertWorker:
             "tokens_served": self.tokens_served,
             "moe_backend": self.experts.backend.name,
             "weight_bytes": self.experts.weight_bytes,
+            # expert calls (layer, micro-batch) replayed from CUDA graphs, and the row counts
+            # captured ([]: eager)
+            "cuda_graph_steps": graphs.replays if graphs else 0,
+            "cuda_graph_sizes": sorted(graphs.buckets) if graphs else [],
         }
 
     def stage(self, placement: Placement) -> StagedExperts:
