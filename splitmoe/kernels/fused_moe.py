@@ -391,8 +391,26 @@ def _cuda_ms(fn, iters: int = 5) -> float:
     return start.elapsed_time(end) / iters
 
 
+def _capturable(fn) -> bool:
+    """Whether ``fn()`` captures in a CUDA graph: no host synchronisation or pageable copy inside
+    (``torch._grouped_mm`` copies between host and device in some dtypes and on some GPUs: capturing
+    it failed so in float32 and bfloat16 on an H200, torch 2.11). Ranks replaying their experts from
+    graphs (`splitmoe.expert_nodes.graphs`) run the kernels an eager call picks, so a path that
+    cannot be captured is not picked at all."""
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            fn()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _faster_path(x, w13, w2, expert_ids, weights) -> str:
-    """Times the Triton kernels and ``torch._grouped_mm`` once per shape class on this GPU."""
+    """Times the Triton kernels and ``torch._grouped_mm`` once per shape class on this GPU;
+    ``torch._grouped_mm`` only where it can be captured in a CUDA graph (`_capturable`)."""
     from splitmoe.kernels.moe_gemm import launch_fused_moe
 
     bucket = 1 << max(0, x.shape[0] - 1).bit_length()
@@ -400,6 +418,8 @@ def _faster_path(x, w13, w2, expert_ids, weights) -> str:
     path = _FASTER_PATH.get(key)
     if path is not None:
         return path
+    if torch.cuda.is_current_stream_capturing():  # (nothing can be timed; graphs warm up first)
+        return "triton"
     path = "triton"
     if hasattr(torch, "_grouped_mm"):
         try:
@@ -409,7 +429,9 @@ def _faster_path(x, w13, w2, expert_ids, weights) -> str:
             # near zero (the two paths round their float32 sums at different points).
             tol = 1e-4 if x.dtype == torch.float32 else 5e-2
             scale = want.float().abs().max().clamp(min=1.0)
-            if (got.float() - want.float()).abs().max() <= tol * scale:
+            if not _capturable(lambda: fused_moe_grouped_mm(x, w13, w2, expert_ids, weights)):
+                log.info("fused_moe %s: torch._grouped_mm cannot be captured; not used", key)
+            elif (got.float() - want.float()).abs().max() <= tol * scale:
                 t_triton = _cuda_ms(lambda: launch_fused_moe(x, w13, w2, expert_ids, weights))
                 t_gmm = _cuda_ms(lambda: fused_moe_grouped_mm(x, w13, w2, expert_ids, weights))
                 path = "grouped_mm" if t_gmm < t_triton else "triton"
