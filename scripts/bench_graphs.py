@@ -10,7 +10,8 @@ batch; each is warmed up at every batch, then measured ``--repeat`` rounds, ever
 round, and reported by its median run (`bench_generate.measure_splitmoe`: decode tokens/s from
 the requests' own timings). Two ranks share the device (``--expert-ranks 1`` on one GPU:
 exchanging through host memory), with one micro-batch. The table gives both rates, their ratio,
-whether the greedy tokens agree, the decode steps replayed from graphs, and the start-up time
+whether the greedy tokens agree, the decode steps replayed from graphs, the expert calls (one per
+MoE layer and micro-batch) replayed from the experts' graphs, and the start-up time
 (which includes compiling and capturing). Without CUDA the graphed engine compiles its pieces
 and captures nothing (on CPU ``enforce_eager=False`` compiles only).
 """
@@ -48,14 +49,17 @@ def bench(args, experts: int, eager: bool, prompts: dict, warmups: dict) -> dict
         for b in prompts:
             llm.generate(warmups[b], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         runs: dict[int, list] = {b: [] for b in prompts}
-        steps: dict[int, int] = {}
+        steps: dict[int, tuple[int, int]] = {}
         for _ in range(args.repeat):
             for b in prompts:
-                before = llm.stats()[0]["cuda_graph_steps"]
+                before = _graph_steps(llm.stats())
                 runs[b].append(measure_splitmoe(llm, args, prompts[b]))
-                steps[b] = llm.stats()[0]["cuda_graph_steps"] - before
-        stats = llm.stats()[0]
+                steps[b] = tuple(n - m for n, m in zip(_graph_steps(llm.stats()), before))
+        all_stats = llm.stats()
+        stats = all_stats[0]
+    expert_sizes = all_stats[1]["cuda_graph_sizes"] if experts else stats["expert_cuda_graph_sizes"]
     out = {"startup_s": startup, "sizes": stats["cuda_graph_sizes"], "batches": {}}
+    out["expert_sizes"] = expert_sizes
     out["compile_errors"] = stats["compile_errors"]
     for b, rs in runs.items():
         med = median_run(rs)
@@ -63,10 +67,19 @@ def bench(args, experts: int, eager: bool, prompts: dict, warmups: dict) -> dict
             decode_tok_s=med["decode_tok_s"],
             tpot_ms=med["tpot_ms"],
             spread=(min(r["decode_tok_s"] for r in rs), max(r["decode_tok_s"] for r in rs)),
-            graph_steps=steps[b],
+            graph_steps=steps[b][0],
+            expert_graph_calls=steps[b][1],
             tokens=med["tokens"],
         )
     return out
+
+
+def _graph_steps(stats: list[dict]) -> tuple[int, int]:
+    """Decode steps the attention rank replayed from graphs, and expert calls (layer,
+    micro-batch) replayed on the expert rank (or colocated, by the attention rank)."""
+    attn = stats[0]
+    experts = stats[1]["cuda_graph_steps"] if len(stats) > 1 else attn["expert_cuda_graph_steps"]
+    return attn["cuda_graph_steps"], experts
 
 
 def main() -> None:
@@ -107,11 +120,12 @@ def main() -> None:
             results[f"1+{e} {'eager' if eager else 'graphs'}"] = r
             print(
                 f"1+{e} {'eager' if eager else 'graphs'}: start-up {r['startup_s']:.1f} s, "
-                f"buckets {r['sizes'] or 'none'}, compile errors {r['compile_errors'] or 'none'}",
+                f"buckets {r['sizes'] or 'none'}, expert buckets {r['expert_sizes'] or 'none'}, "
+                f"compile errors {r['compile_errors'] or 'none'}",
                 flush=True,
             )
     print("topology  batch  eager tok/s  graphs tok/s  ratio  TPOT eager/graphs ms  "
-          "tokens agree  graph steps")  # fmt: skip
+          "tokens agree  graph steps  expert calls replayed")  # fmt: skip
     for e in experts:
         ea, gr = results[f"1+{e} eager"]["batches"], results[f"1+{e} graphs"]["batches"]
         for b in batches:
@@ -123,7 +137,7 @@ def main() -> None:
                 f"1+{e:<7} {b:>5}  {x['decode_tok_s']:>11.0f}  {y['decode_tok_s']:>12.0f}  "
                 f"{y['decode_tok_s'] / x['decode_tok_s']:>5.2f}  "
                 f"{x['tpot_ms']:>9.2f} / {y['tpot_ms']:<9.2f}  {agree:>11.0%}  "
-                f"{y['graph_steps']:>11}"
+                f"{y['graph_steps']:>11}  {y['expert_graph_calls']:>21}"
             )
     if args.json:
         for r in results.values():

@@ -28,14 +28,18 @@ timeout 120 "$PY" scripts/bench_generate.py --device cuda --model realistic --ex
   --batch 64 --prompt-len 64 --max-tokens 64 --repeat 3 >"$OUT/gpu_realistic.log" 2>&1
 echo "realistic rc=$?"; grep -v "^Loading" "$OUT/gpu_realistic.log" | tail -7
 fi
-# CUDA graphs and torch.compile of decode (enforce_eager=False): the HF oracles with graphs on
-# (tests/test_e2e_graphs.py: tokens must match as eager's do, graphs must have replayed), then
+# CUDA graphs and torch.compile of decode (enforce_eager=False): the experts' graphs against
+# their eager kernels, and the HF oracles with graphs on (tests/test_e2e_graphs.py: tokens must
+# match as eager's do, attention and expert graphs must have replayed); then (graphs_bench)
 # graphs against eager on the realistic preset at batch 1, 8 and 64, colocated and 1+1, one
 # engine per configuration (scripts/bench_graphs.py).
 if want graphs; then
-timeout 200 "$PY" -m pytest -q -n 4 tests/test_e2e_graphs.py >"$OUT/gpu_graphs_tests.log" 2>&1
+timeout 240 "$PY" -m pytest -q -n 4 tests/expert_nodes/test_expert_graphs.py \
+  tests/test_e2e_graphs.py >"$OUT/gpu_graphs_tests.log" 2>&1
 echo "graphs tests rc=$?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_graphs_tests.log" | tail -8
-timeout 240 "$PY" scripts/bench_graphs.py --model realistic --device cuda --expert-ranks 0,1 \
+fi
+if want graphs_bench; then
+timeout 300 "$PY" scripts/bench_graphs.py --model realistic --device cuda --expert-ranks 0,1 \
   --batches 1,8,64 --prompt-len 64 --max-tokens 64 --repeat 3 --json "$OUT/gpu_graphs.json" \
   >"$OUT/gpu_graphs.log" 2>&1
 echo "graphs bench rc=$?"; grep -v "^Loading" "$OUT/gpu_graphs.log" | tail -12
