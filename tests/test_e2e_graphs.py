@@ -2,7 +2,8 @@
 graphs (``enforce_eager=False``: the compiled pieces, every decode step of one micro-batch from
 the captured bucket at or above its batch, padded, and the experts' FFN per layer from theirs).
 Needs a GPU: without one the option captures nothing (`tests/attention_nodes/test_graphs.py`
-checks the no-op and the static-buffer plumbing on CPU), so these tests are skipped;
+and `tests/expert_nodes/test_expert_graphs.py` check the no-op and the static-buffer plumbing on
+CPU), so these tests are skipped;
 `scripts/gpu_check.sh` runs them on a lent GPU.
 
 Five prompts of different lengths decode as five sequences, so every step replays bucket 8 with

@@ -7,6 +7,7 @@ a layer that involves no other rank (residual, norms, QKV, RoPE, the paged-atten
 kernel, output projection, dense MLP or router). Between two segments the forward runs eagerly
 what crosses ranks (`ExpertExecutor.start` / `finish`: dispatch, combine, local experts), as
 vLLM's piecewise graphs leave attention outside; so any transport works, graph-safe or not.
+(Local experts replay graphs of their own: `splitmoe.expert_nodes.graphs`.)
 
 * Buckets (`capture_sizes`): 1, 2, 4, then every multiple of 8 up to ``max_num_seqs`` (at most
   512). A step of ``T`` decode tokens replays the smallest bucket ``>= T`` (`bucket_for`);
