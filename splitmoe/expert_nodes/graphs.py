@@ -15,8 +15,12 @@ bucket run eagerly).
 * Padding: rows past ``N`` get expert id -1 (served elsewhere) in every slot, so the kernels
   skip them: no expert computes a padded row. Their hidden states and weights are left as the
   last call wrote them (never read).
-* The output is copied out of the graph's buffer (`replay`): a rank's partial sums leave
-  asynchronously (`Transport.send_back`) while the next micro-batch may replay the same graph.
+* Memory: a bucket's static inputs and output (``[R, H]``, allocated before capture) are
+  shared by its layers' graphs, and everything a graph allocates while captured is scratch,
+  dead when it ends, so all graphs share one pool and replay in any order: the held memory does
+  not grow with the layer count (DeepSeek-V3's 58 MoE layers would otherwise hold 58 outputs
+  per bucket). The output is copied out at each replay (`replay`): a rank's partial sums leave
+  asynchronously (`Transport.send_back`) while the next call may replay into the same buffer.
 * Weights: a graph reads the layer's weight tensors it captured. Rebalances copy new experts
   into those tensors in place (`LocalExperts.apply`); a layer whose tensors were replaced
   anyway runs eagerly from then on (`replay` compares their addresses), never stale weights.
@@ -48,7 +52,8 @@ class _Bucket:
     x: torch.Tensor  # [R, H] hidden states
     ids: torch.Tensor  # [R, k] int32 local expert ids (-1: not here)
     weights: torch.Tensor  # [R, k] float32 router weights
-    segments: dict  # per MoE layer: a CudaGraphSegment or RerunSegment, output [R, H]
+    out: torch.Tensor  # [R, H] the sums, written by every layer's graph
+    segments: dict  # per MoE layer: a CudaGraphSegment or RerunSegment
 
 
 class ExpertGraphs:
@@ -119,6 +124,7 @@ class ExpertGraphs:
                 x=x.to(self.device, self.dtype),
                 ids=torch.zeros(rows, self.top_k, dtype=torch.int32, device=self.device),
                 weights=torch.full((rows, self.top_k), 1.0 / self.top_k, device=self.device),
+                out=torch.zeros(rows, self.hidden, dtype=self.dtype, device=self.device),
                 segments={},
             )
             for layer, n in self.slots.items():
@@ -136,7 +142,7 @@ class ExpertGraphs:
         self.captured_weights = {layer: self._addresses(layer) for layer in self.slots}
 
     def _fn(self, b: _Bucket, layer: int) -> Callable[[], torch.Tensor]:
-        return lambda: self.compute(layer, b.x, b.ids, b.weights)
+        return lambda: b.out.copy_(self.compute(layer, b.x, b.ids, b.weights))
 
     def _addresses(self, layer: int) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in _tensors(self.weights[layer]))
@@ -160,10 +166,9 @@ class ExpertGraphs:
         b.ids[:N].copy_(local_ids)
         b.ids[N:].fill_(-1)
         b.weights[:N].copy_(weights)
-        seg = b.segments[layer]
-        seg.replay()
+        b.segments[layer].replay()
         self.replays += 1
-        return seg.outputs[:N].clone()
+        return b.out[:N].clone()
 
 
 def _tensors(held) -> list[torch.Tensor]:
