@@ -79,6 +79,25 @@ def test_attention_heavy_steps_run_two_micro_batches():
     assert times(2)[0].total < 0.8 * times(1)[0].total
 
 
+def test_a_count_slower_in_every_step_is_re_run_on_the_sure_schedule():
+    # attention-heavy decode (m=2 ~25% faster, every step): once each count has run
+    # MIN_SAMPLES steps, m=1 is not re-run every EXPLORE_EVERY / 4 steps as an unsure estimate
+    # would be (in a 32-step decode that cost 2 of its steps), but still now and then
+    tokens = (16,)
+    times = _simulate(40e-3 / 16, 1e-3, 11e-3 / 16, 2e-3, tokens)
+    assert times(1)[0].total > 1.2 * times(2)[0].total
+    chooser = MicroBatchChooser(ParallelConfig(1, 1))
+    counts = _run(chooser, times, tokens, 2 * MIN_SAMPLES + EXPLORE_EVERY)
+    assert counts[: 2 * MIN_SAMPLES].count(1) == MIN_SAMPLES
+    assert counts[2 * MIN_SAMPLES :] == [2] * EXPLORE_EVERY
+    later = _run(chooser, times, tokens, 8 * EXPLORE_EVERY)
+    assert 1 <= later.count(1) <= 4  # (predicted ~30% slower: every ~3 * EXPLORE_EVERY)
+    # the same job with a fifth of the steps 50% slower: where the counts' steps overlap,
+    # the unsure schedule stands (bounded as before)
+    noisy = _run(MicroBatchChooser(ParallelConfig(1, 1)), _noisy(times, 3), tokens, 96)
+    assert noisy[2 * MIN_SAMPLES :].count(1) <= _explorations(96 - 2 * MIN_SAMPLES)
+
+
 def test_a_wrong_first_estimate_is_corrected():
     # the job changes under the chooser: attention-heavy first, then weight-bound
     tokens = (32,)
