@@ -40,7 +40,7 @@ depends on the model, the batch and the machine, so the count is predicted from 
   whole step); while a count has fewer than `RATIO_SAMPLES` steps in the bucket, 4 times as
   often and with 4 times the gap, unless each of its own steps in the bucket took longer than
   each of the fastest count's (`_dominated`: the order is then plain, and re-running it often
-  only costs time: in a decode of 31 steps, 2 of the 8 steps the slower count ran).
+  would only cost time).
 
 The chooser is deterministic given the shared numbers: plain Python floats in a fixed order.
 """
@@ -209,13 +209,13 @@ class MicroBatchChooser:
         # often and with 4 times the gap
         time = {p.micro_batches: p.corrected for p in preds}
         fastest = min(time[m] for m in fits)
-        best = min(fits, key=lambda m: (time[m], m))
+        quickest = min(fits, key=lambda m: (time[m], m))
         last = {m: max(self.last_run.get((k, m), -EXPLORE_EVERY) for k in (own, b)) for m in fits}
 
         def period(m: int) -> float:
             gap = time[m] / fastest - 1.0 if fastest > 0.0 else 0.0
             # (not on a neighbour's steps: their order may not hold for this bucket's tokens)
-            sure = seen[m] >= RATIO_SAMPLES or (b == own and self._dominated(b, m, best))
+            sure = seen[m] >= RATIO_SAMPLES or (b == own and self._dominated(b, m, quickest))
             every, tolerance = (
                 (EXPLORE_EVERY, EXPLORE_GAP) if sure else (EXPLORE_EVERY / 4, 4 * EXPLORE_GAP)
             )
