@@ -54,7 +54,7 @@ class CudaGraphSegment:
     """``fn()`` captured in a CUDA graph (in ``pool``); `replay` reruns it, its outputs in
     `outputs`."""
 
-    def __init__(self, fn: Callable[[], tuple], pool):
+    def __init__(self, fn: Callable[[], object], pool):
         self.graph = torch.cuda.CUDAGraph()
         # thread-local: a transport's thread may touch CUDA while the rank captures
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
@@ -70,7 +70,7 @@ class RerunSegment:
     the static-buffer plumbing: buckets, padding, chaining, unpadding.) ``fn``'s outputs:
     tensors, None, or tuples of them."""
 
-    def __init__(self, fn: Callable[[], tuple], pool=None):
+    def __init__(self, fn: Callable[[], object], pool=None):
         self.fn = fn
         self.outputs = fn()
 
