@@ -8,9 +8,12 @@ and colocated attention ranks their experts' FFN per layer (`splitmoe.expert_nod
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
+
+logger = logging.getLogger("splitmoe")
 
 MAX_CAPTURE_SIZE = 512
 
@@ -60,6 +63,17 @@ class CudaGraphSegment:
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = fn()
 
+    @staticmethod
+    def warm_up(fn: Callable[[], object], times: int = 2) -> None:
+        """Runs ``fn`` before its capture, on a side stream (lazy initialisations, compiles,
+        autotuners and first-call kernel choices then happen outside the graph)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(times):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+
     def replay(self) -> None:
         self.graph.replay()
 
@@ -74,9 +88,36 @@ class RerunSegment:
         self.fn = fn
         self.outputs = fn()
 
+    @staticmethod
+    def warm_up(fn: Callable[[], object], times: int = 2) -> None:
+        """Nothing to warm up: the segment runs ``fn`` itself at every replay."""
+
     def replay(self) -> None:
         for have, new in zip(_tensors(self.outputs), _tensors(self.fn())):
             have.copy_(new)
+
+
+def captured(graphs, what: str, otherwise: str):
+    """``graphs`` after its ``capture()``; None where capturing raised (a kernel that syncs
+    with the host, out of memory, ...), with one warning naming ``what`` failed and what runs
+    ``otherwise``: the rank stays eager from then on."""
+    try:
+        graphs.capture()
+    except Exception as e:
+        logger.warning(
+            "CUDA graph capture%s failed (%s: %s); %s", what, type(e).__name__, e, otherwise
+        )
+        return None
+    return graphs
+
+
+def graph_stats(graphs, prefix: str = "") -> dict:
+    """``llm.stats()`` keys of ``graphs`` (None: eager): the calls replayed and the bucket
+    sizes captured."""
+    return {
+        f"{prefix}cuda_graph_steps": graphs.replays if graphs else 0,
+        f"{prefix}cuda_graph_sizes": sorted(graphs.buckets) if graphs else [],
+    }
 
 
 def _tensors(out) -> list[torch.Tensor]:

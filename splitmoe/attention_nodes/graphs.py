@@ -35,16 +35,14 @@ tests check padding, chaining and unpadding against the eager forward without a 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from splitmoe.cuda_graphs import CudaGraphSegment, bucket_for, capture_sizes, pad_rows
+from splitmoe.cuda_graphs import CudaGraphSegment, bucket_for, capture_sizes, captured, pad_rows
 from splitmoe.kernels.attention_metadata import AttentionMetadata
-
-logger = logging.getLogger("splitmoe")
 
 
 @dataclass
@@ -143,14 +141,7 @@ class DecodeGraphs:
         if not enabled or (segment_cls is CudaGraphSegment and device.type != "cuda"):
             return None
         graphs = cls(model, kv_cache, max_num_seqs, max_model_len, block_size, segment_cls)
-        try:
-            graphs.capture()
-        except Exception as e:  # (a kernel that syncs with the host, out of memory, ...)
-            logger.warning(
-                "CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e
-            )
-            return None
-        return graphs
+        return captured(graphs, "", "decoding eagerly")
 
     def capture(self) -> None:
         """Warms up and captures every bucket, largest first (smaller ones reuse its memory)."""
@@ -177,13 +168,7 @@ class DecodeGraphs:
                 },
                 segments=[],
             )
-            if self.segment_cls is CudaGraphSegment:  # warm-up on a side stream
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._run_all(b)
-                torch.cuda.current_stream().wait_stream(stream)
+            self.segment_cls.warm_up(partial(self._run_all, b))
             h = b.h
             for i in range(len(m.layers)):
                 seg = self.segment_cls(self._segment_fn(b, i, h), pool)

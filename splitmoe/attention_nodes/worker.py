@@ -19,6 +19,7 @@ from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
 from splitmoe.attention_nodes.sampler import make_generator, sample, token_logprobs
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
+from splitmoe.cuda_graphs import graph_stats
 from splitmoe.eplb.balancer import Balancer
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.kernels.attention_metadata import AttentionMetadata
@@ -241,13 +242,9 @@ class AttentionWorker:
             "moe_backend": local.backend.name if local else None,  # None: on expert ranks
             "weight_bytes": self.model.weight_bytes + (local.weight_bytes if local else 0),
             # decode steps replayed from CUDA graphs, and the batch sizes captured ([]: eager)
-            "cuda_graph_steps": self.graphs.replays if self.graphs else 0,
-            "cuda_graph_sizes": sorted(self.graphs.buckets) if self.graphs else [],
+            **graph_stats(self.graphs),
             # colocated: the local experts' calls replayed from their own graphs
-            "expert_cuda_graph_steps": local.graphs.replays if local and local.graphs else 0,
-            "expert_cuda_graph_sizes": sorted(local.graphs.buckets)
-            if local and local.graphs
-            else [],
+            **graph_stats(local.graphs if local else None, "expert_"),
             # compiled pieces that fell back to eager, and why (enforce_eager=False)
             "compile_errors": (
                 self.model.pieces.errors if isinstance(self.model.pieces, CompiledPieces) else {}

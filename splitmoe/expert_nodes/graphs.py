@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitmoe.cuda_graphs import CudaGraphSegment, bucket_for, capture_sizes
+from splitmoe.cuda_graphs import CudaGraphSegment, bucket_for, capture_sizes, captured
 from splitmoe.kernels.quant import QuantizedWeight
 
 logger = logging.getLogger("splitmoe")
@@ -101,21 +101,11 @@ class ExpertGraphs:
         graphs = cls(*args, **kwargs)
         if not enabled or (graphs.segment_cls is CudaGraphSegment and graphs.device.type != "cuda"):
             return None
-        try:
-            graphs.capture()
-        except Exception as e:  # (a kernel that syncs with the host, out of memory, ...)
-            logger.warning(
-                "CUDA graph capture of the experts failed (%s: %s); running them eagerly",
-                type(e).__name__,
-                e,
-            )
-            return None
-        return graphs
+        return captured(graphs, " of the experts", "running them eagerly")
 
     def capture(self) -> None:
         """Warms up and captures every bucket, largest first (smaller ones reuse its memory)."""
-        cuda = self.segment_cls is CudaGraphSegment
-        pool = torch.cuda.graph_pool_handle() if cuda else None
+        pool = torch.cuda.graph_pool_handle() if self.segment_cls is CudaGraphSegment else None
         gen = torch.Generator().manual_seed(0)
         for rows in reversed(self.sizes):
             x = torch.randn(rows, self.hidden, generator=gen)
@@ -130,13 +120,7 @@ class ExpertGraphs:
             for layer, n in self.slots.items():
                 # the warm-ups touch the layer's experts: row r, slot j -> local slot r + j
                 b.ids.copy_((torch.arange(rows)[:, None] + torch.arange(self.top_k)) % n)
-                if cuda:  # warm-up on a side stream
-                    stream = torch.cuda.Stream()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        for _ in range(2):
-                            self.compute(layer, b.x, b.ids, b.weights)
-                    torch.cuda.current_stream().wait_stream(stream)
+                self.segment_cls.warm_up(self._fn(b, layer))
                 b.segments[layer] = self.segment_cls(self._fn(b, layer), pool)
             self.buckets[rows] = b
         self.captured_weights = {layer: self._addresses(layer) for layer in self.slots}

@@ -8,6 +8,7 @@ import torch
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
+from splitmoe.cuda_graphs import graph_stats
 from splitmoe.eplb.placement import Placement
 from splitmoe.expert_nodes.experts import LocalExperts, StagedExperts
 from splitmoe.kernels.backends import moe_backend
@@ -43,7 +44,6 @@ class ExpertWorker:
         self.timeline = Timeline()
 
     def stats(self) -> dict:
-        graphs = self.experts.graphs
         return {
             "experts": self.experts.expert_ids,
             "slots": {str(k): v for k, v in self.experts.layer_experts.items()},
@@ -54,8 +54,7 @@ class ExpertWorker:
             "weight_bytes": self.experts.weight_bytes,
             # expert calls (layer, micro-batch) replayed from CUDA graphs, and the row counts
             # captured ([]: eager)
-            "cuda_graph_steps": graphs.replays if graphs else 0,
-            "cuda_graph_sizes": sorted(graphs.buckets) if graphs else [],
+            **graph_stats(self.experts.graphs),
         }
 
     def stage(self, placement: Placement) -> StagedExperts:
