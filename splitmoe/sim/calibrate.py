@@ -43,6 +43,8 @@ ROOFLINE_CPU = HardwareProfile(
 
 # calls of a timed function at most before its kernel choices must have settled
 SETTLE_CALLS = 300
+# tokens of the experts' timed calls: a micro-batch's routed tokens, one to a few dozen
+EXPERT_GRID_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 
 
 def _median_time(fn, repeats: int = 7, inner: int = 1) -> float:
@@ -188,34 +190,34 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     experts = LocalExperts(
         cfg, list(range(cfg.num_experts)), torch.float32, cpu, moe_backend("torch", cpu)
     )
-    # tokens routed at random over pools of a few experts or of all of them: the fixed,
-    # per-expert and per-pair costs apart (at one token count, the per-pair cost would pass for
-    # a fixed one and be paid again by every extra micro-batch). Each call draws its pool anew,
-    # so that the experts' weights stream from memory as in a model step (a pool kept from call
-    # to call stays in the cache).
+    # tokens routed as in a step (each to top_k of all the experts, uniformly: the router of a
+    # model's step spreads them so, `LLM.expert_load`), drawn anew at every call so that the
+    # weights stream from memory as in a model step, at the token counts a micro-batch has. The
+    # distinct experts saturate as the tokens grow while the pairs do not, which sets the
+    # per-expert and per-pair costs apart. (A grid of narrow pools, k or 2k experts, weighted
+    # the fit towards GEMMs of many rows per expert that no step of these sizes runs: fitted on
+    # it, a micro-batch of 1-8 tokens cost 11-33 % too much and one of 16-48 tokens 13-16 % too
+    # little, measured in process on a 2-core AVX2 EPYC, so every second micro-batch was
+    # over-charged.)
     k, E, g = cfg.top_k, cfg.num_experts, torch.Generator().manual_seed(0)
     grid = []
-    for tokens in (1, 4, 8, 16, 32):
-        for pool in sorted({k, 2 * k, E}):
-            calls = []
-            for _ in range(8):
-                experts_of = torch.randperm(E, generator=g)[:pool]
-                ids = torch.stack(
-                    [experts_of[torch.randperm(pool, generator=g)[:k]] for _ in range(tokens)]
-                )
-                x, w = torch.randn(tokens, cfg.hidden_size), torch.full((tokens, k), 1.0 / k)
-                calls.append((x, ids.int(), w, len(set(ids.flatten().tolist()))))
-            active = statistics.mean(c[3] for c in calls)
+    for tokens in EXPERT_GRID_TOKENS:
+        calls = []
+        for _ in range(8):
+            ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+            x, w = torch.randn(tokens, cfg.hidden_size), torch.full((tokens, k), 1.0 / k)
+            calls.append((x, ids.int(), w, len(set(ids.flatten().tolist()))))
+        active = statistics.mean(c[3] for c in calls)
 
-            def moe(calls=calls) -> None:
-                for layer in range(L):
-                    x, ids, w, _ = calls[layer % len(calls)]
-                    experts.compute(layer, x, ids, w)
-                calls.append(calls.pop(0))  # (the next call: other pools in each layer)
+        def moe(calls=calls) -> None:
+            for layer in range(L):
+                x, ids, w, _ = calls[layer % len(calls)]
+                experts.compute(layer, x, ids, w)
+            calls.append(calls.pop(0))  # (the next call: other experts in each layer)
 
-            with torch.inference_mode():
-                t = _median_time(moe, repeats=9) / L
-            grid.append((active, tokens * k, t - sim._experts(tokens * k, active)))
+        with torch.inference_mode():
+            t = _median_time(moe, repeats=9) / L
+        grid.append((active, tokens * k, t - sim._experts(tokens * k, active)))
     moe_layer_s, expert_s, pair_s = _fit_nonnegative(
         [(1.0, a, p) for a, p, _ in grid], [r for _, _, r in grid]
     )
