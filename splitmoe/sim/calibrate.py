@@ -194,11 +194,8 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     # model's step spreads them so, `LLM.expert_load`), drawn anew at every call so that the
     # weights stream from memory as in a model step, at the token counts a micro-batch has. The
     # distinct experts saturate as the tokens grow while the pairs do not, which sets the
-    # per-expert and per-pair costs apart. (A grid of narrow pools, k or 2k experts, weighted
-    # the fit towards GEMMs of many rows per expert that no step of these sizes runs: fitted on
-    # it, a micro-batch of 1-8 tokens cost 11-33 % too much and one of 16-48 tokens 13-16 % too
-    # little, measured in process on a 2-core AVX2 EPYC, so every second micro-batch was
-    # over-charged.)
+    # per-expert and per-pair costs apart. (Pools of k or 2k experts would weight the fit
+    # towards GEMMs of many rows per expert, which no step of these sizes runs.)
     k, E, g = cfg.top_k, cfg.num_experts, torch.Generator().manual_seed(0)
     grid = []
     for tokens in EXPERT_GRID_TOKENS:
