@@ -3,14 +3,15 @@
     python scripts/trace_step.py --model realistic --batch 64 --topologies 1+1,1+2,2+1 \
         --micro-batches 1,2,auto
 
-For each topology (``A+E``; ``A+0`` runs colocated) and micro-batch count (an integer or
-``auto``, `splitmoe.scheduler.micro_batches`), runs a decode-heavy batch (every request
-decodes ``--max-tokens`` tokens), takes the timelines of every rank (`LLM.trace`) and averages
-the last ``--steps`` full decode steps: the step time, per rank the compute / comm / wait per
-step and, on expert ranks, the expert compute per micro-batch (one layer's GEMMs for one
-micro-batch), and for ``auto`` the counts it ran. ``speed``: the best fixed count's step time
-over this one's, in the same run (1.00 is as fast as the best fixed count). Writes a Chrome-trace
-/ Perfetto JSON per run under ``--out`` (open it in chrome://tracing or ui.perfetto.dev).
+For each topology (``A+E``; ``A+0`` runs colocated, where ``auto`` runs one micro-batch) and
+micro-batch count (an integer or ``auto``, `splitmoe.scheduler.micro_batches`), runs a
+decode-heavy batch (every request decodes ``--max-tokens`` tokens), takes the timelines of every
+rank (`LLM.trace`) and averages the last ``--steps`` full decode steps: the step time, per rank
+the compute / comm / wait per step and, on expert ranks, the expert compute per micro-batch (one
+layer's GEMMs for one micro-batch), and for ``auto`` the counts it ran. ``speed``: the best fixed
+count's step time over this one's, in the same run (1.00 is as fast as the best fixed count).
+Writes a Chrome-trace / Perfetto JSON per run under ``--out`` (open it in chrome://tracing or
+ui.perfetto.dev).
 
 An attention-heavy workload (where two micro-batches should pay): ``--prompt-len 1024 --batch
 16``. Timings need a quiet machine: other processes on the cores show up as wait.
@@ -55,7 +56,7 @@ def run(args, prompts, topology: tuple[int, int], m: int | str) -> dict:
         args.model,
         attention_ranks=a,
         expert_ranks=e,
-        micro_batches=m if e else 1,
+        micro_batches=m,
         transport=args.transport,
         device="cpu",
         threads_per_rank=args.threads_per_rank,
@@ -147,7 +148,7 @@ def main() -> None:
         f"{'rank':>5} {'role':<10}{'compute':>8}{'comm':>7}{'wait':>7}{'other':>7}{'exp/mb':>8}"
     )
     for topology in args.topologies:
-        counts = args.micro_batches if topology[1] else [1]
+        counts = args.micro_batches
         name = f"{topology[0]}+{topology[1]}"
         rows = {}
         for m in counts:

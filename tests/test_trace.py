@@ -75,3 +75,23 @@ def test_trace_step_compares_counts(tiny_ckpt):
     layers = len(ModelConfig.from_hf(str(ckpt)).moe_layers)
     served = sum(m * n for m, n in s["used"].items()) * layers
     assert expert["per_micro_batch"] * served == pytest.approx(expert["compute"] * 4, rel=1e-6)
+
+
+def test_trace_step_runs_colocated_micro_batches(tiny_ckpt):
+    """A colocated topology (``1+0``) runs the count it is given: two micro-batches on every
+    traced step, one rank."""
+    from argparse import Namespace
+
+    from scripts.trace_step import run, summarize
+
+    args = Namespace(
+        model=str(tiny_ckpt("qwen3_moe")),
+        transport="flat",
+        threads_per_rank=None,
+        batch=4,
+        max_tokens=8,
+        steps=4,
+    )
+    s = summarize(run(args, PROMPTS, (1, 0), 2))
+    assert s["used"] == {2: 4} and list(s["ranks"]) == [0]
+    assert s["step_ms"] == s["ranks"][0]["wall"] > 0.0
