@@ -50,18 +50,22 @@ def test_trace_shows_every_micro_batch_of_every_layer(tiny_ckpt):
     assert all(e["dur"] >= 0 and e["ts"] >= 0 and e["cat"] in KINDS for e in events)
 
 
+def _trace_step_args(ckpt):
+    """`scripts/trace_step.py`'s options for a short traced run of ``ckpt``."""
+    from argparse import Namespace
+
+    return Namespace(
+        model=str(ckpt), transport="flat", threads_per_rank=None, batch=4, max_tokens=8, steps=4
+    )
+
+
 def test_trace_step_compares_counts(tiny_ckpt):
     """`scripts/trace_step.py`'s figures of one run: per rank and step, compute / comm / wait
     adding up to the step, the expert compute per micro-batch, and the counts ``auto`` ran."""
-    from argparse import Namespace
-
     from scripts.trace_step import run, summarize
 
     ckpt = tiny_ckpt("qwen3_moe")
-    args = Namespace(
-        model=str(ckpt), transport="flat", threads_per_rank=None, batch=4, max_tokens=8, steps=4
-    )
-    result = run(args, PROMPTS, (1, 1), "auto")
+    result = run(_trace_step_args(ckpt), PROMPTS, (1, 1), "auto")
     s = summarize(result)
     assert result["steps"] == 4 and sum(s["used"].values()) == 4
     assert set(s["used"]) <= {1, 2, 3, 4}
@@ -80,18 +84,8 @@ def test_trace_step_compares_counts(tiny_ckpt):
 def test_trace_step_runs_colocated_micro_batches(tiny_ckpt):
     """A colocated topology (``1+0``) runs the count it is given: two micro-batches on every
     traced step, one rank."""
-    from argparse import Namespace
-
     from scripts.trace_step import run, summarize
 
-    args = Namespace(
-        model=str(tiny_ckpt("qwen3_moe")),
-        transport="flat",
-        threads_per_rank=None,
-        batch=4,
-        max_tokens=8,
-        steps=4,
-    )
-    s = summarize(run(args, PROMPTS, (1, 0), 2))
+    s = summarize(run(_trace_step_args(tiny_ckpt("qwen3_moe")), PROMPTS, (1, 0), 2))
     assert s["used"] == {2: 4} and list(s["ranks"]) == [0]
     assert s["step_ms"] == s["ranks"][0]["wall"] > 0.0
