@@ -47,15 +47,20 @@ SETTLE_CALLS = 300
 EXPERT_GRID_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 
 
-def _median_time(fn, repeats: int = 7, inner: int = 1) -> float:
-    """Median seconds of ``fn`` over ``repeats`` (of ``inner`` calls each), after calls that
-    let the CPU kernel choices its shapes meet settle (`classes_on_trial`): while a class is
-    on trial its calls run the other candidates too, and the runtime runs only the kept one."""
+def _settle(fn) -> None:
+    """Calls ``fn`` until the CPU kernel choices its shapes meet have settled
+    (`classes_on_trial`; at most `SETTLE_CALLS`): while a class is on trial its calls run the
+    other candidates too, and the runtime runs only the kept one."""
     fn()
     for _ in range(SETTLE_CALLS):
         if not classes_on_trial():
             break
         fn()
+
+
+def _median_time(fn, repeats: int = 7, inner: int = 1) -> float:
+    """Median seconds of ``fn`` over ``repeats`` (of ``inner`` calls each), once settled."""
+    _settle(fn)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -63,6 +68,13 @@ def _median_time(fn, repeats: int = 7, inner: int = 1) -> float:
             fn()
         times.append((time.perf_counter() - t) / inner)
     return statistics.median(times)
+
+
+def _median_own(fn, repeats: int = 7) -> float:
+    """Median of the seconds ``fn`` returns (the part of its work it timed itself), once
+    settled."""
+    _settle(fn)
+    return statistics.median(fn() for _ in range(repeats))
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -142,7 +154,7 @@ def _decode_meta(batch: int, context: int, block_size: int, query_len: int = 1):
 def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str, float]:
     """Host overheads of the attention layers and the experts of ``checkpoint``, 1 thread."""
     from splitmoe.attention_nodes.kv_cache import PagedKVCache
-    from splitmoe.attention_nodes.model import AttentionModel, rms_norm
+    from splitmoe.attention_nodes.model import AttentionModel
     from splitmoe.config import ModelConfig
     from splitmoe.expert_nodes.experts import LocalExperts
     from splitmoe.kernels.backends import attention_backend, moe_backend
@@ -159,22 +171,32 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     model = AttentionModel(cfg, g, layers, cpu, attention_backend("torch", cpu))
     L = cfg.num_layers
 
-    def layers_once(h, pos, meta, kv) -> None:
-        # an attention rank's per-layer work: norms, attention over the paged KV, the router
+    experts = LocalExperts(
+        cfg, list(range(cfg.num_experts)), torch.float32, cpu, moe_backend("torch", cpu)
+    )
+
+    def layers_once(h, pos, meta, kv) -> float:
+        # an attention rank's per-layer work as a step runs it (`layer_segment`: norms, the
+        # attention over the paged KV, the router), timed; between two layers the layer's
+        # experts run untimed, as in a step, so each layer's weights come from memory, not from
+        # the cache (realistic preset, 10 sequences: 1.6 ms a layer timed back to back, 2.3
+        # after other data went through the cache)
         cos_sin = model.rope(pos, h.dtype)
-        for i, layer in enumerate(model.layers):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            h = h + model.attention(layer, x, cos_sin, kv.layer(i), meta)
-            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            if layer.router is not None:
-                model.route(layer, x)
+        seconds = 0.0
+        for i in range(L):
+            t = time.perf_counter()
+            h, x, routing = model.layer_segment(i, h, None, cos_sin, kv.layer(i), meta)
+            seconds += time.perf_counter() - t
+            if routing is not None:
+                experts.compute(i, x, *routing)
+        return seconds
 
     def attn_time(batch: int, context: int, qlen: int) -> float:
         meta, pos, blocks = _decode_meta(batch, context, 16, qlen)
         kv = PagedKVCache(L, blocks, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
         h = torch.randn(batch * qlen, cfg.hidden_size)
         with torch.inference_mode():
-            return _median_time(lambda: layers_once(h, pos, meta, kv)) / L
+            return _median_own(lambda: layers_once(h, pos, meta, kv)) / L
 
     context = 32
     batches = [1, 4, 16, 32]
@@ -187,9 +209,6 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     ys = [attn_time(b, 16, 16) - sim._attn(16 * b, 0, b, 8)[0] - attn_layer_s for b in pre_b]
     _, prefill_seq_layer_s = _fit_line(pre_b, ys)
 
-    experts = LocalExperts(
-        cfg, list(range(cfg.num_experts)), torch.float32, cpu, moe_backend("torch", cpu)
-    )
     # tokens routed as in a step (each to top_k of all the experts, uniformly: the router of a
     # model's step spreads them so, `LLM.expert_load`), drawn anew at every call so that the
     # weights stream from memory as in a model step, at the token counts a micro-batch has. The
