@@ -459,18 +459,31 @@ class Simulator:
             group, senders = dep.expert_ranks, dep.attention_ranks
         senders = 1 + (senders - 1) * load_share  # (the busiest one, and the others)
         busy_attention = 1 + (dep.attention_ranks - 1) * load_share  # attention ranks with work
-        routed = round(t_mb * senders)
-        load = expert_load(
-            max(routed, 0),
-            m.num_experts,
-            m.top_k,
-            group,
-            dep.balancer,
-            dep.redundant_experts,
-            self.skew,
-            self.recorded_load,
-        )
-        te = self._experts(load.pairs_max, load.active_max)
+
+        def load_of(tokens_mb: float):
+            return expert_load(
+                max(round(tokens_mb * senders), 0),
+                m.num_experts,
+                m.top_k,
+                group,
+                dep.balancer,
+                dep.redundant_experts,
+                self.skew,
+                self.recorded_load,
+            )
+
+        load = load_of(t_mb)
+        # the runtime splits a rank's tokens into micro-batches of ceil and floor of t_mb (5 in
+        # two: 3 + 2), and the experts' cost is concave in the tokens (distinct experts
+        # saturate): the mean of the two sizes' costs, not the cost of the mean
+        lo, hi = math.floor(t_mb), math.ceil(t_mb)
+        if lo == hi or lo == 0:
+            te = self._experts(load.pairs_max, load.active_max)
+        else:
+            at_lo, at_hi = load_of(lo), load_of(hi)
+            te = (hi - t_mb) * self._experts(at_lo.pairs_max, at_lo.active_max) + (
+                t_mb - lo
+            ) * self._experts(at_hi.pairs_max, at_hi.active_max)
         # More rank processes than a host's cores (`HardwareProfile.contention`; 1 on GPUs):
         # every rank's work that grows with its tokens runs slower, the fixed per-layer host
         # cost does not (on this machine 1+2 ranks at 1 sequence cost their fixed work and
