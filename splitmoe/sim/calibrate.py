@@ -70,11 +70,19 @@ def _median_time(fn, repeats: int = 7, inner: int = 1) -> float:
     return statistics.median(times)
 
 
-def _median_own(fn, repeats: int = 7) -> float:
-    """Median of the seconds ``fn`` returns (the part of its work it timed itself), once
-    settled."""
-    _settle(fn)
-    return statistics.median(fn() for _ in range(repeats))
+def _interleaved_medians(points: dict, rounds: int = 9) -> dict:
+    """Median of the seconds each of ``points`` (key -> a function returning the seconds of
+    the work it timed) returns over ``rounds`` rounds, each calling every point once in turn
+    after all have settled: a host whose speed drifts (a shared VM's does by a third within
+    an hour) then slows every point of a round alike, and the fits through them keep their
+    shape, where timing one point after another put the drift between the points."""
+    for fn in points.values():
+        _settle(fn)
+    times: dict = {key: [] for key in points}
+    for _ in range(rounds):
+        for key, fn in points.items():
+            times[key].append(fn())
+    return {key: statistics.median(ts) for key, ts in times.items()}
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -175,39 +183,29 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
         cfg, list(range(cfg.num_experts)), torch.float32, cpu, moe_backend("torch", cpu)
     )
 
+    moe_layers = [i for i, layer in enumerate(model.layers) if layer.router is not None]
+
     def layers_once(h, pos, meta, kv) -> float:
         # an attention rank's per-layer work as a step runs it (`layer_segment`: norms, the
-        # attention over the paged KV, the router), timed; between two layers the layer's
-        # experts run untimed, as in a step, so each layer's weights come from memory, not from
-        # the cache (realistic preset, 10 sequences: 1.6 ms a layer timed back to back, 2.3
-        # after other data went through the cache)
+        # attention over the paged KV, the router) on the MoE layers, timed; each layer's
+        # experts (and a dense layer whole) run untimed in between, as in a step, so the next
+        # layer's weights come from memory, not from the cache (realistic preset, 10 sequences,
+        # 1 thread: 1.6 ms a layer timed back to back, 1.8 in a forward's order)
         cos_sin = model.rope(pos, h.dtype)
         seconds = 0.0
         for i in range(L):
             t = time.perf_counter()
             h, x, routing = model.layer_segment(i, h, None, cos_sin, kv.layer(i), meta)
-            seconds += time.perf_counter() - t
             if routing is not None:
+                seconds += time.perf_counter() - t
                 experts.compute(i, x, *routing)
-        return seconds
+        return seconds / len(moe_layers)
 
-    def attn_time(batch: int, context: int, qlen: int) -> float:
+    def attn_point(batch: int, context: int, qlen: int):
         meta, pos, blocks = _decode_meta(batch, context, 16, qlen)
         kv = PagedKVCache(L, blocks, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
         h = torch.randn(batch * qlen, cfg.hidden_size)
-        with torch.inference_mode():
-            return _median_own(lambda: layers_once(h, pos, meta, kv)) / L
-
-    context = 32
-    batches = [1, 4, 16, 32]
-    ys = []
-    for b in batches:
-        roof, _ = sim._attn(b, b, 0, context)
-        ys.append(attn_time(b, context, 1) - roof)
-    attn_layer_s, seq_layer_s = _fit_line(batches, ys)
-    pre_b = [1, 4, 8]
-    ys = [attn_time(b, 16, 16) - sim._attn(16 * b, 0, b, 8)[0] - attn_layer_s for b in pre_b]
-    _, prefill_seq_layer_s = _fit_line(pre_b, ys)
+        return lambda: layers_once(h, pos, meta, kv)
 
     # tokens routed as in a step (each to top_k of all the experts, uniformly: the router of a
     # model's step spreads them so, `LLM.expert_load`), drawn anew at every call so that the
@@ -216,24 +214,42 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     # per-expert and per-pair costs apart. (Pools of k or 2k experts would weight the fit
     # towards GEMMs of many rows per expert, which no step of these sizes runs.)
     k, E, g = cfg.top_k, cfg.num_experts, torch.Generator().manual_seed(0)
-    grid = []
-    for tokens in EXPERT_GRID_TOKENS:
+
+    def moe_point(tokens: int):
         calls = []
         for _ in range(8):
             ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
             x, w = torch.randn(tokens, cfg.hidden_size), torch.full((tokens, k), 1.0 / k)
             calls.append((x, ids.int(), w, len(set(ids.flatten().tolist()))))
-        active = statistics.mean(c[3] for c in calls)
 
-        def moe(calls=calls) -> None:
-            for layer in range(L):
-                x, ids, w, _ = calls[layer % len(calls)]
+        def moe() -> float:
+            t = time.perf_counter()
+            for j, layer in enumerate(moe_layers):
+                x, ids, w, _ = calls[j % len(calls)]
                 experts.compute(layer, x, ids, w)
             calls.append(calls.pop(0))  # (the next call: other experts in each layer)
+            return (time.perf_counter() - t) / len(moe_layers)
 
-        with torch.inference_mode():
-            t = _median_time(moe, repeats=9) / L
-        grid.append((active, tokens * k, t - sim._experts(tokens * k, active)))
+        return moe, statistics.mean(c[3] for c in calls)
+
+    context = 32
+    batches = [1, 4, 16, 32]
+    pre_b = [1, 4, 8]
+    points = {("decode", b): attn_point(b, context, 1) for b in batches}
+    points.update({("prefill", b): attn_point(b, 16, 16) for b in pre_b})
+    active = {}
+    for tokens in EXPERT_GRID_TOKENS:
+        points["moe", tokens], active[tokens] = moe_point(tokens)
+    with torch.inference_mode():
+        t = _interleaved_medians(points)
+
+    ys = [t["decode", b] - sim._attn(b, b, 0, context)[0] for b in batches]
+    attn_layer_s, seq_layer_s = _fit_line(batches, ys)
+    ys = [t["prefill", b] - sim._attn(16 * b, 0, b, 8)[0] - attn_layer_s for b in pre_b]
+    _, prefill_seq_layer_s = _fit_line(pre_b, ys)
+    grid = [
+        (active[n], n * k, t["moe", n] - sim._experts(n * k, active[n])) for n in EXPERT_GRID_TOKENS
+    ]
     moe_layer_s, expert_s, pair_s = _fit_nonnegative(
         [(1.0, a, p) for a, p, _ in grid], [r for _, _, r in grid]
     )

@@ -60,6 +60,41 @@ def test_fit_recovers_the_step_constants_of_a_known_machine():
         assert _step(fitted, *key) == pytest.approx(_step(truth, *key), rel=0.05), key
 
 
+def test_components_are_timed_round_robin():
+    """Each round times every point once, so a host whose speed drifts slows a round's points
+    alike; each point's figure is the median of what it timed."""
+    from splitmoe.sim.calibrate import _interleaved_medians
+
+    calls = []
+
+    def point(name: str, values: list[float]):
+        def fn() -> float:
+            calls.append(name)
+            return values[len([c for c in calls if c == name]) % len(values)]
+
+        return fn
+
+    got = _interleaved_medians({"a": point("a", [1.0, 5.0, 2.0]), "b": point("b", [7.0])}, 3)
+    assert got == {"a": 2.0, "b": 7.0}
+    assert calls[-6:] == ["a", "b"] * 3
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_dense"])
+def test_components_measure_a_checkpoint(tiny_ckpt, name):
+    """The in-process components of a real (tiny) checkpoint, a dense layer included: every
+    constant measured is a non-negative number of seconds."""
+    import math
+
+    from splitmoe.sim.calibrate import ROOFLINE_CPU, measure_components
+
+    comp = measure_components(tiny_ckpt(name), ROOFLINE_CPU)
+    assert set(comp) == {"attn_layer_s", "seq_layer_s", "prefill_seq_layer_s", "moe_layer_s",
+                         "expert_s", "pair_s"}  # fmt: skip
+    assert all(math.isfinite(v) and v >= 0.0 for v in comp.values())
+    assert comp["attn_layer_s"] + comp["moe_layer_s"] + comp["expert_s"] > 0.0
+    Overheads(**comp)  # (a profile takes them as they are)
+
+
 def _script(name: str):
     """``scripts/NAME.py`` as a module."""
     import importlib.util
