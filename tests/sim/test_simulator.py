@@ -127,6 +127,41 @@ def test_colocated_step_is_the_roofline_sum():
     assert st.t_step == pytest.approx(head + 2 * (attn + experts))
 
 
+def test_uneven_micro_batches_cost_their_own_sizes():
+    # 5 sequences in two micro-batches run as 3 + 2 (the runtime's split), not twice 2.5: the
+    # distinct experts saturate with the tokens, so the uneven pair reads more weights
+    oh = Overheads(moe_layer_s=1e-4, expert_s=2e-5, pair_s=1e-6)
+    sim = Simulator(TINY, _roofline_only(overheads=oh, weight_bytes=2))
+    st = sim.step(Deployment(1, micro_batches=2), 5, 10)
+    three, two = expert_load(3, 8, 2, 1), expert_load(2, 8, 2, 1)
+    pair = sim._experts(three.pairs_max, three.active_max) + sim._experts(
+        two.pairs_max, two.active_max
+    )
+    assert st.t_expert == pytest.approx(pair)
+    # an even split is the plain per-micro-batch cost
+    even = expert_load(3, 8, 2, 1)
+    st6 = sim.step(Deployment(1, micro_batches=2), 6, 10)
+    assert st6.t_expert == pytest.approx(2 * sim._experts(even.pairs_max, even.active_max))
+
+
+def test_each_micro_batch_runs_the_lm_head():
+    hw = _roofline_only(weight_bytes=2, overheads=Overheads(head_s=1e-3))
+    sim = Simulator(TINY, hw)
+    one, two = sim.step(Deployment(1), 4, 10), sim.step(Deployment(1, micro_batches=2), 4, 10)
+    head = TINY.hidden * TINY.vocab
+    assert two.t_step - 2 * two.t_moe_layer == pytest.approx(
+        2 * (1e-3 + hw.gemm_s(2 * 2 * head, head * 2))
+    )
+    once = 1e-3 + hw.gemm_s(2 * 4 * head, head * 2)
+    assert one.t_step - 2 * one.t_moe_layer == pytest.approx(once)
+
+
+def test_small_loads_rest_on_enough_draws():
+    # the expected distinct experts of 10 tokens on 4 of 32 (uniform): 32 (1 - (28/32)^10)
+    expected = 32 * (1 - (28 / 32) ** 10)
+    assert expert_load(10, 32, 4, 1).active_max == pytest.approx(expected, abs=0.5)
+
+
 def test_weights_that_fit_in_cache_are_not_read_from_memory():
     hw = replace(_roofline_only(weight_bytes=2), mem_bytes_per_s=1e9)  # (weights dominate)
     model_bytes = TINY.total_params * 2
