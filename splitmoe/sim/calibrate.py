@@ -45,8 +45,6 @@ ROOFLINE_CPU = HardwareProfile(
 SETTLE_CALLS = 300
 # tokens of the experts' timed calls: a micro-batch's routed tokens, one to a few dozen
 EXPERT_GRID_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
-# rows of the LM head's timed calls: a micro-batch's sequences
-HEAD_GRID_ROWS = (1, 2, 4, 8, 16, 32)
 
 
 def _settle(fn) -> None:
@@ -165,12 +163,10 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     """Host overheads of the attention layers and the experts of ``checkpoint``, 1 thread."""
     from splitmoe.attention_nodes.kv_cache import PagedKVCache
     from splitmoe.attention_nodes.model import AttentionModel
-    from splitmoe.attention_nodes.sampler import sample
     from splitmoe.config import ModelConfig
     from splitmoe.expert_nodes.experts import LocalExperts
     from splitmoe.kernels.backends import attention_backend, moe_backend
     from splitmoe.models.loader import load_attention_weights
-    from splitmoe.sampling_params import SamplingParams
     from splitmoe.sim.model import ModelShape
     from splitmoe.sim.simulator import Simulator
 
@@ -244,25 +240,6 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     active = {}
     for tokens in EXPERT_GRID_TOKENS:
         points["moe", tokens], active[tokens] = moe_point(tokens)
-    # one micro-batch's LM head and greedy sample, after the last layer's experts (untimed) as
-    # in a step
-    greedy = SamplingParams(temperature=0.0)
-
-    def head_point(rows: int):
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(rows)]).int()
-        x, w = torch.randn(rows, cfg.hidden_size), torch.full((rows, k), 1.0 / k)
-        h = torch.randn(rows, cfg.hidden_size)
-
-        def head() -> float:
-            experts.compute(moe_layers[-1], x, ids, w)
-            t = time.perf_counter()
-            sample(model.logits(h), [greedy] * rows, [None] * rows)
-            return time.perf_counter() - t
-
-        return head
-
-    for rows in HEAD_GRID_ROWS:
-        points["head", rows] = head_point(rows)
     with torch.inference_mode():
         t = _interleaved_medians(points)
 
@@ -276,11 +253,6 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     moe_layer_s, expert_s, pair_s = _fit_nonnegative(
         [(1.0, a, p) for a, p, _ in grid], [r for _, _, r in grid]
     )
-    # (the median over micro-batch sizes of what the head costs beyond its roofline)
-    head = shape.hidden * shape.vocab
-    head_s = statistics.median(
-        t["head", n] - sim._linear(n, head, fp8=False) for n in HEAD_GRID_ROWS
-    )
     return dict(
         attn_layer_s=attn_layer_s,
         seq_layer_s=seq_layer_s,
@@ -288,7 +260,6 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
         moe_layer_s=moe_layer_s,
         expert_s=expert_s,
         pair_s=pair_s,
-        head_s=max(0.0, head_s),
     )
 
 
@@ -336,7 +307,6 @@ def _scaled(hw: HardwareProfile, speed: float, step_s: float) -> HardwareProfile
             "moe_layer_s",
             "expert_s",
             "pair_s",
-            "head_s",
         )
     }
     return replace(

@@ -55,9 +55,6 @@ class Overheads:
         a colocated rank: the runtime still runs every op of its layer loop on zero rows, with no
         exchange to hide it behind (an AF attention rank runs it while it waits for the other
         micro-batch's experts: hidden); 0 on the GPU profiles;
-    head_s: per micro-batch, its LM head and sampling beyond the head's roofline (the runtime
-        samples each micro-batch as soon as it is done, so a step of m micro-batches runs the
-        head m times and reads its weights m times); 0 on the GPU profiles;
     shared_step_s: per step and rank process where rank processes outnumber the cores
         (`HardwareProfile.contention` > 1): the step's boundary (the control all-gather, tokens
         out to the driver, the next step's start) wakes each sleeping rank; 0 on the GPU
@@ -78,7 +75,6 @@ class Overheads:
     proc_step_s: float = 0.0
     proc_seq_step_s: float = 0.0
     empty_micro_batch_s: float = 0.0
-    head_s: float = 0.0
     shared_step_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -526,11 +526,7 @@ class Simulator:
         dense = full * (fa + (attn_dense - fa) * slow_a)
         if tp > 1:
             dense += mb * self._allreduce(tp, t_mb)
-        # the LM head and sampling, once per micro-batch holding sequences (each samples when
-        # its forward is done)
-        head = full * (
-            oh.head_s + self._linear(seqs * q_per_seq / full, m.hidden * m.vocab, tp, fp8=False)
-        )
+        head = self._linear(seqs * q_per_seq, m.hidden * m.vocab, tp, fp8=False)
         # MTP: each drafted token runs the draft module, one more MoE layer (DeepSeek-V3)
         mtp = self.draft_tokens * layer
         # the driver handles every sequence of the instance, whichever rank holds it

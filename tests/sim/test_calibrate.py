@@ -21,7 +21,7 @@ SHAPE = ModelShape(
     moe_intermediate=32, num_heads=4, num_kv_heads=2, head_dim=16,
 )  # fmt: skip
 COMPONENTS = Overheads(attn_layer_s=120e-6, seq_layer_s=3e-6, prefill_seq_layer_s=20e-6,
-                       moe_layer_s=110e-6, expert_s=5e-6, head_s=400e-6)  # fmt: skip
+                       moe_layer_s=110e-6, expert_s=5e-6)  # fmt: skip
 
 
 def _cpu(oh: Overheads, **kw) -> HardwareProfile:
@@ -82,14 +82,14 @@ def test_components_are_timed_round_robin():
 @pytest.mark.parametrize("name", ["qwen3_moe_dense"])
 def test_components_measure_a_checkpoint(tiny_ckpt, name):
     """The in-process components of a real (tiny) checkpoint, a dense layer included: every
-    constant measured is a non-negative number of seconds, the head's included."""
+    constant measured is a non-negative number of seconds."""
     import math
 
     from splitmoe.sim.calibrate import ROOFLINE_CPU, measure_components
 
     comp = measure_components(tiny_ckpt(name), ROOFLINE_CPU)
     assert set(comp) == {"attn_layer_s", "seq_layer_s", "prefill_seq_layer_s", "moe_layer_s",
-                         "expert_s", "pair_s", "head_s"}  # fmt: skip
+                         "expert_s", "pair_s"}  # fmt: skip
     assert all(math.isfinite(v) and v >= 0.0 for v in comp.values())
     assert comp["attn_layer_s"] + comp["moe_layer_s"] + comp["expert_s"] > 0.0
     Overheads(**comp)  # (a profile takes them as they are)

@@ -144,18 +144,6 @@ def test_uneven_micro_batches_cost_their_own_sizes():
     assert st6.t_expert == pytest.approx(2 * sim._experts(even.pairs_max, even.active_max))
 
 
-def test_each_micro_batch_runs_the_lm_head():
-    hw = _roofline_only(weight_bytes=2, overheads=Overheads(head_s=1e-3))
-    sim = Simulator(TINY, hw)
-    one, two = sim.step(Deployment(1), 4, 10), sim.step(Deployment(1, micro_batches=2), 4, 10)
-    head = TINY.hidden * TINY.vocab
-    assert two.t_step - 2 * two.t_moe_layer == pytest.approx(
-        2 * (1e-3 + hw.gemm_s(2 * 2 * head, head * 2))
-    )
-    once = 1e-3 + hw.gemm_s(2 * 4 * head, head * 2)
-    assert one.t_step - 2 * one.t_moe_layer == pytest.approx(once)
-
-
 def test_small_loads_rest_on_enough_draws():
     # the expected distinct experts of 10 tokens on 4 of 32 (uniform): 32 (1 - (28/32)^10)
     expected = 32 * (1 - (28 / 32) ** 10)
