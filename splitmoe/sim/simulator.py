@@ -22,7 +22,9 @@ tokens; ``T = B`` in decode) is, with ``m`` micro-batches (primes: one micro-bat
     TPOT = step;  tokens/s per GPU = A B / (step (A + E))
 
 ``p_max`` / ``n_act`` (pairs and distinct experts on the busiest expert rank) come from
-`splitmoe.sim.imbalance.expert_load` with the deployment's balancer and redundant experts; the
+`splitmoe.sim.imbalance.expert_load` with the deployment's balancer and redundant experts (a
+rank's tokens split into micro-batches of ceil and floor of T / m, as the runtime splits them,
+and ``Te'`` the mean of the two sizes' costs); the
 link terms from the transport's own `CostModel` (``flat``, ``two_phase``, or ``auto``: the
 cheaper, per layer) on the count matrix those loads imply. Host overheads ``o_*`` and the
 roofline come from the `HardwareProfile`. Ranks sharing too few cores (bracketed terms) sleep
