@@ -182,7 +182,6 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     experts = LocalExperts(
         cfg, list(range(cfg.num_experts)), torch.float32, cpu, moe_backend("torch", cpu)
     )
-
     moe_layers = [i for i, layer in enumerate(model.layers) if layer.router is not None]
 
     def layers_once(h, pos, meta, kv) -> float:

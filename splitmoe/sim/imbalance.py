@@ -16,7 +16,8 @@ ARCHITECTURE.md:
   from all attention ranks' counts), ``"local"`` lets every attention rank choose on its own
   (modelled as a uniformly random replica per pair).
 
-Vectorised torch, a few samples; results are cached per argument tuple.
+Vectorised torch, a few samples (more for small token counts, until ~`MIN_SAMPLED_TOKENS`
+tokens are drawn); results are cached per argument tuple.
 """
 
 from __future__ import annotations

@@ -474,6 +474,10 @@ class Simulator:
                 self.recorded_load,
             )
 
+        def experts_at(tokens_mb: float) -> float:
+            at = load_of(tokens_mb)
+            return self._experts(at.pairs_max, at.active_max)
+
         load = load_of(t_mb)
         # the runtime splits a rank's tokens into micro-batches of ceil and floor of t_mb (5 in
         # two: 3 + 2), and the experts' cost is concave in the tokens (distinct experts
@@ -482,10 +486,7 @@ class Simulator:
         if lo == hi or lo == 0:
             te = self._experts(load.pairs_max, load.active_max)
         else:
-            at_lo, at_hi = load_of(lo), load_of(hi)
-            te = (hi - t_mb) * self._experts(at_lo.pairs_max, at_lo.active_max) + (
-                t_mb - lo
-            ) * self._experts(at_hi.pairs_max, at_hi.active_max)
+            te = (hi - t_mb) * experts_at(lo) + (t_mb - lo) * experts_at(hi)
         # More rank processes than a host's cores (`HardwareProfile.contention`; 1 on GPUs):
         # every rank's work that grows with its tokens runs slower, the fixed per-layer host
         # cost does not (on this machine 1+2 ranks at 1 sequence cost their fixed work and
