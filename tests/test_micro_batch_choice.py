@@ -158,6 +158,61 @@ def test_tied_counts_do_not_flip_step_after_step():
         assert changes <= 2, (seed, later)
 
 
+def _cost_of_measuring(clean, tokens, steps: int, seeds) -> float:
+    """The mean over ``seeds`` of the best fixed count's time over ``steps`` steps of the noisy
+    job ``clean`` against auto's (each seed's noise the same sequence for all three)."""
+    ratios = []
+    for seed in seeds:
+        totals = {}
+        for fixed in (None, 1, 2):
+            chooser, times, t = MicroBatchChooser(ParallelConfig(1, 1)), _noisy(clean, seed), 0.0
+            for _ in range(steps):
+                step = times(chooser.choose(tokens) if fixed is None else fixed)
+                chooser.observe(step)
+                t += step[0].total
+            totals[fixed] = t
+        ratios.append(min(totals[1], totals[2]) / totals[None])
+    return sum(ratios) / len(ratios)
+
+
+def test_measuring_costs_little_over_a_short_decode():
+    # a decode of 32 steps, with noise: what exploring the counts costs against the best fixed
+    # count, where m=2 is ~25% faster (attention-heavy) and where it is ~35% slower (the
+    # experts' weight read); 3 steps of each count to start with and a re-run every 8 steps
+    # cost 6% of the time
+    tokens = (16,)
+    heavy = _simulate(40e-3 / 16, 1e-3, 11e-3 / 16, 2e-3, tokens)
+    bound = _simulate(19e-3 / 16, 54e-3, 3e-3 / 16, 5e-3, tokens)
+    assert heavy(1)[0].total > 1.2 * heavy(2)[0].total
+    assert bound(2)[0].total > 1.3 * bound(1)[0].total
+    assert _cost_of_measuring(heavy, tokens, 32, range(10)) > 0.96
+    assert _cost_of_measuring(bound, tokens, 32, range(10)) > 0.95
+
+
+def test_a_slow_spell_does_not_keep_a_slower_count_running():
+    # m=2 is ~40% faster than m=1 and ~20% faster than m=3; a fifth of the steps 50% slower.
+    # The counts' corrections must not come from a count's last few steps alone: where two of
+    # m=2's last three were slow, m=3 looked faster and ran until m=2's re-run ~32 steps later
+    tokens = (16,)
+    clean = _simulate(20e-3 / 16, 6e-3, 10e-3 / 16, 2e-3, tokens)
+    assert clean(3)[0].total > 1.15 * clean(2)[0].total < 0.7 * clean(1)[0].total
+    for seed in range(20):
+        counts = _run(MicroBatchChooser(ParallelConfig(1, 1)), _noisy(clean, seed), tokens, 96)
+        assert counts.count(3) + counts.count(4) <= 3, (seed, counts)
+
+
+def test_a_count_never_run_is_not_predicted_from_a_model_missing_a_count():
+    # once m=1's steps have left the model's window, the model cannot tell the experts' cost
+    # per micro-batch from their cost per token: it predicts no count it has not run
+    tokens = (16,)
+    times = _simulate(40e-3 / 16, 1e-3, 39e-3 / 16, 2e-3, tokens)  # (m=1 twice m=2's time)
+    chooser = MicroBatchChooser(ParallelConfig(1, 1))
+    counts = _run(chooser, times, tokens, 2 * MIN_SAMPLES + 40)
+    assert counts[-40:] == [2] * 40
+    assert 1 not in {x.micro_batches for x in chooser.samples}
+    assert [p.micro_batches for p in chooser.predictions(tokens)] == [1, 2]
+
+
 def test_prefill_steps_do_not_bend_the_decode_choice():
     # decode steps of 16 tokens where m=2 wins, between prefill chunks of 2048 tokens whose
     # time the per-token model gets badly wrong (long prompts: attention grows with the context)

@@ -17,12 +17,13 @@ depends on the model, the batch and the machine, so the count is predicted from 
 * with ``m`` micro-batches circulating between the attention ranks and the experts, a layer takes
   the longest of each side's total and one micro-batch's round trip (a closed loop of two
   servers), so a step's forward takes ``max(A, E, (A + E + X) / m)``; times that prediction
-  the second smallest ratio of measured over predicted of the last steps run at that count with
-  about as many tokens (up to `RATIO_SAMPLES`, the same power-of-two bucket of T: a prefill
-  chunk and a decode step differ in what the model leaves out, such as context length or ranks
-  that share cores and cannot overlap at all); a low one, because on a shared host a step is
-  slowed by tens of percent now and then, and not the lowest, as now and then one is fast for a
-  reason the bucket hides;
+  the lower quartile of measured over predicted of the last steps run at that count with about
+  as many tokens (up to `RATIO_SAMPLES`, the same power-of-two bucket of T: a prefill chunk and
+  a decode step differ in what the model leaves out, such as context length or ranks that share
+  cores and cannot overlap at all); a low quantile, because on a shared host a step is slowed by
+  tens of percent now and then, and not the lowest, as now and then one is fast for a reason
+  the bucket hides. A count never run in the bucket takes the median of the others' ratios, and
+  is predicted at all only while the window holds steps of every explored count;
 * each count in `EXPLORE` first runs `MIN_SAMPLES` steps of a bucket (in turn), then the
   model's count runs: the one it chose last in the bucket (at first the fewest) until another
   is predicted more than `MARGIN` faster; a bucket next to one so measured (half or twice the
@@ -37,10 +38,11 @@ depends on the model, the batch and the machine, so the count is predicted from 
 * a count in `EXPLORE` not run in a bucket for `EXPLORE_EVERY` steps is run once, so a wrong
   early estimate (or a workload that changed) is corrected; one predicted ``n * EXPLORE_GAP``
   slower than the fastest, ``n`` times less often (re-running a count twice as slow costs a
-  whole step); while a count has fewer than `RATIO_SAMPLES` steps in the bucket, 4 times as
-  often and with 4 times the gap, unless each of its own steps in the bucket took longer than
-  each of the fastest count's (`_dominated`: the order is then plain, and re-running it often
-  would only cost time).
+  whole step); while a count has only `MIN_SAMPLES` steps in the bucket, 4 times as often and
+  with 4 times the gap, twice with one step more, unless each of its own steps in the bucket
+  took longer than each of the fastest count's (`_dominated`: the order is then plain, and
+  re-running it often would only cost time). Over a decode of 32 steps, measuring costs 3-4 % of
+  the best fixed count's time (`tests/test_micro_batch_choice.py`'s noisy synthetic jobs).
 
 The chooser is deterministic given the shared numbers: plain Python floats in a fixed order.
 """
@@ -59,9 +61,9 @@ CANDIDATES = (1, 2, 3, 4)  # counts the model predicts; more split decode batche
 EXPLORE = (1, 2)  # counts kept measured, so that the model always has both
 EXPLORE_EVERY = 32  # steps between re-runs of a count predicted within EXPLORE_GAP of the best
 EXPLORE_GAP = 0.1  # a count predicted n times this much slower is re-run n times less often
-MIN_SAMPLES = 3  # steps of each explored count in a bucket before the model chooses
+MIN_SAMPLES = 2  # steps of each explored count in a bucket before the model chooses
 WINDOW = 32  # steps the model is fitted to: long enough to see both counts, short to adapt
-RATIO_SAMPLES = 8  # a count's last steps in a bucket, whose measured / predicted median corrects
+RATIO_SAMPLES = 8  # a count's last steps in a bucket, whose measured / predicted corrects
 # A count beats a smaller one only when predicted this much faster: within it the two are a tie
 # (the measurements are noisy), and fewer micro-batches pay less per-micro-batch overhead.
 MARGIN = 0.03
@@ -156,16 +158,19 @@ class MicroBatchChooser:
         t_max, n = max(tokens), sum(tokens)
         b = self._like(tokens, _fits(tokens)) if like is None else like
         recent = {m: r for (bk, m), r in self.recent.items() if bk == b}
-        # as many of each count's last steps as the least measured explored count has, so
-        # that no count looks faster for having been run (and so measured) more often
-        last = min((len(r) for m, r in recent.items() if m in EXPLORE), default=RATIO_SAMPLES)
-        ratio = {m: self._ratio(list(r)[-max(1, last) :]) for m, r in recent.items()}
+        ratio = {m: self._ratio(list(r)) for m, r in recent.items()}
         ratio = {m: r for m, r in ratio.items() if r is not None}
         default = median(list(ratio.values())) if ratio else 1.0
+        # a count never run is predicted from the model alone: only while the model has seen
+        # every explored count in its window (without one, it cannot tell a per-micro-batch
+        # cost from a per-token one, and extrapolates wildly)
+        fitted = {x.micro_batches for x in self.samples}
         out = []
         for m in CANDIDATES:
             if m > max(t_max, 1):
                 break
+            if m not in EXPLORE and m not in recent and not fitted >= set(_fits(tokens)):
+                continue
             model = self.model_time(m, t_max, n)
             out.append(Prediction(m, model, model * ratio.get(m, default)))
         return out
@@ -204,9 +209,10 @@ class MicroBatchChooser:
         preds = self.predictions(tokens, b)
         # a count is re-run when due: every EXPLORE_EVERY steps while predicted within
         # EXPLORE_GAP of the fastest, n times less often when predicted n * EXPLORE_GAP slower
-        # (re-running a much slower count then costs no more than a close one); while it has
-        # fewer than RATIO_SAMPLES steps in the bucket (its estimate is less sure), 4 times as
-        # often and with 4 times the gap
+        # (re-running a much slower count then costs no more than a close one); while its
+        # estimate is unsure, more often and with a wider gap: 4 times at MIN_SAMPLES steps in
+        # the bucket, half that with each step more (each re-run that leaves the order as it
+        # was makes the next less urgent)
         time = {p.micro_batches: p.corrected for p in preds}
         fastest = min(time[m] for m in fits)
         quickest = min(fits, key=lambda m: (time[m], m))
@@ -215,10 +221,9 @@ class MicroBatchChooser:
         def period(m: int) -> float:
             gap = time[m] / fastest - 1.0 if fastest > 0.0 else 0.0
             # (not on a neighbour's steps: their order may not hold for this bucket's tokens)
-            sure = seen[m] >= RATIO_SAMPLES or (b == own and self._dominated(b, m, quickest))
-            every, tolerance = (
-                (EXPLORE_EVERY, EXPLORE_GAP) if sure else (EXPLORE_EVERY / 4, 4 * EXPLORE_GAP)
-            )
+            sure = b == own and self._dominated(b, m, quickest)
+            doubt = 1.0 if sure else max(1.0, 4.0 / 2.0 ** (seen[m] - MIN_SAMPLES))
+            every, tolerance = EXPLORE_EVERY / doubt, EXPLORE_GAP * doubt
             return every * max(1.0, gap / tolerance)
 
         due = [m for m in fits if self.steps + 1 - last[m] >= period(m)]
@@ -246,19 +251,19 @@ class MicroBatchChooser:
         return min(x.forward for x in mine) > max(x.forward for x in theirs)
 
     def _ratio(self, samples: list[StepSample]) -> float | None:
-        """The second smallest measured over predicted forward time of ``samples`` (one count,
-        one bucket; the smallest of one or two), by the model as it is now; None where it
-        predicts nothing. Low: on a shared host a step is slowed now and then (a rank loses its
-        core); not the lowest: now and then a step is fast for a reason the bucket hides."""
+        """The lower quartile of measured over predicted forward time of ``samples`` (one
+        count, one bucket), by the model as it is now; None where it predicts nothing. Low: on a
+        shared host a step is slowed now and then (a rank loses its core), never sped up; the
+        quartile, not the lowest, as now and then a step is fast for a reason the bucket hides.
+        The same quantile whatever the count of samples (`_quartile`), so that a count run more
+        often does not look faster for it, nor one run less often, whose few last steps a slow
+        spell may all have hit, slower."""
         r = []
         for x in samples:
             predicted = self.model_time(x.micro_batches, x.max_tokens, x.tokens)
             if predicted > 0.0:
                 r.append(x.forward / predicted)
-        if not r:
-            return None
-        r.sort()
-        return r[1] if len(r) >= 3 else r[0]
+        return _quartile(r) if r else None
 
     def _fit(self) -> tuple[tuple[float, float], ...]:
         """(per token, per micro-batch) seconds of attention, experts and the exposed trip."""
@@ -278,6 +283,12 @@ class MicroBatchChooser:
 def _fits(tokens: Sequence[int]) -> list[int]:
     """The explored counts a step of ``tokens`` can run (no more micro-batches than tokens)."""
     return [m for m in EXPLORE if m <= max(tokens)]
+
+
+def _quartile(values: list[float]) -> float:
+    """The lower quartile of ``values`` as an order statistic: the ``k``-th smallest of ``n``
+    with ``k / (n + 1)`` nearest 1/4 (the smallest of up to 4, the second of 5 to 8)."""
+    return sorted(values)[max(0, round((len(values) + 1) / 4) - 1)]
 
 
 def _bucket(tokens: Sequence[int]) -> int:
