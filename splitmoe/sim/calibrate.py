@@ -232,7 +232,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
         return moe, statistics.mean(c[3] for c in calls)
 
     context = 32
-    batches = [1, 4, 16, 32]
+    batches = [1, 2, 4, 8, 16, 32]
     pre_b = [1, 4, 8]
     points = {("decode", b): attn_point(b, context, 1) for b in batches}
     points.update({("prefill", b): attn_point(b, 16, 16) for b in pre_b})
@@ -243,7 +243,12 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
         t = _interleaved_medians(points)
 
     ys = [t["decode", b] - sim._attn(b, b, 0, context)[0] for b in batches]
-    attn_layer_s, seq_layer_s = _fit_line(batches, ys)
+    _, seq_layer_s = _fit_line(batches, ys)
+    # the cost is concave in the sequences (1 to 4 add ~3x what each of 4 to 16 adds; a line
+    # through all of them charged 1 sequence 30 % too much): the fixed part is where the small
+    # batches' line meets 0 sequences, the rest a curve through every measured batch
+    attn_layer_s, _ = _fit_line(batches[:3], ys[:3])
+    seqs_layer_s = [(b, max(0.0, y - attn_layer_s)) for b, y in zip(batches, ys)]
     ys = [t["prefill", b] - sim._attn(16 * b, 0, b, 8)[0] - attn_layer_s for b in pre_b]
     _, prefill_seq_layer_s = _fit_line(pre_b, ys)
     grid = [
@@ -255,6 +260,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     return dict(
         attn_layer_s=attn_layer_s,
         seq_layer_s=seq_layer_s,
+        seqs_layer_s=seqs_layer_s,
         prefill_seq_layer_s=prefill_seq_layer_s,
         moe_layer_s=moe_layer_s,
         expert_s=expert_s,
@@ -308,11 +314,12 @@ def _scaled(hw: HardwareProfile, speed: float, step_s: float) -> HardwareProfile
             "pair_s",
         )
     }
+    curve = tuple((n, t / speed) for n, t in oh.seqs_layer_s)
     return replace(
         hw,
         peak_flops=hw.peak_flops * speed,
         mem_bytes_per_s=hw.mem_bytes_per_s * speed,
-        overheads=replace(oh, step_s=step_s, seq_step_s=0.0, **per_layer),
+        overheads=replace(oh, step_s=step_s, seq_step_s=0.0, seqs_layer_s=curve, **per_layer),
     )
 
 
@@ -474,7 +481,14 @@ def measure_hardware(checkpoint: str | Path, log=print) -> HardwareProfile:
     log(f"last-level cache: {cache / 2**20:.0f} MiB")
     hw = replace(ROOFLINE_CPU, peak_flops=flops, mem_bytes_per_s=bw, cache_bytes=cache)
     comp = measure_components(checkpoint, hw)
-    log("components: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in comp.items()))
+    log(
+        "components: "
+        + ", ".join(
+            f"{k} " + (" ".join(f"{n}:{t * 1e6:.1f}" for n, t in v) if isinstance(v, list) else
+                       f"{v * 1e6:.1f}") + " us"
+            for k, v in comp.items()
+        )
+    )  # fmt: skip
     return replace(hw, overheads=Overheads(**comp))
 
 

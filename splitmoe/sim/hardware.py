@@ -35,6 +35,11 @@ class Overheads:
     seq_step_s: per sequence in a step (building inputs, sampling, bookkeeping);
     attn_layer_s: per layer on an attention rank (norms, projections, RoPE, router: op launches);
     seq_layer_s: per sequence and layer of attention (paged-KV gathers; zero for a batched kernel);
+    seqs_layer_s: where measured (the CPU calibration), the per-layer attention cost of ``n``
+        sequences beyond ``attn_layer_s`` as points ``(n, seconds)``, linear between them (from
+        ``(0, 0)``) and along the last two beyond, in place of ``seq_layer_s * n``: on a CPU the
+        cost is concave at small batches (1 to 4 sequences add ~3x what each of 4 to 16 adds),
+        which one line through all batches over-charges at 1 sequence; empty on the GPU profiles;
     prefill_seq_layer_s: extra per prefill chunk and layer (chunks are computed one by one);
     moe_layer_s: per MoE layer where experts run (sort, scatter, launches);
     expert_s: per activated expert and layer (one GEMM pair per expert on the reference path;
@@ -65,6 +70,7 @@ class Overheads:
     seq_step_s: float = 0.0
     attn_layer_s: float = 0.0
     seq_layer_s: float = 0.0
+    seqs_layer_s: tuple[tuple[float, float], ...] = ()
     prefill_seq_layer_s: float = 0.0
     moe_layer_s: float = 0.0
     expert_s: float = 0.0
@@ -79,11 +85,27 @@ class Overheads:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collective_s", tuple(float(x) for x in self.collective_s))
+        points = tuple((float(n), float(t)) for n, t in self.seqs_layer_s)
+        object.__setattr__(self, "seqs_layer_s", points)
+        if any(b[0] <= a[0] for a, b in zip(((0.0, 0.0),) + points, points)):
+            raise ValueError(f"seqs_layer_s={points!r}: sequence counts must rise from above 0")
         for f in fields(self):
             v = getattr(self, f.name)
-            vals = v if isinstance(v, tuple) else (v,)
-            if not vals or any(not x >= 0 for x in vals):
+            vals = tuple(x for p in v for x in p) if f.name == "seqs_layer_s" else v
+            vals = vals if isinstance(vals, tuple) else (vals,)
+            if (f.name == "collective_s" and not vals) or any(not x >= 0 for x in vals):
                 raise ValueError(f"overhead {f.name}={v!r} must be >= 0 seconds")
+
+    def seqs_layer(self, seqs: float) -> float:
+        """Seconds a layer of attention costs for ``seqs`` sequences beyond ``attn_layer_s``:
+        ``seqs_layer_s`` interpolated where measured, else ``seq_layer_s`` each."""
+        points = self.seqs_layer_s
+        if not points:
+            return self.seq_layer_s * seqs
+        # the segment that holds ``seqs`` (past the last point: the last segment)
+        i = next((i for i, (n, _) in enumerate(points) if seqs <= n), len(points) - 1)
+        (x0, y0), (x1, y1) = (((0.0, 0.0),) + points)[i : i + 2]
+        return y0 + (y1 - y0) * (seqs - x0) / (x1 - x0)
 
     def collective(self, world: int) -> float:
         """Fixed seconds of one collective call over ``world`` ranks (0 for a single rank)."""

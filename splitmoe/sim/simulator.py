@@ -286,7 +286,7 @@ class Simulator:
         kernel. With ``tp`` GPUs per group, heads and weights are split ``tp`` ways."""
         m, oh = self.model, self.hw.overheads
         seqs = decode_seqs + prefill_seqs
-        t = oh.attn_layer_s + oh.seq_layer_s * seqs + oh.prefill_seq_layer_s * prefill_seqs
+        t = oh.attn_layer_s + oh.seqs_layer(seqs) + oh.prefill_seq_layer_s * prefill_seqs
         if not tokens:
             return t, t
         cached = m.kv_context(context)  # (sliding-window layers: at most their window)

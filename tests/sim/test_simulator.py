@@ -206,6 +206,30 @@ def test_empty_micro_batch_costs_its_layer_loop_only_colocated():
     )
 
 
+def test_attention_cost_of_the_sequences_follows_the_measured_curve(tmp_path):
+    # the CPU calibration's points (n sequences, seconds beyond attn_layer_s), linear between
+    # them from (0, 0) and along the last segment beyond; a line where none were measured
+    oh = Overheads(
+        attn_layer_s=1e-3, seq_layer_s=9.0, seqs_layer_s=[[1, 1e-4], [4, 4e-4], [16, 7e-4]]
+    )
+    assert [oh.seqs_layer(n) for n in (0, 0.5, 2.5, 4, 10, 32)] == pytest.approx(
+        [0.0, 0.5e-4, 2.5e-4, 4e-4, 5.5e-4, 11e-4]
+    )
+    assert Overheads(seq_layer_s=1e-4).seqs_layer(3) == pytest.approx(3e-4)
+    curved = _roofline_only(overheads=oh)
+    line = _roofline_only(overheads=replace(oh, seqs_layer_s=(), seq_layer_s=1e-4))
+    step = Simulator(TINY, curved).step(Deployment(1), 10, 10)
+    assert step.t_attn - Simulator(TINY, line).step(Deployment(1), 10, 10).t_attn == (
+        pytest.approx(5.5e-4 - 1e-3)
+    )
+    path = tmp_path / "p.json"
+    curved.to_file(path)
+    assert load_profile(path) == curved
+    for bad in ([[0, 1e-4]], [[4, 1e-4], [2, 2e-4]], [[1, -1e-4]]):
+        with pytest.raises(ValueError, match="seqs_layer_s"):
+            Overheads(seqs_layer_s=bad)
+
+
 def test_contention_only_where_ranks_share_cores():
     oh = Overheads(attn_layer_s=1e-3, moe_layer_s=1e-3, seq_layer_s=1e-4, expert_s=1e-4)
     gpu = Simulator(TINY, _roofline_only(overheads=oh))
