@@ -178,8 +178,7 @@ def _cost_of_measuring(clean, tokens, steps: int, seeds) -> float:
 def test_measuring_costs_little_over_a_short_decode():
     # a decode of 32 steps, with noise: what exploring the counts costs against the best fixed
     # count, where m=2 is ~25% faster (attention-heavy) and where it is ~35% slower (the
-    # experts' weight read); 3 steps of each count to start with and a re-run every 8 steps
-    # cost 6% of the time
+    # experts' weight read): the first steps of each count and the re-runs cost 3-4 % here
     tokens = (16,)
     heavy = _simulate(40e-3 / 16, 1e-3, 11e-3 / 16, 2e-3, tokens)
     bound = _simulate(19e-3 / 16, 54e-3, 3e-3 / 16, 5e-3, tokens)

@@ -63,7 +63,7 @@ EXPLORE_EVERY = 32  # steps between re-runs of a count predicted within EXPLORE_
 EXPLORE_GAP = 0.1  # a count predicted n times this much slower is re-run n times less often
 MIN_SAMPLES = 2  # steps of each explored count in a bucket before the model chooses
 WINDOW = 32  # steps the model is fitted to: long enough to see both counts, short to adapt
-RATIO_SAMPLES = 8  # a count's last steps in a bucket, whose measured / predicted corrects
+RATIO_SAMPLES = 8  # a count's last steps in a bucket: their measured / predicted corrects it
 # A count beats a smaller one only when predicted this much faster: within it the two are a tie
 # (the measurements are noisy), and fewer micro-batches pay less per-micro-batch overhead.
 MARGIN = 0.03

@@ -243,7 +243,6 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
         t = _interleaved_medians(points)
 
     ys = [t["decode", b] - sim._attn(b, b, 0, context)[0] for b in batches]
-    _, seq_layer_s = _fit_line(batches, ys)
     # the cost is concave in the sequences (1 to 4 add ~3x what each of 4 to 16 adds; a line
     # through all of them charged 1 sequence 30 % too much): the fixed part is where the small
     # batches' line meets 0 sequences, the rest a curve through every measured batch
@@ -259,7 +258,6 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     )
     return dict(
         attn_layer_s=attn_layer_s,
-        seq_layer_s=seq_layer_s,
         seqs_layer_s=seqs_layer_s,
         prefill_seq_layer_s=prefill_seq_layer_s,
         moe_layer_s=moe_layer_s,
@@ -481,14 +479,11 @@ def measure_hardware(checkpoint: str | Path, log=print) -> HardwareProfile:
     log(f"last-level cache: {cache / 2**20:.0f} MiB")
     hw = replace(ROOFLINE_CPU, peak_flops=flops, mem_bytes_per_s=bw, cache_bytes=cache)
     comp = measure_components(checkpoint, hw)
-    log(
-        "components: "
-        + ", ".join(
-            f"{k} " + (" ".join(f"{n}:{t * 1e6:.1f}" for n, t in v) if isinstance(v, list) else
-                       f"{v * 1e6:.1f}") + " us"
-            for k, v in comp.items()
-        )
-    )  # fmt: skip
+
+    def us(v) -> str:  # (the curve: sequences:us pairs)
+        return " ".join(f"{n}:{us(t)}" for n, t in v) if isinstance(v, list) else f"{v * 1e6:.1f}"
+
+    log("components: " + ", ".join(f"{k} {us(v)} us" for k, v in comp.items()))
     return replace(hw, overheads=Overheads(**comp))
 
 

@@ -89,11 +89,12 @@ class Overheads:
         object.__setattr__(self, "seqs_layer_s", points)
         if any(b[0] <= a[0] for a, b in zip(((0.0, 0.0),) + points, points)):
             raise ValueError(f"seqs_layer_s={points!r}: sequence counts must rise from above 0")
+        if any(not t >= 0 for _, t in points):
+            raise ValueError(f"overhead seqs_layer_s={points!r} must be >= 0 seconds")
         for f in fields(self):
             v = getattr(self, f.name)
-            vals = tuple(x for p in v for x in p) if f.name == "seqs_layer_s" else v
-            vals = vals if isinstance(vals, tuple) else (vals,)
-            if (f.name == "collective_s" and not vals) or any(not x >= 0 for x in vals):
+            vals = v if isinstance(v, tuple) else (v,)
+            if f.name != "seqs_layer_s" and (not vals or any(not x >= 0 for x in vals)):
                 raise ValueError(f"overhead {f.name}={v!r} must be >= 0 seconds")
 
     def seqs_layer(self, seqs: float) -> float:

@@ -88,8 +88,8 @@ def test_components_measure_a_checkpoint(tiny_ckpt, name):
     from splitmoe.sim.calibrate import ROOFLINE_CPU, measure_components
 
     comp = measure_components(tiny_ckpt(name), ROOFLINE_CPU)
-    assert set(comp) == {"attn_layer_s", "seq_layer_s", "seqs_layer_s", "prefill_seq_layer_s",
-                         "moe_layer_s", "expert_s", "pair_s"}  # fmt: skip
+    assert set(comp) == {"attn_layer_s", "seqs_layer_s", "prefill_seq_layer_s", "moe_layer_s",
+                         "expert_s", "pair_s"}  # fmt: skip
     curve = comp.pop("seqs_layer_s")
     assert [n for n, _ in curve] == [1, 2, 4, 8, 16, 32]
     assert all(math.isfinite(t) and t >= 0.0 for _, t in curve)
