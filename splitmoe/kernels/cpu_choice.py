@@ -8,7 +8,7 @@ another. So nothing here is a constant. A `KernelChoice` is one op's decision pe
 the dtype and torch's thread count). The first call of a class runs every candidate on the real
 tensors (a warm-up, and a check that they agree); the next calls each run one candidate in turn
 in place of the kernel, timed where it runs in the model step; once each has a few timings the
-fastest is kept, and every later call of the class runs it alone.
+one of the lowest median is kept, and every later call of the class runs it alone.
 
 A call during which the process lost a core is not judged by its time: a thread descheduled
 for a scheduler tick (4 ms at 250 Hz) makes a 0.3 ms GEMM look 30 ms, and a choice made of such
@@ -21,7 +21,7 @@ candidate that got none in `KernelChoice.max_rounds` calls (cores that stay cont
 sharing them) is judged on the others, and that decision is kept in memory only.
 
 Decisions are kept in memory and in a JSON file shared by all ops and processes,
-``$SPLITMOE_CACHE_DIR/cpu_kernels-2.json`` (default ``~/.cache/splitmoe/``; the variable moves the
+``$SPLITMOE_CACHE_DIR/cpu_kernels-3.json`` (default ``~/.cache/splitmoe/``; the variable moves the
 file and switches nothing else), keyed by the CPU model, torch version, the native kernels'
 sources, thread count, dtype, op and shape class (`choice_key`): a later process on the same
 machine measures nothing; a new version of a kernel is measured again. Each rank
@@ -47,6 +47,7 @@ import logging
 import os
 import platform
 import resource
+import statistics
 import tempfile
 import time
 import weakref
@@ -59,8 +60,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# (version 2: the decisions of the first file counted the times of preempted calls)
-CACHE_FILE_NAME = "cpu_kernels-2.json"
+# (version 3: version 2 compared each candidate's fastest call, and on a fresh AVX-512 host kept
+# a MoE layout 1.5x slower in a step than the one later timings prefer; version 1 counted the
+# times of preempted calls)
+CACHE_FILE_NAME = "cpu_kernels-3.json"
 
 
 def involuntary_switches() -> int:
@@ -123,10 +126,11 @@ def native_sources_digest() -> str:
 
 @dataclass(frozen=True)
 class Decision:
-    """The kernel kept for one shape class, and why: ``ms`` is each candidate's best time in
-    milliseconds; ``dropped`` the candidates dropped for failing or disagreeing; ``source`` is
-    ``"timed"`` (measured by this process), ``"timed on contended cores"`` (the same, a
-    candidate judged on calls that lost a core: kept in memory only) or ``"cache file"``."""
+    """The kernel kept for one shape class, and why: ``ms`` is each candidate's median time
+    in milliseconds (over its calls that kept their cores); ``dropped`` the candidates dropped
+    for failing or disagreeing; ``source`` is ``"timed"`` (measured by this process), ``"timed
+    on contended cores"`` (the same, a candidate judged on calls that lost a core: kept in
+    memory only) or ``"cache file"``."""
 
     choice: str
     ms: dict[str, float]
@@ -231,9 +235,11 @@ class KernelChoice:
     rounds: timings of each candidate at least, after the untimed first call of a class;
     budget_s: more timings, up to `max_rounds` of each, while they add up to less than this.
         On a shared machine a thread that loses its core stalls a multi-threaded GEMM for a
-        scheduler tick (4 ms at 250 Hz), longer than a decode-sized kernel: a best of many
-        over tens of ms finds calls without a stall, where a best of 3 taken under load on
-        the 2-core dev host picked a 2.6x slower MoE layout;
+        scheduler tick (4 ms at 250 Hz), longer than a decode-sized kernel: calls that lost
+        a core are left out, and the median of the rest is robust to the few that a stall or
+        a lucky cache state moved, where a best of 3 taken under load on the 2-core dev host
+        picked a 2.6x slower MoE layout, and the fastest calls on a fresh AVX-512 host kept
+        one 1.5x slower in a step than the layout every later measurement there preferred;
     timer: seconds, ``time.perf_counter`` (tests pass a fake clock);
     switches: the process's involuntary context switches so far (`involuntary_switches`),
     cpu_timer: the process's CPU seconds so far (``time.process_time``, all threads): with
@@ -317,7 +323,7 @@ class KernelChoice:
         kernel whose weights stream from memory is timed streaming them (back-to-back
         repetitions keep a few experts' weights in cache and favour another layout). After
         `rounds` timings of each, and until they add up to `budget_s` or `max_rounds`, the
-        fastest best time is kept. Only calls that kept their cores count as timings (see
+        fastest median time is kept. Only calls that kept their cores count as timings (see
         the module doc); a candidate that had none in `max_rounds` calls is judged on the
         others, and that decision is kept in memory only."""
         shape = mem_key[0]
@@ -363,14 +369,14 @@ class KernelChoice:
         spent = sum(s for ts in times.values() for s, _ in ts)
         spent_calls = all(len(ts) >= self.max_rounds for ts in times.values())
         if spent_calls or (rounds >= self.rounds and spent >= self.budget_s):
-            best = {n: min(clean(n) or [s for s, _ in times[n]]) for n in times}
-            self._decide(mem_key, best, contended=any(not clean(n) for n in times))
+            typical = {n: statistics.median(clean(n) or [s for s, _ in times[n]]) for n in times}
+            self._decide(mem_key, typical, contended=any(not clean(n) for n in times))
         return out
 
-    def _decide(self, mem_key: tuple, best: dict[str, float], contended: bool) -> None:
+    def _decide(self, mem_key: tuple, typical: dict[str, float], contended: bool) -> None:
         shape, dtype, _ = mem_key
-        choice = min(best, key=lambda name: best[name])
-        ms = {n: round(s * 1e3, 4) for n, s in best.items()}
+        choice = min(typical, key=lambda name: typical[name])
+        ms = {n: round(s * 1e3, 4) for n, s in typical.items()}
         source = "timed on contended cores" if contended else "timed"
         decision = Decision(choice, ms, source, self._dropped.pop(mem_key, ()))
         self._memory[mem_key] = decision
