@@ -36,10 +36,12 @@ fails: some validation run is outside the tolerance, or there was none to check
 ``--held-out``: the held-out check of docs/scaling.md §4 in one command. On the realistic preset
 (``--model`` to change it) it measures the calibration runs (`CALIBRATION_RUNS`) and the 16
 held-out points (`splitmoe.sim.validate.HELD_OUT_RUNS`: closed batches 8 and 32 on 1A+0E, 1A+1E,
-2A+0E, 2A+1E, each at one and two micro-batches, pinned) in the same 5 passes, fits the profile
+2A+0E, 2A+1E, each at one and two micro-batches, pinned) in the same passes (5; ``--passes``
+for more: each point's fastest repeat is then less at the mercy of a slow minute), fits the profile
 on the calibration runs alone (``--profile`` takes a frozen one instead), predicts the held-out
 points, prints the table and ``held-out: N/16 within ±15%`` last, and exits 1 below
-`HELD_OUT_PASS` (15). It also prints the commit of ``splitmoe/sim/`` it ran (the frozen model).
+`HELD_OUT_PASS` (15). It also prints the commit of ``splitmoe/sim/`` it ran (the frozen model)
+and the host's copy bandwidth before the runs (`host_probe`): whether the machine held still.
 With ``--from-csv`` and ``--profile`` it re-checks saved rows without running.
 """
 
@@ -60,6 +62,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from splitmoe import LLM, SamplingParams  # noqa: E402
@@ -81,8 +84,8 @@ FIELDS = [
     "output_tok_s_per_rank", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tbt_p50_ms",
     "tbt_p90_ms", "tbt_p99_ms", "tpot_mean_ms", "step_p50_ms", "comm_share", "imbalance",
     "seqs_per_step_mean", "step_min_ms", "step_max_ms", "output_tok_s_min", "output_tok_s_max",
-    "load_avg", "pred_output_tok_s", "pred_tbt_ms", "pred_ttft_ms", "pred_comm_share",
-    "err_output_tok_s", "err_tbt", "calibration",
+    "load_avg", "host_gb_s", "host_gb_s_min", "host_gb_s_max", "pred_output_tok_s", "pred_tbt_ms",
+    "pred_ttft_ms", "pred_comm_share", "err_output_tok_s", "err_tbt", "calibration",
 ]  # fmt: skip
 
 
@@ -227,6 +230,47 @@ def frozen_model() -> str:
 
 
 # ---- one run point ----------------------------------------------------------------------------
+_PROBE = None
+
+
+def host_probe() -> float:
+    """This host's single-thread copy bandwidth now (GB/s, read + written; the best of 3
+    copies of 64 MiB, ~15 ms): taken before each measured run, it says whether the machine
+    held still while the study ran. A VM's neighbours move it with nothing of ours running
+    (24-40 GB/s within 40 s on the 2-core AVX-512 EPYC), and a load average does not see
+    that. The decode steps of the realistic preset read their weights from memory."""
+    global _PROBE
+    if _PROBE is None:
+        src = torch.randn(16 * 2**20)
+        _PROBE = (src, torch.empty_like(src))
+    src, dst = _PROBE
+    best = math.inf
+    for _ in range(3):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def host_line(rows: list[dict], tolerance: float) -> str:
+    """The host probes' range over a study (`host_probe`), and whether the machine's own speed
+    moved by more than the check's ``tolerance`` about its median (then the study measured
+    the host as much as the runtime: no check on it is a test of the model)."""
+    lows = [float(r["host_gb_s_min"]) for r in rows if r.get("host_gb_s_min") not in (None, "")]
+    if not lows:
+        return ""
+    highs = [float(r["host_gb_s_max"]) for r in rows if r.get("host_gb_s_max") not in (None, "")]
+    mid = statistics.median(float(r["host_gb_s"]) for r in rows if r.get("host_gb_s"))
+    lo, hi = min(lows), max(highs)
+    moved = hi > mid * (1 + tolerance) or lo < mid * (1 - tolerance)
+    return (
+        f"host: copy bandwidth before the runs {lo:.1f}-{hi:.1f} GB/s (median {mid:.1f}; "
+        f"{lo / mid - 1:+.0%} / {hi / mid - 1:+.0%}): "
+        + ("moved beyond" if moved else "held within")
+        + f" ±{tolerance:.0%}"
+    )
+
+
 def stats_counters(llms: list[LLM]) -> tuple[float, list[float]]:
     """(attention ranks' seconds in collectives, tokens served per expert rank), cumulative."""
     comm, served = 0.0, []
@@ -255,6 +299,7 @@ def run_point(llms: list[LLM], topo: Topology, num_requests: int, rate: float, a
     comm0, served0 = stats_counters(llms)
     for llm in llms:
         llm.reset_metrics()
+    host = host_probe()
     start = time.perf_counter()
     start_wall = time.time()
     outputs, pending, nxt = [], 0, 0
@@ -298,6 +343,7 @@ def run_point(llms: list[LLM], topo: Topology, num_requests: int, rate: float, a
         tpot_mean_ms=m.tpot_mean * 1e3,
         step_p50_ms=decode_step_time(records, m.tbt_p50) * 1e3,
         load_avg=os.getloadavg()[0],
+        host_gb_s=host,
         comm_share=(comm1 - comm0) / busy if busy else 0.0,
         imbalance=imbalance,
         seqs_per_step_mean=m.seqs_per_step_mean,
@@ -312,6 +358,8 @@ def median_dict(runs: list[dict]) -> dict:
         vals = [r[field] for r in runs]
         out[f"{key}_min" + ("_ms" if key == "step" else "")] = min(vals)
         out[f"{key}_max" + ("_ms" if key == "step" else "")] = max(vals)
+    out["host_gb_s_min"] = min(r["host_gb_s"] for r in runs)
+    out["host_gb_s_max"] = max(r["host_gb_s"] for r in runs)
     return out
 
 
@@ -604,7 +652,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=2, help="runs per point and pass")
-    ap.add_argument("--passes", type=int, default=2, help="times over the whole sweep")
+    ap.add_argument("--passes", type=int, default=None, help="times over the whole sweep "
+                    "(default 2; 5 with --quick and --held-out)")  # fmt: skip
     ap.add_argument("--max-processes", type=int, default=6, help="skip bigger topologies")
     ap.add_argument("--validate", action=argparse.BooleanOptionalAction, default=None,
                     help="calibrate this machine first, then check the simulator (default: on "
@@ -636,12 +685,15 @@ def parse_args(argv=None):
 
         # the calibration runs' workload; every other sweep option is the plan's
         args.prompt_len, args.max_tokens, args.rate = CALIBRATION_PROMPT, CALIBRATION_TOKENS, []
-        args.repeats, args.passes, args.validate = 1, 5, True
+        args.repeats, args.validate = 1, True
+        args.passes = args.passes or 5
     if args.quick:
         args.attention_ranks, args.expert_ranks = [1, 2], [0, 1, 2]
         args.batch, args.rate = [1, 16], []
         args.micro_batches, args.transport, args.balancer = [1, 2], ["flat"], ["static", "global"]
-        args.replicas, args.repeats, args.passes = [1], 1, 5
+        args.replicas, args.repeats = [1], 1
+        args.passes = args.passes or 5
+    args.passes = args.passes or 2
     if args.validate is None:
         args.validate = args.quick
     return args
@@ -664,7 +716,7 @@ def main(argv=None) -> int:
             by_key = {id_key(r): r for r in check.rows}
             rows = [by_key.get(id_key(r), r) for r in rows]
             print(check.table())
-            print(held_out_line(check, runs) if runs else check.verdict())
+            print(host_text(check.rows) + (held_out_line(check, runs) if runs else check.verdict()))
         write_csv(rows, out / "scaling.csv")
         for p in write_plots(rows, out / "plots", notes):
             print(f"plot: {p}")
@@ -720,13 +772,21 @@ def main(argv=None) -> int:
         verdict = held_out_line(check, runs) if runs else check.verdict()
         if args.held_out:
             verdict = frozen_model() + "\n" + verdict
-        text = check.table() + "\n" + verdict
+        text = check.table() + "\n" + host_text(check.rows) + verdict
         (out / "validation.txt").write_text(text + "\n")
         print("\nsimulator vs measured (closed batches):\n" + text)
     print("\n" + "\n".join(summary))
     if verdict is not None:
         print(verdict)  # last, where a reader of the log looks
     return exit_code(check, runs)
+
+
+def host_text(rows: list[dict]) -> str:
+    """`host_line` at the check's tolerance and a newline, or "" for rows without probes."""
+    from splitmoe.sim.validate import TOLERANCE
+
+    line = host_line(rows, TOLERANCE)
+    return line + "\n" if line else ""
 
 
 def held_out_set(args) -> tuple | None:

@@ -91,15 +91,30 @@ def test_one_real_run_end_to_end(study, tmp_path):
 
 
 def test_repeats_ranges_and_pass_order(study):
-    runs = [dict(step_p50_ms=s, output_tok_s=t, load_avg=1.0) for s, t in ((1.0, 90.0),
-            (1.4, 60.0), (1.1, 80.0))]  # fmt: skip
+    runs = [dict(step_p50_ms=s, output_tok_s=t, load_avg=1.0, host_gb_s=h) for s, t, h in
+            ((1.0, 90.0, 30.0), (1.4, 60.0, 24.0), (1.1, 80.0, 33.0))]  # fmt: skip
     m = study.median_dict(runs)
     assert (m["step_p50_ms"], m["step_min_ms"], m["step_max_ms"]) == (1.1, 1.0, 1.4)
     assert (m["output_tok_s_min"], m["output_tok_s_max"]) == (60.0, 90.0)
+    assert (m["host_gb_s"], m["host_gb_s_min"], m["host_gb_s_max"]) == (30.0, 24.0, 33.0)
     topos = study.plan_topologies(study.parse_args(["--quick"]), [])
     orders = [study.pass_order(topos, i, 0) for i in range(3)]
     assert orders[0] == topos and orders[1] == topos[::-1]
     assert sorted(map(str, orders[2])) == sorted(map(str, topos))  # every topology, once
+
+
+def test_the_host_line_says_whether_the_machine_held_still(study):
+    """The probes' range over a study against the check's tolerance about their median; rows
+    without probes (older CSVs) print nothing."""
+    probes = ((32.0, 30.0, 34.0), (33.0, 31.0, 35.0), (31.0, 29.0, 33.0))
+    rows = [dict(host_gb_s=m, host_gb_s_min=lo, host_gb_s_max=hi) for m, lo, hi in probes]
+    still = study.host_line(rows, 0.15)
+    assert still.startswith("host: copy bandwidth before the runs 29.0-35.0 GB/s (median 32.0")
+    assert still.endswith("held within ±15%")
+    rows[1]["host_gb_s_min"] = 24.0  # -25 %
+    assert study.host_line(rows, 0.15).endswith("moved beyond ±15%")
+    assert study.host_line([dict(step_p50_ms=1.0)], 0.15) == ""
+    assert study.host_probe() > 0.1  # GB/s, measured here
 
 
 def test_rows_run_the_micro_batches_they_name(study):
