@@ -59,6 +59,7 @@ def run(args, prompts, topology: tuple[int, int], m: int | str) -> dict:
         micro_batches=m,
         transport=args.transport,
         device="cpu",
+        dtype=args.dtype,
         threads_per_rank=args.threads_per_rank,
         max_num_seqs=max(64, args.batch),  # the whole batch decodes together
     ) as llm:
@@ -127,6 +128,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--steps", type=int, default=16, help="decode steps averaged (the last)")
     ap.add_argument("--threads-per-rank", type=int, default=None)
+    ap.add_argument("--dtype", default="auto", help="auto (bfloat16 where the CPU multiplies it "
+                    "natively), float32 (what the scaling study runs and the simulator's CPU "
+                    "profile models), bfloat16")  # fmt: skip
     ap.add_argument("--out", default="out/trace", help="directory for the Chrome traces")
     args = ap.parse_args()
     args.model = resolve_model(args.model)

@@ -55,8 +55,9 @@ def _trace_step_args(ckpt):
     from argparse import Namespace
 
     return Namespace(
-        model=str(ckpt), transport="flat", threads_per_rank=None, batch=4, max_tokens=8, steps=4
-    )
+        model=str(ckpt), transport="flat", threads_per_rank=None, batch=4, max_tokens=8, steps=4,
+        dtype="float32",
+    )  # fmt: skip
 
 
 def test_trace_step_compares_counts(tiny_ckpt):
