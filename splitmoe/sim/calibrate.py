@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from splitmoe.kernels.cpu_choice import classes_on_trial
-from splitmoe.sim.hardware import HardwareProfile, Overheads
+from splitmoe.sim.hardware import CURVES, HardwareProfile, Overheads
 
 ROOFLINE_CPU = HardwareProfile(
     name="cpu-uncalibrated",
@@ -45,6 +45,9 @@ ROOFLINE_CPU = HardwareProfile(
 SETTLE_CALLS = 300
 # tokens of the experts' timed calls: a micro-batch's routed tokens, one to a few dozen
 EXPERT_GRID_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+# ... and a prefill step's (16-token prompts of 4 to 32 sequences), beyond what the three terms
+# fitted on the decode grid hold: the curve of the pairs' cost (`Overheads.pairs_layer_s`)
+EXPERT_PREFILL_TOKENS = (64, 128, 256, 512)
 
 
 def _settle(fn) -> None:
@@ -237,7 +240,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     points = {("decode", b): attn_point(b, context, 1) for b in batches}
     points.update({("prefill", b): attn_point(b, 16, 16) for b in pre_b})
     active = {}
-    for tokens in EXPERT_GRID_TOKENS:
+    for tokens in EXPERT_GRID_TOKENS + EXPERT_PREFILL_TOKENS:
         points["moe", tokens], active[tokens] = moe_point(tokens)
     with torch.inference_mode():
         t = _interleaved_medians(points)
@@ -256,6 +259,13 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     moe_layer_s, expert_s, pair_s = _fit_nonnegative(
         [(1.0, a, p) for a, p, _ in grid], [r for _, _, r in grid]
     )
+    # the pairs' cost: the fitted line over the decode grid, then what prefill-sized calls
+    # measured beyond the other two terms (their GEMMs of many rows per expert run near the
+    # roofline: the line, extrapolated, charged 1,024 pairs 2.5x what they took)
+    pairs_layer_s = [(a_p, pair_s * a_p) for _, a_p, _ in grid]
+    for n in EXPERT_PREFILL_TOKENS:
+        rest = t["moe", n] - sim._experts(n * k, active[n]) - moe_layer_s - expert_s * active[n]
+        pairs_layer_s.append((n * k, max(0.0, rest)))
     return dict(
         attn_layer_s=attn_layer_s,
         seqs_layer_s=seqs_layer_s,
@@ -263,6 +273,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
         moe_layer_s=moe_layer_s,
         expert_s=expert_s,
         pair_s=pair_s,
+        pairs_layer_s=pairs_layer_s,
     )
 
 
@@ -312,12 +323,12 @@ def _scaled(hw: HardwareProfile, speed: float, step_s: float) -> HardwareProfile
             "pair_s",
         )
     }
-    curve = tuple((n, t / speed) for n, t in oh.seqs_layer_s)
+    curves = {name: tuple((n, t / speed) for n, t in getattr(oh, name)) for name in CURVES}
     return replace(
         hw,
         peak_flops=hw.peak_flops * speed,
         mem_bytes_per_s=hw.mem_bytes_per_s * speed,
-        overheads=replace(oh, step_s=step_s, seq_step_s=0.0, seqs_layer_s=curve, **per_layer),
+        overheads=replace(oh, step_s=step_s, seq_step_s=0.0, **curves, **per_layer),
     )
 
 
@@ -480,7 +491,7 @@ def measure_hardware(checkpoint: str | Path, log=print) -> HardwareProfile:
     hw = replace(ROOFLINE_CPU, peak_flops=flops, mem_bytes_per_s=bw, cache_bytes=cache)
     comp = measure_components(checkpoint, hw)
 
-    def us(v) -> str:  # (the curve: sequences:us pairs)
+    def us(v) -> str:  # (the curves: count:us pairs)
         return " ".join(f"{n}:{us(t)}" for n, t in v) if isinstance(v, list) else f"{v * 1e6:.1f}"
 
     log("components: " + ", ".join(f"{k} {us(v)} us" for k, v in comp.items()))

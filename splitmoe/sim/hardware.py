@@ -27,6 +27,19 @@ from splitmoe.comm.cost_model import CostModel
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 
+# `Overheads`' measured curves: points (count, seconds), linear between them
+CURVES = ("seqs_layer_s", "pairs_layer_s")
+
+
+def _along(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """The curve through ``(0, 0)`` and ``points`` at ``x``: linear between the points, and
+    along the last segment past the last one, never below 0 seconds (a falling last segment:
+    the pairs' cost where a prefill's GEMMs run near the roofline)."""
+    i = next((i for i, (n, _) in enumerate(points) if x <= n), len(points) - 1)
+    (x0, y0), (x1, y1) = (((0.0, 0.0),) + points)[i : i + 2]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
 @dataclass(frozen=True)
 class Overheads:
     """Host-side seconds, independent of FLOPs and bytes.
@@ -47,6 +60,12 @@ class Overheads:
     pair_s: per (token, expert) pair an expert rank computes, per layer, beyond the roofline:
         gathering and scattering its rows, and GEMMs of a few rows running below the peak that
         a large square GEMM measures (0 where the roofline's efficiencies already hold);
+    pairs_layer_s: where measured (the CPU calibration), the experts' per-layer cost of ``p``
+        pairs beyond ``moe_layer_s`` and ``expert_s`` each, as points ``(p, seconds)`` read as
+        ``seqs_layer_s`` is, in place of ``pair_s * p``: the per-pair cost of a decode step's
+        few rows per expert is all but gone from a prefill's many (on the AVX-512 EPYC 1,024
+        pairs a layer took 9.8 ms in process where ``pair_s`` from 4-192 pairs charged 24.6);
+        empty on the GPU profiles;
     collective_s: one collective call between ``w`` ranks costs
         ``collective_s[min(w, len) - 1] + collective_slope_s * max(0, w - len)`` (index 0: w = 1);
     wake_s: where rank processes outnumber the cores (`contention` > 1), the latency of waking
@@ -75,6 +94,7 @@ class Overheads:
     moe_layer_s: float = 0.0
     expert_s: float = 0.0
     pair_s: float = 0.0
+    pairs_layer_s: tuple[tuple[float, float], ...] = ()
     collective_s: tuple[float, ...] = (0.0,)
     collective_slope_s: float = 0.0
     wake_s: float = 0.0
@@ -85,28 +105,33 @@ class Overheads:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collective_s", tuple(float(x) for x in self.collective_s))
-        points = tuple((float(n), float(t)) for n, t in self.seqs_layer_s)
-        object.__setattr__(self, "seqs_layer_s", points)
-        if any(b[0] <= a[0] for a, b in zip(((0.0, 0.0),) + points, points)):
-            raise ValueError(f"seqs_layer_s={points!r}: sequence counts must rise from above 0")
-        if any(not t >= 0 for _, t in points):
-            raise ValueError(f"overhead seqs_layer_s={points!r} must be >= 0 seconds")
+        for name in CURVES:
+            points = tuple((float(n), float(t)) for n, t in getattr(self, name))
+            object.__setattr__(self, name, points)
+            if any(b[0] <= a[0] for a, b in zip(((0.0, 0.0),) + points, points)):
+                raise ValueError(f"{name}={points!r}: the counts must rise from above 0")
+            if any(not t >= 0 for _, t in points):
+                raise ValueError(f"overhead {name}={points!r} must be >= 0 seconds")
         for f in fields(self):
             v = getattr(self, f.name)
             vals = v if isinstance(v, tuple) else (v,)
-            if f.name != "seqs_layer_s" and (not vals or any(not x >= 0 for x in vals)):
+            if f.name not in CURVES and (not vals or any(not x >= 0 for x in vals)):
                 raise ValueError(f"overhead {f.name}={v!r} must be >= 0 seconds")
 
     def seqs_layer(self, seqs: float) -> float:
         """Seconds a layer of attention costs for ``seqs`` sequences beyond ``attn_layer_s``:
         ``seqs_layer_s`` interpolated where measured, else ``seq_layer_s`` each."""
-        points = self.seqs_layer_s
-        if not points:
+        if not self.seqs_layer_s:
             return self.seq_layer_s * seqs
-        # the segment that holds ``seqs`` (past the last point: the last segment)
-        i = next((i for i, (n, _) in enumerate(points) if seqs <= n), len(points) - 1)
-        (x0, y0), (x1, y1) = (((0.0, 0.0),) + points)[i : i + 2]
-        return y0 + (y1 - y0) * (seqs - x0) / (x1 - x0)
+        return _along(self.seqs_layer_s, seqs)
+
+    def pairs_layer(self, pairs: float) -> float:
+        """Seconds a layer's experts cost for ``pairs`` (token, expert) pairs beyond
+        ``moe_layer_s`` and ``expert_s`` each: ``pairs_layer_s`` interpolated where measured,
+        else ``pair_s`` each."""
+        if not self.pairs_layer_s:
+            return self.pair_s * pairs
+        return _along(self.pairs_layer_s, pairs)
 
     def collective(self, world: int) -> float:
         """Fixed seconds of one collective call over ``world`` ranks (0 for a single rank)."""

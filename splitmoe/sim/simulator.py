@@ -314,7 +314,7 @@ class Simulator:
         return (
             oh.moe_layer_s
             + oh.expert_s * active
-            + oh.pair_s * pairs
+            + oh.pairs_layer(pairs)
             + self.ehw.gemm_s(flops, nbytes, self.expert_fp8)
         )
 

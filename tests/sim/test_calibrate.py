@@ -85,17 +85,31 @@ def test_components_measure_a_checkpoint(tiny_ckpt, name):
     constant measured is a non-negative number of seconds."""
     import math
 
-    from splitmoe.sim.calibrate import ROOFLINE_CPU, measure_components
+    from splitmoe.config import ModelConfig
+    from splitmoe.sim.calibrate import (
+        EXPERT_GRID_TOKENS,
+        EXPERT_PREFILL_TOKENS,
+        ROOFLINE_CPU,
+        measure_components,
+    )
 
     comp = measure_components(tiny_ckpt(name), ROOFLINE_CPU)
     assert set(comp) == {"attn_layer_s", "seqs_layer_s", "prefill_seq_layer_s", "moe_layer_s",
-                         "expert_s", "pair_s"}  # fmt: skip
+                         "expert_s", "pair_s", "pairs_layer_s"}  # fmt: skip
     curve = comp.pop("seqs_layer_s")
     assert [n for n, _ in curve] == [1, 2, 4, 8, 16, 32]
     assert all(math.isfinite(t) and t >= 0.0 for _, t in curve)
+    # the pairs' curve: the fitted line over the decode grid, then the prefill-sized calls
+    pairs = comp.pop("pairs_layer_s")
+    k = ModelConfig.from_hf(tiny_ckpt(name)).top_k
+    assert [n for n, _ in pairs] == [n * k for n in EXPERT_GRID_TOKENS + EXPERT_PREFILL_TOKENS]
+    assert [t for n, t in pairs[: len(EXPERT_GRID_TOKENS)]] == [
+        comp["pair_s"] * n for n, _ in pairs[: len(EXPERT_GRID_TOKENS)]
+    ]
+    assert all(math.isfinite(t) and t >= 0.0 for _, t in pairs)
     assert all(math.isfinite(v) and v >= 0.0 for v in comp.values())
     assert comp["attn_layer_s"] + comp["moe_layer_s"] + comp["expert_s"] > 0.0
-    Overheads(**comp, seqs_layer_s=curve)  # (a profile takes them as they are)
+    Overheads(**comp, seqs_layer_s=curve, pairs_layer_s=pairs)  # (a profile takes them as they are)
 
 
 def _script(name: str):

@@ -230,6 +230,28 @@ def test_attention_cost_of_the_sequences_follows_the_measured_curve(tmp_path):
             Overheads(seqs_layer_s=bad)
 
 
+def test_experts_cost_of_the_pairs_follows_the_measured_curve(tmp_path):
+    # the CPU calibration's points (p pairs, seconds beyond moe_layer_s and expert_s each) in
+    # place of pair_s * p: a prefill's many rows per expert cost less a pair than decode's few
+    oh = Overheads(moe_layer_s=1e-4, pair_s=9.0, pairs_layer_s=[[4, 4e-4], [192, 19.2e-3],
+                                                                 [1024, 10e-3]])  # fmt: skip
+    assert [oh.pairs_layer(p) for p in (2, 98, 608, 2048)] == pytest.approx(
+        [2e-4, 9.8e-3, 14.6e-3, 0.0]  # (past the last point along its segment, never < 0)
+    )
+    assert oh.pairs_layer(1440) == pytest.approx(10e-3 - 9.2e-3 * 416 / 832)
+    assert Overheads(pair_s=1e-5).pairs_layer(100) == pytest.approx(1e-3)
+    curved = Simulator(TINY, _roofline_only(overheads=oh))
+    line = Simulator(TINY, _roofline_only(overheads=replace(oh, pairs_layer_s=(), pair_s=1e-5)))
+    assert curved._experts(608, 8) - line._experts(608, 8) == pytest.approx(14.6e-3 - 6.08e-3)
+    assert curved._experts(0, 0) == line._experts(0, 0) == pytest.approx(1e-4)
+    path = tmp_path / "p.json"
+    curved.hw.to_file(path)
+    assert load_profile(path) == curved.hw
+    for bad in ([[0, 1e-4]], [[8, 1e-4], [4, 2e-4]], [[4, -1e-4]]):
+        with pytest.raises(ValueError, match="pairs_layer_s"):
+            Overheads(pairs_layer_s=bad)
+
+
 def test_contention_only_where_ranks_share_cores():
     oh = Overheads(attn_layer_s=1e-3, moe_layer_s=1e-3, seq_layer_s=1e-4, expert_s=1e-4)
     gpu = Simulator(TINY, _roofline_only(overheads=oh))
