@@ -212,7 +212,12 @@ def frozen_model() -> str:
     freezes), and whether the working tree changes it since."""
     import subprocess
 
+    import splitmoe.sim
+
     root = Path(__file__).resolve().parent.parent
+    imported = Path(splitmoe.sim.__file__).resolve().parent
+    if imported != root / "splitmoe" / "sim":  # (an editable install of another checkout)
+        return f"model: splitmoe/sim imported from {imported}, not this tree (not a frozen model)"
     try:
         commit = subprocess.run(
             ["git", "log", "-1", "--format=%h %s", "--", *MODEL_FILES],

@@ -117,6 +117,20 @@ def test_the_host_line_says_whether_the_machine_held_still(study):
     assert study.host_probe() > 0.1  # GB/s, measured here
 
 
+def test_the_frozen_model_is_the_tree_the_study_imports(study, monkeypatch):
+    """The commit printed is this tree's; where `splitmoe` is imported from another checkout
+    (an editable install of a CI clone), the line says the run is not of a frozen model."""
+    import splitmoe.sim
+
+    line = study.frozen_model()
+    assert line.startswith("model: splitmoe/sim at ") or "no git history" in line
+    monkeypatch.setattr(splitmoe.sim, "__file__", "/elsewhere/splitmoe/sim/__init__.py")
+    assert study.frozen_model() == (
+        "model: splitmoe/sim imported from /elsewhere/splitmoe/sim, not this tree "
+        "(not a frozen model)"
+    )
+
+
 def test_rows_run_the_micro_batches_they_name(study):
     # left to the runtime, an AF step of 8+ tokens per attention rank splits in two: an "m=1"
     # row at batch 16 measured two micro-batches until the study passed it explicitly
