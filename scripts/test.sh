@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the test dependencies and runs the test suite (CPU; 15-22 minutes on 2 cores).
+# Installs the test dependencies and runs the test suite (CPU; 12-22 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
