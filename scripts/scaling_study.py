@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import itertools
 import math
 import os
@@ -235,7 +236,10 @@ def frozen_model() -> str:
 
 
 # ---- one run point ----------------------------------------------------------------------------
-_PROBE = None
+@functools.cache
+def _probe_buffers() -> tuple[torch.Tensor, torch.Tensor]:
+    src = torch.randn(16 * 2**20)  # 64 MiB
+    return src, torch.empty_like(src)
 
 
 def host_probe() -> float:
@@ -244,11 +248,7 @@ def host_probe() -> float:
     held still while the study ran. A VM's neighbours move it with nothing of ours running
     (24-40 GB/s within 40 s on the 2-core AVX-512 EPYC), and a load average does not see
     that. The decode steps of the realistic preset read their weights from memory."""
-    global _PROBE
-    if _PROBE is None:
-        src = torch.randn(16 * 2**20)
-        _PROBE = (src, torch.empty_like(src))
-    src, dst = _PROBE
+    src, dst = _probe_buffers()
     best = math.inf
     for _ in range(3):
         t = time.perf_counter()
@@ -261,12 +261,12 @@ def host_line(rows: list[dict], tolerance: float) -> str:
     """The host probes' range over a study (`host_probe`), and whether the machine's own speed
     moved by more than the check's ``tolerance`` about its median (then the study measured
     the host as much as the runtime: no check on it is a test of the model)."""
-    lows = [float(r["host_gb_s_min"]) for r in rows if r.get("host_gb_s_min") not in (None, "")]
-    if not lows:
+    probed = [r for r in rows if r.get("host_gb_s_min") not in (None, "")]
+    if not probed:
         return ""
-    highs = [float(r["host_gb_s_max"]) for r in rows if r.get("host_gb_s_max") not in (None, "")]
-    mid = statistics.median(float(r["host_gb_s"]) for r in rows if r.get("host_gb_s"))
-    lo, hi = min(lows), max(highs)
+    lo = min(float(r["host_gb_s_min"]) for r in probed)
+    hi = max(float(r["host_gb_s_max"]) for r in probed)
+    mid = statistics.median(float(r["host_gb_s"]) for r in probed)
     moved = hi > mid * (1 + tolerance) or lo < mid * (1 - tolerance)
     return (
         f"host: copy bandwidth before the runs {lo:.1f}-{hi:.1f} GB/s (median {mid:.1f}; "
@@ -691,14 +691,12 @@ def parse_args(argv=None):
         # the calibration runs' workload; every other sweep option is the plan's
         args.prompt_len, args.max_tokens, args.rate = CALIBRATION_PROMPT, CALIBRATION_TOKENS, []
         args.repeats, args.validate = 1, True
-        args.passes = args.passes or 5
     if args.quick:
         args.attention_ranks, args.expert_ranks = [1, 2], [0, 1, 2]
         args.batch, args.rate = [1, 16], []
         args.micro_batches, args.transport, args.balancer = [1, 2], ["flat"], ["static", "global"]
         args.replicas, args.repeats = [1], 1
-        args.passes = args.passes or 5
-    args.passes = args.passes or 2
+    args.passes = args.passes or (5 if args.held_out or args.quick else 2)
     if args.validate is None:
         args.validate = args.quick
     return args

@@ -261,7 +261,8 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     )
     # the pairs' cost: the fitted line over the decode grid, then what prefill-sized calls
     # measured beyond the other two terms (their GEMMs of many rows per expert run near the
-    # roofline: the line, extrapolated, charged 1,024 pairs 2.5x what they took)
+    # roofline: on the AVX-512 EPYC the line, extrapolated, charged 1,024 pairs 2.5x what
+    # they took)
     pairs_layer_s = [(a_p, pair_s * a_p) for _, a_p, _ in grid]
     for n in EXPERT_PREFILL_TOKENS:
         rest = t["moe", n] - sim._experts(n * k, active[n]) - moe_layer_s - expert_s * active[n]
