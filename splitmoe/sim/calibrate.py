@@ -43,11 +43,36 @@ ROOFLINE_CPU = HardwareProfile(
 
 # calls of a timed function at most before its kernel choices must have settled
 SETTLE_CALLS = 300
-# tokens of the experts' timed calls: a micro-batch's routed tokens, one to a few dozen
-EXPERT_GRID_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
-# ... and a prefill step's (16-token prompts of 4 to 32 sequences), beyond what the three terms
-# fitted on the decode grid hold: the curve of the pairs' cost (`Overheads.pairs_layer_s`)
+
+
+# The runtime's CPU kernel choices hold per power-of-two size class (`pow2_bucket`: of rows for
+# the projections and the attention, of (token, expert) pairs for the experts), and a size just
+# above a class's top runs the next class's kernel: on the AVX-512 EPYC an attention layer took
+# 0.27 ms at 4 sequences and 0.34 at 5, flat to 8 (0.36). A curve through the tops alone
+# (1, 2, 4, 8, ...) drew a line from 4 to 8 and under-charged the 5 and 6 of a two-micro-batch
+# step by a fifth, so both ends of every class are timed.
+def class_ends(limit: int, per: int = 1) -> tuple[int, ...]:
+    """Counts of 1 to ``limit`` at both ends of each power-of-two class of ``per`` times them
+    (the first and the last count whose ``count * per`` falls in it), and ``limit``."""
+    ends, top = {limit}, 1
+    while top // 2 // per + 1 <= limit:
+        ends.update(n for n in (top // 2 // per + 1, top // per) if 1 <= n <= limit)
+        top *= 2
+    return tuple(sorted(ends))
+
+
+# sequences of the attention's timed decode steps
+ATTENTION_GRID_SEQS = class_ends(32)
+# the largest token count of the experts' timed decode calls (a micro-batch's routed tokens)
+EXPERT_GRID_LIMIT = 48
+# ... and a prefill step's (16-token prompts of 4 to 32 sequences): GEMMs of many rows per
+# expert, where the per-pair cost of the decode grid is all but gone
 EXPERT_PREFILL_TOKENS = (64, 128, 256, 512)
+
+
+def expert_grid_tokens(top_k: int) -> tuple[int, ...]:
+    """Token counts of the experts' timed decode calls: both ends of each class of pairs."""
+    return class_ends(EXPERT_GRID_LIMIT, top_k)
 
 
 def _settle(fn) -> None:
@@ -96,6 +121,18 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
     b = max(b, 0.0)
     return max(my - b * mx, 0.0), b
+
+
+def _nondecreasing(ys: list[float]) -> list[float]:
+    """The closest non-decreasing sequence to ``ys`` in least squares (pool adjacent
+    violators: a run that falls is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(n)]
 
 
 def _fit_nonnegative(rows: list[tuple[float, ...]], ys: list[float]) -> tuple[float, ...]:
@@ -235,38 +272,45 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
         return moe, statistics.mean(c[3] for c in calls)
 
     context = 32
-    batches = [1, 2, 4, 8, 16, 32]
+    batches = ATTENTION_GRID_SEQS
+    grid_tokens = expert_grid_tokens(k)
     pre_b = [1, 4, 8]
     points = {("decode", b): attn_point(b, context, 1) for b in batches}
     points.update({("prefill", b): attn_point(b, 16, 16) for b in pre_b})
     active = {}
-    for tokens in EXPERT_GRID_TOKENS + EXPERT_PREFILL_TOKENS:
+    moe_tokens = grid_tokens + EXPERT_PREFILL_TOKENS
+    for tokens in moe_tokens:
         points["moe", tokens], active[tokens] = moe_point(tokens)
     with torch.inference_mode():
         t = _interleaved_medians(points)
+    # (a cost does not fall as its count grows: where a median did, it was the host's noise)
+    for kind, counts in (("decode", batches), ("moe", moe_tokens)):
+        for n, v in zip(counts, _nondecreasing([t[kind, n] for n in counts])):
+            t[kind, n] = v
 
     ys = [t["decode", b] - sim._attn(b, b, 0, context)[0] for b in batches]
     # the cost is concave in the sequences (1 to 4 add ~3x what each of 4 to 16 adds; a line
     # through all of them charged 1 sequence 30 % too much): the fixed part is where the small
     # batches' line meets 0 sequences, the rest a curve through every measured batch
-    attn_layer_s, _ = _fit_line(batches[:3], ys[:3])
+    small = [i for i, b in enumerate(batches) if b <= 4]
+    attn_layer_s, _ = _fit_line([batches[i] for i in small], [ys[i] for i in small])
     seqs_layer_s = [(b, max(0.0, y - attn_layer_s)) for b, y in zip(batches, ys)]
     ys = [t["prefill", b] - sim._attn(16 * b, 0, b, 8)[0] - attn_layer_s for b in pre_b]
     _, prefill_seq_layer_s = _fit_line(pre_b, ys)
-    grid = [
-        (active[n], n * k, t["moe", n] - sim._experts(n * k, active[n])) for n in EXPERT_GRID_TOKENS
-    ]
+    grid = [(active[n], n * k, t["moe", n] - sim._experts(n * k, active[n])) for n in grid_tokens]
+    # the per-layer, per-expert and per-pair terms (what a skewed or spread load changes)
     moe_layer_s, expert_s, pair_s = _fit_nonnegative(
         [(1.0, a, p) for a, p, _ in grid], [r for _, _, r in grid]
     )
-    # the pairs' cost: the fitted line over the decode grid, then what prefill-sized calls
-    # measured beyond the other two terms (their GEMMs of many rows per expert run near the
-    # roofline: on the AVX-512 EPYC the line, extrapolated, charged 1,024 pairs 2.5x what
-    # they took)
-    pairs_layer_s = [(a_p, pair_s * a_p) for _, a_p, _ in grid]
-    for n in EXPERT_PREFILL_TOKENS:
-        rest = t["moe", n] - sim._experts(n * k, active[n]) - moe_layer_s - expert_s * active[n]
-        pairs_layer_s.append((n * k, max(0.0, rest)))
+    # ... and the pairs' cost as what each timed call measured beyond the other two: the three
+    # terms alone cannot hold the class steps (nor a prefill's GEMMs of many rows per expert,
+    # which run near the roofline: on the AVX-512 EPYC the fitted line, extrapolated, charged
+    # 1,024 pairs 2.5x what they took)
+    pairs_layer_s = [
+        (n * k, max(0.0, t["moe", n] - sim._experts(n * k, active[n]) - moe_layer_s
+                    - expert_s * active[n]))
+        for n in moe_tokens
+    ]  # fmt: skip
     return dict(
         attn_layer_s=attn_layer_s,
         seqs_layer_s=seqs_layer_s,

@@ -51,8 +51,9 @@ class Overheads:
     seqs_layer_s: where measured (the CPU calibration), the per-layer attention cost of ``n``
         sequences beyond ``attn_layer_s`` as points ``(n, seconds)``, linear between them (from
         ``(0, 0)``) and along the last two beyond, in place of ``seq_layer_s * n``: on a CPU the
-        cost is concave at small batches (1 to 4 sequences add ~3x what each of 4 to 16 adds),
-        which one line through all batches over-charges at 1 sequence; empty on the GPU profiles;
+        cost is concave at small batches (1 to 4 sequences add ~3x what each of 4 to 16 adds)
+        and steps where the kernels' size classes do (both ends of each class are measured);
+        empty on the GPU profiles;
     prefill_seq_layer_s: extra per prefill chunk and layer (chunks are computed one by one);
     moe_layer_s: per MoE layer where experts run (sort, scatter, launches);
     expert_s: per activated expert and layer (one GEMM pair per expert on the reference path;
@@ -62,10 +63,10 @@ class Overheads:
         a large square GEMM measures (0 where the roofline's efficiencies already hold);
     pairs_layer_s: where measured (the CPU calibration), the experts' per-layer cost of ``p``
         pairs beyond ``moe_layer_s`` and ``expert_s`` each, as points ``(p, seconds)`` read as
-        ``seqs_layer_s`` is, in place of ``pair_s * p``: the per-pair cost of a decode step's
-        few rows per expert is all but gone from a prefill's many (on the AVX-512 EPYC 1,024
-        pairs a layer took 9.8 ms in process where ``pair_s`` from 4-192 pairs charged 24.6);
-        empty on the GPU profiles;
+        ``seqs_layer_s`` is, in place of ``pair_s * p``: it steps where the kernels' classes of
+        pairs do, and the per-pair cost of a decode step's few rows per expert is all but gone
+        from a prefill's many (on the AVX-512 EPYC 1,024 pairs a layer took 9.8 ms in process
+        where ``pair_s`` from 4-192 pairs charged 24.6); empty on the GPU profiles;
     collective_s: one collective call between ``w`` ranks costs
         ``collective_s[min(w, len) - 1] + collective_slope_s * max(0, w - len)`` (index 0: w = 1);
     wake_s: where rank processes outnumber the cores (`contention` > 1), the latency of waking

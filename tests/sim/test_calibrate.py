@@ -60,6 +60,33 @@ def test_fit_recovers_the_step_constants_of_a_known_machine():
         assert _step(fitted, *key) == pytest.approx(_step(truth, *key), rel=0.05), key
 
 
+def test_the_grids_time_both_ends_of_every_kernel_class():
+    """The runtime's kernel choices hold per power-of-two class of rows or pairs, and a count
+    just above a class's top runs the next one's kernel: the grids time the first and the last
+    count of each class, so the curves through them step where the runtime does."""
+    from splitmoe.kernels.cpu_choice import pow2_bucket
+    from splitmoe.sim.calibrate import ATTENTION_GRID_SEQS, class_ends, expert_grid_tokens
+
+    assert ATTENTION_GRID_SEQS == (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)
+    for per in (1, 2, 4, 6, 8):
+        ends = class_ends(48, per)
+        for n in range(1, 49):
+            same = [e for e in ends if pow2_bucket(e * per) == pow2_bucket(n * per)]
+            assert min(same) <= n <= max(same), (per, n, ends)
+        assert ends[0] == 1 and ends[-1] == 48
+    assert expert_grid_tokens(6)[:6] == (1, 2, 3, 5, 6, 10)
+
+
+def test_a_cost_that_falls_with_its_count_is_pooled():
+    """Medians that fall as the count grows are the host's noise: pooled to their mean, the
+    rest kept (least squares under the constraint)."""
+    from splitmoe.sim.calibrate import _nondecreasing
+
+    assert _nondecreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert _nondecreasing([5.0, 1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0, 2.0]
+    assert _nondecreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+
+
 def test_components_are_timed_round_robin():
     """Each round times every point once, so a host whose speed drifts slows a round's points
     alike; each point's figure is the median of what it timed."""
@@ -87,9 +114,10 @@ def test_components_measure_a_checkpoint(tiny_ckpt, name):
 
     from splitmoe.config import ModelConfig
     from splitmoe.sim.calibrate import (
-        EXPERT_GRID_TOKENS,
+        ATTENTION_GRID_SEQS,
         EXPERT_PREFILL_TOKENS,
         ROOFLINE_CPU,
+        expert_grid_tokens,
         measure_components,
     )
 
@@ -97,15 +125,12 @@ def test_components_measure_a_checkpoint(tiny_ckpt, name):
     assert set(comp) == {"attn_layer_s", "seqs_layer_s", "prefill_seq_layer_s", "moe_layer_s",
                          "expert_s", "pair_s", "pairs_layer_s"}  # fmt: skip
     curve = comp.pop("seqs_layer_s")
-    assert [n for n, _ in curve] == [1, 2, 4, 8, 16, 32]
+    assert [n for n, _ in curve] == list(ATTENTION_GRID_SEQS)
     assert all(math.isfinite(t) and t >= 0.0 for _, t in curve)
-    # the pairs' curve: the fitted line over the decode grid, then the prefill-sized calls
+    # the pairs' curve: what every timed call (decode-sized, then prefill-sized) measured
     pairs = comp.pop("pairs_layer_s")
     k = ModelConfig.from_hf(tiny_ckpt(name)).top_k
-    assert [n for n, _ in pairs] == [n * k for n in EXPERT_GRID_TOKENS + EXPERT_PREFILL_TOKENS]
-    assert [t for n, t in pairs[: len(EXPERT_GRID_TOKENS)]] == [
-        comp["pair_s"] * n for n, _ in pairs[: len(EXPERT_GRID_TOKENS)]
-    ]
+    assert [n for n, _ in pairs] == [n * k for n in expert_grid_tokens(k) + EXPERT_PREFILL_TOKENS]
     assert all(math.isfinite(t) and t >= 0.0 for _, t in pairs)
     assert all(math.isfinite(v) and v >= 0.0 for v in comp.values())
     assert comp["attn_layer_s"] + comp["moe_layer_s"] + comp["expert_s"] > 0.0
