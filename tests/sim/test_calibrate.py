@@ -88,8 +88,9 @@ def test_a_cost_that_falls_with_its_count_is_pooled():
 
 
 def test_components_are_timed_round_robin():
-    """Each round times every point once, so a host whose speed drifts slows a round's points
-    alike; each point's figure is the median of what it timed."""
+    """Each round times every point in turn, so a host whose speed drifts slows a round's
+    points alike; a point's first call of a round is discarded (it pays for what the point
+    before it left in the caches), and its figure is the median of the second calls."""
     from splitmoe.sim.calibrate import _interleaved_medians
 
     calls = []
@@ -101,9 +102,11 @@ def test_components_are_timed_round_robin():
 
         return fn
 
-    got = _interleaved_medians({"a": point("a", [1.0, 5.0, 2.0]), "b": point("b", [7.0])}, 3)
+    # (after the settling call, a's calls return 9, 2, 9, 3, 9, 1: each round's second is kept)
+    got = _interleaved_medians({"a": point("a", [9.0, 1.0, 9.0, 2.0, 9.0, 3.0]),
+                                "b": point("b", [7.0])}, 3)  # fmt: skip
     assert got == {"a": 2.0, "b": 7.0}
-    assert calls[-6:] == ["a", "b"] * 3
+    assert calls[-12:] == ["a", "a", "b", "b"] * 3
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe_dense"])
