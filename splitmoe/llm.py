@@ -35,6 +35,7 @@ from splitmoe.comm.distributed import hosted_store, shutdown_groups
 from splitmoe.comm.topology import Topology
 from splitmoe.config import EngineConfig, engine_config
 from splitmoe.inputs import broadcast_params, check_request, normalize_prompts
+from splitmoe.kernels.cpu_choice import half_octave_bucket
 from splitmoe.metrics import ServingMetrics, StepRecord, summarize
 from splitmoe.outputs import RequestOutput, StreamDelta, request_error
 from splitmoe.runtime import Inbox, rank_openmp_env, run_rank
@@ -1167,7 +1168,9 @@ class LLM:
         settled now rather than in the first clients' steps. Like vLLM's start-up warm-up.
 
         Each attention rank decodes ``b`` requests for ``decode_steps`` steps at every power
-        of two ``b`` up to ``max_num_seqs``, then prefills one prompt of each power of two from
+        of two ``b`` up to ``max_num_seqs`` and at three quarters of each (the MoE layouts'
+        classes are half an octave wide: `half_octave_bucket`), then prefills one prompt of
+        each power of two from
         32 tokens up to the step's token budget (``max_num_batched_tokens``, or the longest
         prompt that fits) ``prefill_repeats`` times. A class decided on an earlier start (the
         choices' cache file) costs its normal time. Greedy, random token ids (each request its
@@ -1176,7 +1179,8 @@ class LLM:
         cfg = self.config
         ranks, vocab = cfg.parallel.attention_ranks, cfg.model.vocab_size
         longest = min(cfg.scheduler.max_num_batched_tokens, cfg.max_model_len - 1)
-        batches = [1 << i for i in range(cfg.scheduler.max_num_seqs.bit_length())]
+        top = cfg.scheduler.max_num_seqs
+        batches = sorted({c for c in map(half_octave_bucket, range(1, top + 1)) if c <= top})
         prefills = [1 << i for i in range(5, longest.bit_length()) if 1 << i <= longest]
         prompt = 16
         rng = random.Random(0)

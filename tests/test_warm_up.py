@@ -15,7 +15,8 @@ def test_warm_up_covers_the_batch_sizes_and_leaves_the_engine_clean(tiny_ckpt, h
         ckpt, 1, 1, max_num_seqs=5, max_num_batched_tokens=96, num_kv_blocks=96, block_size=4
     ) as llm:
         ran = llm.warm_up(decode_steps=3, prefill_repeats=2)
-        assert ran["decode_batches"] == [1, 2, 4]  # powers of two up to max_num_seqs
+        # powers of two up to max_num_seqs, and three quarters of each
+        assert ran["decode_batches"] == [1, 2, 3, 4]
         assert ran["prefill_tokens"] == [32, 64]  # from 32 up to the step's token budget
         assert ran["seconds"] > 0
         assert llm.metrics().num_requests == 0  # (its requests are not the caller's)

@@ -21,7 +21,7 @@ candidate that got none in `KernelChoice.max_rounds` calls (cores that stay cont
 sharing them) is judged on the others, and that decision is kept in memory only.
 
 Decisions are kept in memory and in a JSON file shared by all ops and processes,
-``$SPLITMOE_CACHE_DIR/cpu_kernels-3.json`` (default ``~/.cache/splitmoe/``; the variable moves the
+``$SPLITMOE_CACHE_DIR/cpu_kernels-4.json`` (default ``~/.cache/splitmoe/``; the variable moves the
 file and switches nothing else), keyed by the CPU model, torch version, the native kernels'
 sources, thread count, dtype, op and shape class (`choice_key`): a later process on the same
 machine measures nothing; a new version of a kernel is measured again. Each rank
@@ -60,10 +60,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# (version 3: version 2 compared each candidate's fastest call, and on a fresh AVX-512 host kept
-# a MoE layout 1.5x slower in a step than the one later timings prefer; version 1 counted the
-# times of preempted calls)
-CACHE_FILE_NAME = "cpu_kernels-3.json"
+# (version 4: the MoE layouts' classes are half an octave wide (`half_octave_bucket`); version
+# 3's octaves kept, for 129-256 pairs, a layout timed near 256 that took 1.3-1.5x the best one
+# at 132-192. Version 3: version 2 compared each candidate's fastest call, and on a fresh
+# AVX-512 host kept a MoE layout 1.5x slower in a step than the one later timings prefer;
+# version 1 counted the times of preempted calls)
+CACHE_FILE_NAME = "cpu_kernels-4.json"
 
 
 def involuntary_switches() -> int:
@@ -396,3 +398,13 @@ def classes_on_trial() -> int:
 def pow2_bucket(n: int) -> int:
     """``n`` rounded up to a power of two (0 stays 0): the size part of a shape class."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def half_octave_bucket(n: int) -> int:
+    """``n`` rounded up to a power of two or to three quarters of one (1, 2, 3, 4, 6, 8, 12,
+    16, ...; 0 stays 0): the size part of a shape class whose candidates' costs cross within an
+    octave (the MoE layouts on the AVX-512 EPYC, realistic preset: at 256 pairs a layer the
+    three within 8 % of each other, at 132 the weights-on-the-left GEMM 1.5x faster than the
+    tokens-on-the-left one, which a class of 129-256 pairs timed near its top had kept)."""
+    top = pow2_bucket(n)
+    return top * 3 // 4 if n > 2 and n <= top * 3 // 4 else top

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from splitmoe.kernels import moe_cpu
-from splitmoe.kernels.cpu_choice import Decision, KernelChoice, pow2_bucket
+from splitmoe.kernels.cpu_choice import Decision, KernelChoice, half_octave_bucket
 from splitmoe.kernels.expert_sort import check_moe_inputs, check_moe_shapes, count_keys
 from splitmoe.kernels.linear import linear
 from splitmoe.kernels.quant import QuantizedWeight, dequantize_reused
@@ -173,7 +173,8 @@ def fused_moe_cpu(
       the GPU's form).
 
     ``path`` None: the layout `CPU_MOE_GEMMS` measured fastest on this machine for the shape
-    class (expert shape, pairs rounded up to a power of two, GPT-OSS options, dtype, threads);
+    class (expert shape, pairs rounded up to half an octave, `half_octave_bucket`, GPT-OSS
+    options, dtype, threads);
     the grouped layouts only where ``torch._grouped_mm`` takes the sizes. A name forces one
     (tests, benchmarks). GPT-OSS's expert biases and clamped SwiGLU (``ffn``: ``b13``, ``b2``,
     ``swiglu_limit``, ``swiglu_alpha``) ride along: each row's biases are gathered by its
@@ -227,7 +228,7 @@ class _SortedPairs(NamedTuple):
 
 
 def _moe_shape_class(w13: torch.Tensor, pairs: int, b13, act: dict) -> tuple:
-    return (*w13.shape, pow2_bucket(pairs), b13 is not None, "swiglu_limit" in act)
+    return (*w13.shape, half_octave_bucket(pairs), b13 is not None, "swiglu_limit" in act)
 
 
 def cpu_moe_decision(

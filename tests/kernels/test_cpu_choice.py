@@ -18,6 +18,7 @@ from splitmoe.kernels.cpu_choice import (
     KernelChoice,
     choice_key,
     classes_on_trial,
+    half_octave_bucket,
     pow2_bucket,
 )
 
@@ -222,7 +223,7 @@ def test_the_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
         file=ChoiceFile(),
     )
     decide(choice, (4,), clock)
-    assert (tmp_path / "moved" / "cpu_kernels-3.json").exists()
+    assert (tmp_path / "moved" / "cpu_kernels-4.json").exists()
 
 
 def test_keys_differ_by_everything_speed_depends_on():
@@ -261,6 +262,13 @@ def test_a_different_thread_count_is_timed_again(tmp_path):
 def test_pow2_bucket():
     got = [pow2_bucket(n) for n in (0, 1, 2, 3, 4, 5, 31, 32, 33)]
     assert got == [0, 1, 2, 4, 4, 8, 32, 32, 64]
+
+
+def test_half_octave_bucket():
+    """Powers of two and three quarters of them: each class half an octave wide."""
+    got = [half_octave_bucket(n) for n in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 129, 192, 193)]
+    assert got == [0, 1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 16, 192, 192, 256]
+    assert all(half_octave_bucket(n) >= n for n in range(1000))
 
 
 def test_no_kernel_choice_by_constants():
