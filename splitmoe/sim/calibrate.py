@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from splitmoe.kernels.cpu_choice import classes_on_trial
+from splitmoe.kernels.cpu_choice import classes_on_trial, half_octave_bucket, pow2_bucket
 from splitmoe.sim.hardware import CURVES, HardwareProfile, Overheads
 
 ROOFLINE_CPU = HardwareProfile(
@@ -45,19 +45,21 @@ ROOFLINE_CPU = HardwareProfile(
 SETTLE_CALLS = 300
 
 
-# The runtime's CPU kernel choices hold per power-of-two size class (`pow2_bucket`: of rows for
-# the projections and the attention, of (token, expert) pairs for the experts), and a size just
-# above a class's top runs the next class's kernel: on the AVX-512 EPYC an attention layer took
-# 0.27 ms at 4 sequences and 0.34 at 5, flat to 8 (0.36). A curve through the tops alone
-# (1, 2, 4, 8, ...) drew a line from 4 to 8 and under-charged the 5 and 6 of a two-micro-batch
-# step by a fifth, so both ends of every class are timed.
-def class_ends(limit: int, per: int = 1) -> tuple[int, ...]:
-    """Counts of 1 to ``limit`` at both ends of each power-of-two class of ``per`` times them
-    (the first and the last count whose ``count * per`` falls in it), and ``limit``."""
-    ends, top = {limit}, 1
-    while top // 2 // per + 1 <= limit:
-        ends.update(n for n in (top // 2 // per + 1, top // per) if 1 <= n <= limit)
-        top *= 2
+# The runtime's CPU kernel choices hold per size class (`pow2_bucket` of rows for the
+# projections and the attention, `half_octave_bucket` of (token, expert) pairs for the
+# experts), and a size just above a class's top runs the next class's kernel: on the AVX-512
+# EPYC an attention layer took 0.27 ms at 4 sequences and 0.34 at 5, flat to 8 (0.36). A curve
+# through the tops alone (1, 2, 4, 8, ...) drew a line from 4 to 8 and under-charged the 5 and
+# 6 of a two-micro-batch step by a fifth, so both ends of every class are timed.
+def class_ends(limit: int, per: int = 1, bucket=pow2_bucket) -> tuple[int, ...]:
+    """Counts of 1 to ``limit`` at both ends of each class ``bucket(count * per)`` (the first
+    and the last count in it), and ``limit``."""
+    ends, last = {limit}, None
+    for n in range(1, limit + 1):
+        c = bucket(n * per)
+        if c != last:
+            ends.update((n, n - 1) if n > 1 else (n,))
+            last = c
     return tuple(sorted(ends))
 
 
@@ -72,7 +74,7 @@ EXPERT_PREFILL_TOKENS = (64, 128, 256, 512)
 
 def expert_grid_tokens(top_k: int) -> tuple[int, ...]:
     """Token counts of the experts' timed decode calls: both ends of each class of pairs."""
-    return class_ends(EXPERT_GRID_LIMIT, top_k)
+    return class_ends(EXPERT_GRID_LIMIT, top_k, half_octave_bucket)
 
 
 def _settle(fn) -> None:

@@ -61,20 +61,24 @@ def test_fit_recovers_the_step_constants_of_a_known_machine():
 
 
 def test_the_grids_time_both_ends_of_every_kernel_class():
-    """The runtime's kernel choices hold per power-of-two class of rows or pairs, and a count
-    just above a class's top runs the next one's kernel: the grids time the first and the last
-    count of each class, so the curves through them step where the runtime does."""
-    from splitmoe.kernels.cpu_choice import pow2_bucket
+    """The runtime's kernel choices hold per size class of rows (attention, projections) or of
+    pairs (experts), and a count just above a class's top runs the next one's kernel: the grids
+    time the first and the last count of each class, so the curves through them step where
+    the runtime does."""
+    from splitmoe.kernels.cpu_choice import half_octave_bucket, pow2_bucket
     from splitmoe.sim.calibrate import ATTENTION_GRID_SEQS, class_ends, expert_grid_tokens
 
     assert ATTENTION_GRID_SEQS == (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)
-    for per in (1, 2, 4, 6, 8):
-        ends = class_ends(48, per)
-        for n in range(1, 49):
-            same = [e for e in ends if pow2_bucket(e * per) == pow2_bucket(n * per)]
-            assert min(same) <= n <= max(same), (per, n, ends)
-        assert ends[0] == 1 and ends[-1] == 48
-    assert expert_grid_tokens(6)[:6] == (1, 2, 3, 5, 6, 10)
+    assert expert_grid_tokens(4) == (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 24, 25, 32, 33, 48)
+    for bucket in (pow2_bucket, half_octave_bucket):
+        for per in (1, 2, 4, 6, 8):
+            ends = class_ends(48, per, bucket)
+            for n in range(1, 49):
+                same = [e for e in ends if bucket(e * per) == bucket(n * per)]
+                assert min(same) <= n <= max(same), (per, n, ends)
+                if n > 1 and bucket(n * per) != bucket((n - 1) * per):
+                    assert n in ends and n - 1 in ends  # (both sides of a class boundary)
+            assert ends[0] == 1 and ends[-1] == 48
 
 
 def test_a_cost_that_falls_with_its_count_is_pooled():
