@@ -207,13 +207,16 @@ def _decode_meta(batch: int, context: int, block_size: int, query_len: int = 1):
 
 
 def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str, float]:
-    """Host overheads of the attention layers and the experts of ``checkpoint``, 1 thread."""
+    """Host overheads of the attention layers, the experts and the LM head of ``checkpoint``,
+    1 thread."""
     from splitmoe.attention_nodes.kv_cache import PagedKVCache
     from splitmoe.attention_nodes.model import AttentionModel
+    from splitmoe.attention_nodes.sampler import sample
     from splitmoe.config import ModelConfig
     from splitmoe.expert_nodes.experts import LocalExperts
     from splitmoe.kernels.backends import attention_backend, moe_backend
     from splitmoe.models.loader import load_attention_weights
+    from splitmoe.sampling_params import SamplingParams
     from splitmoe.sim.model import ModelShape
     from splitmoe.sim.simulator import Simulator
 
@@ -253,6 +256,20 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
         h = torch.randn(batch * qlen, cfg.hidden_size)
         return lambda: layers_once(h, pos, meta, kv)
 
+    greedy = SamplingParams(temperature=0.0)
+
+    def head_point(rows: int):
+        # one micro-batch's LM head and greedy sampling, as the runtime runs them when the
+        # micro-batch is done (its weights, read once a step, come from memory)
+        h = torch.randn(rows, cfg.hidden_size)
+
+        def head() -> float:
+            t = time.perf_counter()
+            sample(model.logits(h), [greedy] * rows, [None] * rows)
+            return time.perf_counter() - t
+
+        return head
+
     # tokens routed as in a step (each to top_k of all the experts, uniformly: the router of a
     # model's step spreads them so, `LLM.expert_load`), drawn anew at every call so that the
     # weights stream from memory as in a model step, at the token counts a micro-batch has. The
@@ -284,6 +301,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     pre_b = [1, 4, 8]
     points = {("decode", b): attn_point(b, context, 1) for b in batches}
     points.update({("prefill", b): attn_point(b, 16, 16) for b in pre_b})
+    points.update({("head", b): head_point(b) for b in batches})
     active = {}
     moe_tokens = grid_tokens + EXPERT_PREFILL_TOKENS
     for tokens in moe_tokens:
@@ -291,7 +309,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     with torch.inference_mode():
         t = _interleaved_medians(points)
     # (a cost does not fall as its count grows: where a median did, it was the host's noise)
-    for kind, counts in (("decode", batches), ("moe", moe_tokens)):
+    for kind, counts in (("decode", batches), ("moe", moe_tokens), ("head", batches)):
         for n, v in zip(counts, _nondecreasing([t[kind, n] for n in counts])):
             t[kind, n] = v
 
@@ -326,6 +344,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
         expert_s=expert_s,
         pair_s=pair_s,
         pairs_layer_s=pairs_layer_s,
+        head_rows_s=[(b, t["head", b]) for b in batches],
     )
 
 

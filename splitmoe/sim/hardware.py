@@ -28,7 +28,7 @@ PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 
 # `Overheads`' measured curves: points (count, seconds), linear between them
-CURVES = ("seqs_layer_s", "pairs_layer_s")
+CURVES = ("seqs_layer_s", "pairs_layer_s", "head_rows_s")
 
 
 def _along(points: tuple[tuple[float, float], ...], x: float) -> float:
@@ -67,6 +67,11 @@ class Overheads:
         pairs do, and the per-pair cost of a decode step's few rows per expert is all but gone
         from a prefill's many (on the AVX-512 EPYC 1,024 pairs a layer took 9.8 ms in process
         where ``pair_s`` from 4-192 pairs charged 24.6); empty on the GPU profiles;
+    head_rows_s: where measured (the CPU calibration), what the LM head and greedy sampling of
+        one micro-batch of ``r`` rows cost, as points ``(r, seconds)`` read as ``seqs_layer_s``
+        is, in place of the head's roofline GEMM: the runtime samples each micro-batch when it
+        is done, and a head of 5 or 6 rows costs what one of 8 does (its GEMM's kernel class);
+        empty on the GPU profiles;
     collective_s: one collective call between ``w`` ranks costs
         ``collective_s[min(w, len) - 1] + collective_slope_s * max(0, w - len)`` (index 0: w = 1);
     wake_s: where rank processes outnumber the cores (`contention` > 1), the latency of waking
@@ -96,6 +101,7 @@ class Overheads:
     expert_s: float = 0.0
     pair_s: float = 0.0
     pairs_layer_s: tuple[tuple[float, float], ...] = ()
+    head_rows_s: tuple[tuple[float, float], ...] = ()
     collective_s: tuple[float, ...] = (0.0,)
     collective_slope_s: float = 0.0
     wake_s: float = 0.0
@@ -133,6 +139,11 @@ class Overheads:
         if not self.pairs_layer_s:
             return self.pair_s * pairs
         return _along(self.pairs_layer_s, pairs)
+
+    def head(self, rows: float) -> float:
+        """Seconds of one micro-batch's LM head and sampling over ``rows`` rows, along
+        ``head_rows_s`` (0 rows: 0)."""
+        return _along(self.head_rows_s, rows) if rows > 0 else 0.0
 
     def collective(self, world: int) -> float:
         """Fixed seconds of one collective call over ``world`` ranks (0 for a single rank)."""

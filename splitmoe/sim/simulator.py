@@ -305,6 +305,14 @@ class Simulator:
         nbytes = params * self.wbytes * self.weight_reads / tp
         return self.hw.gemm_s(2 * tokens * params / tp, nbytes, self.fp8 if fp8 is None else fp8)
 
+    def _head(self, rows: float, tp: int) -> float:
+        """One micro-batch's LM head and sampling over ``rows`` rows: the measured curve where
+        the profile has one (`Overheads.head_rows_s`), else the head's GEMM."""
+        oh = self.hw.overheads
+        if oh.head_rows_s:
+            return oh.head(rows)
+        return self._linear(rows, self.model.hidden * self.model.vocab, tp, fp8=False)
+
     def _experts(self, pairs: float, active: float) -> float:
         m, oh = self.model, self.ehw.overheads
         if pairs <= 0:
@@ -529,7 +537,14 @@ class Simulator:
         dense = full * (fa + (attn_dense - fa) * slow_a)
         if tp > 1:
             dense += mb * self._allreduce(tp, t_mb)
-        head = self._linear(seqs * q_per_seq, m.hidden * m.vocab, tp, fp8=False)
+        # the LM head and sampling of each micro-batch with sequences, when it is done (the
+        # runtime's `on_done`): its rows split ceil and floor, as the experts' tokens are
+        rows = seqs * q_per_seq / full
+        lo, hi = math.floor(rows), math.ceil(rows)
+        if lo == hi or lo == 0:
+            head = full * self._head(rows, tp)
+        else:
+            head = full * ((hi - rows) * self._head(lo, tp) + (rows - lo) * self._head(hi, tp))
         # MTP: each drafted token runs the draft module, one more MoE layer (DeepSeek-V3)
         mtp = self.draft_tokens * layer
         # the driver handles every sequence of the instance, whichever rank holds it

@@ -130,10 +130,14 @@ def test_components_measure_a_checkpoint(tiny_ckpt, name):
 
     comp = measure_components(tiny_ckpt(name), ROOFLINE_CPU)
     assert set(comp) == {"attn_layer_s", "seqs_layer_s", "prefill_seq_layer_s", "moe_layer_s",
-                         "expert_s", "pair_s", "pairs_layer_s"}  # fmt: skip
+                         "expert_s", "pair_s", "pairs_layer_s", "head_rows_s"}  # fmt: skip
     curve = comp.pop("seqs_layer_s")
     assert [n for n, _ in curve] == list(ATTENTION_GRID_SEQS)
     assert all(math.isfinite(t) and t >= 0.0 for _, t in curve)
+    # one micro-batch's head and sampling, at every row count timed: a cost, never falling
+    head = comp.pop("head_rows_s")
+    assert [n for n, _ in head] == list(ATTENTION_GRID_SEQS)
+    assert all(0.0 < a <= b for (_, a), (_, b) in zip(head, head[1:]))
     # the pairs' curve: what every timed call (decode-sized, then prefill-sized) measured
     pairs = comp.pop("pairs_layer_s")
     k = ModelConfig.from_hf(tiny_ckpt(name)).top_k
@@ -141,7 +145,7 @@ def test_components_measure_a_checkpoint(tiny_ckpt, name):
     assert all(math.isfinite(t) and t >= 0.0 for _, t in pairs)
     assert all(math.isfinite(v) and v >= 0.0 for v in comp.values())
     assert comp["attn_layer_s"] + comp["moe_layer_s"] + comp["expert_s"] > 0.0
-    Overheads(**comp, seqs_layer_s=curve, pairs_layer_s=pairs)  # (a profile takes them as they are)
+    Overheads(**comp, seqs_layer_s=curve, pairs_layer_s=pairs, head_rows_s=head)  # (as they are)
 
 
 def _script(name: str):
