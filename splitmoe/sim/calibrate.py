@@ -355,7 +355,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
 # configuration is left for validation.
 CALIBRATION_RUNS = (
     (1, 0, 1, 1), (1, 0, 16, 1), (2, 0, 1, 1), (2, 0, 16, 1), (1, 1, 1, 1), (1, 2, 1, 1),
-    (1, 2, 16, 1), (1, 0, 1, 2), (1, 2, 1, 2), (2, 1, 2, 1),
+    (1, 2, 16, 1), (1, 0, 1, 2), (1, 2, 1, 2),
 )  # fmt: skip
 CALIBRATION_PROMPT = 16
 CALIBRATION_TOKENS = 32
@@ -433,7 +433,6 @@ def fit_runs(
     """Fits ``step_s`` and the components' scale (1 colocated rank at 1 and 16 sequences), the
     multi-process step costs ``proc_step_s`` / ``proc_seq_step_s`` (2 colocated ranks at 1 and
     16 sequences), ``collective_s`` (1 attention + 1 expert rank), ``wake_s``,
-    ``attention_wake_s`` (2 attention ranks + 1 expert rank at 2 sequences, one each),
     ``shared_step_s`` and ``oversubscribed`` (1 + 2 ranks at 1 sequence in two micro-batches,
     at 1 and at 16 sequences) and ``empty_micro_batch_s`` (1 colocated rank, 1 sequence in two
     micro-batches) so the
@@ -504,16 +503,10 @@ def fit_runs(
     def with_wake(c: float) -> HardwareProfile:
         return replace(hw, overheads=replace(hw.overheads, wake_s=c))
 
-    def with_attention_wake(c: float) -> HardwareProfile:
-        return replace(hw, overheads=replace(hw.overheads, attention_wake_s=c))
-
     for _ in range(30 if (1, 2, 16) in tbt else 1):
         if (1, 2, 1, 2) in tbt:  # a second micro-batch's round trip: its wake-ups
             c = _solve(lambda c: pred(with_wake(c), 1, 2, 1, 2) - tbt[1, 2, 1, 2], 0.0, 0.05)
             hw = with_wake(c)
-        if (2, 1, 2) in tbt:  # two attention ranks woken at each combine (2+1 at 2)
-            c = _solve(lambda c: pred(with_attention_wake(c), 2, 1, 2) - tbt[(2, 1, 2)], 0.0, 0.05)
-            hw = with_attention_wake(c)
         if (1, 2, 1) in tbt:  # the rest of a step of sleeping ranks: once per step
             c = _solve(lambda c: pred(with_shared(c), 1, 2, 1) - tbt[(1, 2, 1)], 0.0, 0.05)
             hw = with_shared(c)

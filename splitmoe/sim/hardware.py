@@ -77,12 +77,6 @@ class Overheads:
     wake_s: where rank processes outnumber the cores (`contention` > 1), the latency of waking
         one rank that sleeps waiting for an exchange (the OS waking a process; the transport's
         waits spin instead while a rank has a core of its own; on a GPU, a kernel polls: 0);
-        an expert rank's at a dispatch;
-    attention_wake_s: the same for an attention rank woken at a combine (None: ``wake_s``;
-        the CPU calibration fits it on 2 attention ranks + 1 expert rank at 2 sequences):
-        on the 2-core AVX-512 EPYC an attention rank added to a sleeping instance cost about
-        twice what an expert rank did (2A+1E at 3 sequences 5.4 ms a step over 1A+1E, 1A+2E
-        at 1 sequence 2.8 over 1A+1E);
     proc_step_s / proc_seq_step_s: per step, and per sequence and step, when an instance runs
         more than one rank process (the driver scheduling, broadcasting the step and collecting
         each sequence's token from separate processes; a single rank runs in the driver's
@@ -111,7 +105,6 @@ class Overheads:
     collective_s: tuple[float, ...] = (0.0,)
     collective_slope_s: float = 0.0
     wake_s: float = 0.0
-    attention_wake_s: float | None = None
     proc_step_s: float = 0.0
     proc_seq_step_s: float = 0.0
     empty_micro_batch_s: float = 0.0
@@ -129,8 +122,6 @@ class Overheads:
         for f in fields(self):
             v = getattr(self, f.name)
             vals = v if isinstance(v, tuple) else (v,)
-            if f.name == "attention_wake_s" and v is None:
-                continue
             if f.name not in CURVES and (not vals or any(not x >= 0 for x in vals)):
                 raise ValueError(f"overhead {f.name}={v!r} must be >= 0 seconds")
 
@@ -148,11 +139,6 @@ class Overheads:
         if not self.pairs_layer_s:
             return self.pair_s * pairs
         return _along(self.pairs_layer_s, pairs)
-
-    @property
-    def attention_wake(self) -> float:
-        """Seconds to wake one sleeping attention rank (`attention_wake_s`, else `wake_s`)."""
-        return self.wake_s if self.attention_wake_s is None else self.attention_wake_s
 
     def head(self, rows: float) -> float:
         """Seconds of one micro-batch's LM head and sampling over ``rows`` rows, along

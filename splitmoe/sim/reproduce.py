@@ -347,9 +347,7 @@ def _scale_overheads(oh: Overheads, k: float) -> Overheads:
     values = {}
     for f in fields(oh):
         v = getattr(oh, f.name)
-        values[f.name] = (
-            tuple(x * k for x in v) if isinstance(v, tuple) else None if v is None else v * k
-        )
+        values[f.name] = tuple(x * k for x in v) if isinstance(v, tuple) else v * k
     return Overheads(**values)
 
 

@@ -327,8 +327,8 @@ class Simulator:
         )
 
     def _comm(self, dep: Deployment, tokens_per_rank: float, load, wakes: float = 0.0) -> float:
-        """Dispatch + combine of one micro-batch of one MoE layer. ``wakes``: the seconds of
-        waking the sleeping ranks it wakes (0 unless ranks share cores: see `step`)."""
+        """Dispatch + combine of one micro-batch of one MoE layer. ``wakes``: the sleeping ranks
+        it wakes, ``wake_s`` each (0 unless ranks share cores: see `step`)."""
         oh = self.hw.overheads
         if dep.attention_tp > 1:
             return self._allreduce(dep.attention_tp, tokens_per_rank)
@@ -357,10 +357,10 @@ class Simulator:
         balance = 0.0
         if dep.balancer == "global" and not dep.colocated and dep.attention_ranks > 1:
             asleep = dep.attention_ranks - 1 if wakes else 0
-            balance = oh.collective(dep.attention_ranks) + asleep * oh.attention_wake
+            balance = oh.collective(dep.attention_ranks) + asleep * oh.wake_s
         best = math.inf
         for s in schemes:
-            fixed = COLLECTIVES_PER_LAYER[s] * oh.collective(world) + wakes + balance
+            fixed = COLLECTIVES_PER_LAYER[s] * oh.collective(world) + wakes * oh.wake_s + balance
             best = min(best, fixed + links[s])
         return best
 
@@ -503,9 +503,7 @@ class Simulator:
         # combine each attention rank with sequences (an empty one's answer is there first).
         slow = hw.contention(dep.ranks)
         sleeping = slow > 1 and not dep.colocated
-        wakes = (
-            dep.expert_ranks * oh.wake_s + busy_attention * oh.attention_wake if sleeping else 0.0
-        )
+        wakes = dep.expert_ranks + busy_attention if sleeping else 0.0
         tc = self._comm(dep, t_mb, load, wakes) if tokens else 0.0
         fa, fe = oh.attn_layer_s, self.ehw.overheads.moe_layer_s
         # ... where ranks sleep, the slow-down is of a side whose several ranks compute at once
