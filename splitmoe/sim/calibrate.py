@@ -322,20 +322,19 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     seqs_layer_s = [(b, max(0.0, y - attn_layer_s)) for b, y in zip(batches, ys)]
     ys = [t["prefill", b] - sim._attn(16 * b, 0, b, 8)[0] - attn_layer_s for b in pre_b]
     _, prefill_seq_layer_s = _fit_line(pre_b, ys)
-    grid = [(active[n], n * k, t["moe", n] - sim._experts(n * k, active[n])) for n in grid_tokens]
+    # what each timed call took beyond the roofline
+    rest = {n: t["moe", n] - sim._experts(n * k, active[n]) for n in moe_tokens}
     # the per-layer, per-expert and per-pair terms (what a skewed or spread load changes)
     moe_layer_s, expert_s, pair_s = _fit_nonnegative(
-        [(1.0, a, p) for a, p, _ in grid], [r for _, _, r in grid]
+        [(1.0, active[n], n * k) for n in grid_tokens], [rest[n] for n in grid_tokens]
     )
     # ... and the pairs' cost as what each timed call measured beyond the other two: the three
     # terms alone cannot hold the class steps (nor a prefill's GEMMs of many rows per expert,
     # which run near the roofline: on the AVX-512 EPYC the fitted line, extrapolated, charged
     # 1,024 pairs 2.5x what they took)
     pairs_layer_s = [
-        (n * k, max(0.0, t["moe", n] - sim._experts(n * k, active[n]) - moe_layer_s
-                    - expert_s * active[n]))
-        for n in moe_tokens
-    ]  # fmt: skip
+        (n * k, max(0.0, rest[n] - moe_layer_s - expert_s * active[n])) for n in moe_tokens
+    ]
     return dict(
         attn_layer_s=attn_layer_s,
         seqs_layer_s=seqs_layer_s,

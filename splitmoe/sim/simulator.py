@@ -487,14 +487,9 @@ class Simulator:
             return self._experts(at.pairs_max, at.active_max)
 
         load = load_of(t_mb)
-        # the runtime splits a rank's tokens into micro-batches of ceil and floor of t_mb (5 in
-        # two: 3 + 2), and the experts' cost is concave in the tokens (distinct experts
-        # saturate): the mean of the two sizes' costs, not the cost of the mean
-        lo, hi = math.floor(t_mb), math.ceil(t_mb)
-        if lo == hi or lo == 0:
-            te = self._experts(load.pairs_max, load.active_max)
-        else:
-            te = (hi - t_mb) * experts_at(lo) + (t_mb - lo) * experts_at(hi)
+        # the experts' cost is concave in the tokens (distinct experts saturate): the mean of
+        # the micro-batches' two sizes' costs, not the cost of the mean
+        te = _split_mean(t_mb, experts_at)
         # More rank processes than a host's cores (`HardwareProfile.contention`; 1 on GPUs):
         # every rank's work that grows with its tokens runs slower, the fixed per-layer host
         # cost does not (on this machine 1+2 ranks at 1 sequence cost their fixed work and
@@ -538,13 +533,8 @@ class Simulator:
         if tp > 1:
             dense += mb * self._allreduce(tp, t_mb)
         # the LM head and sampling of each micro-batch with sequences, when it is done (the
-        # runtime's `on_done`): its rows split ceil and floor, as the experts' tokens are
-        rows = seqs * q_per_seq / full
-        lo, hi = math.floor(rows), math.ceil(rows)
-        if lo == hi or lo == 0:
-            head = full * self._head(rows, tp)
-        else:
-            head = full * ((hi - rows) * self._head(lo, tp) + (rows - lo) * self._head(hi, tp))
+        # runtime's `on_done`)
+        head = full * _split_mean(seqs * q_per_seq / full, lambda r: self._head(r, tp))
         # MTP: each drafted token runs the draft module, one more MoE layer (DeepSeek-V3)
         mtp = self.draft_tokens * layer
         # the driver handles every sequence of the instance, whichever rank holds it
@@ -677,6 +667,16 @@ class Simulator:
             prefill=prefill,
             decode=decode,
         )
+
+
+def _split_mean(x: float, cost) -> float:
+    """The mean ``cost`` of the micro-batches that ``x`` per micro-batch comes in: the runtime
+    splits a rank's tokens into micro-batches of the ceil and the floor of ``x`` (5 in two:
+    3 + 2), and the costs step and bend with the size, so the cost of the mean is not it."""
+    lo, hi = math.floor(x), math.ceil(x)
+    if lo == hi or lo == 0:
+        return cost(x)
+    return (hi - x) * cost(lo) + (x - lo) * cost(hi)
 
 
 def shared_cores_compute(
