@@ -206,6 +206,37 @@ def _decode_meta(batch: int, context: int, block_size: int, query_len: int = 1):
     return meta, positions, batch * nblk
 
 
+def fit_attention(
+    sim, decode: dict[int, float], context: int, prefill: dict[int, float], prompt: int = 16
+) -> dict:
+    """The attention's host costs beyond ``sim``'s roofline, from the seconds of one layer's
+    decode steps (``decode``: sequences -> seconds, each over ``context`` cached tokens) and of
+    prefill chunks (``prefill``: sequences -> seconds, ``prompt`` new tokens each):
+    ``attn_layer_s``, the ``seqs_layer_s`` curve, and ``prefill_seq_layer_s``, what a prefill
+    sequence costs beyond a decode sequence's (`Simulator._attn` charges every sequence of a
+    step along the curve, and a prefill one that too)."""
+    batches = sorted(decode)
+    ys = [decode[b] - sim._attn(b, b, 0, context)[0] for b in batches]
+    # the cost is concave in the sequences (1 to 4 add ~3x what each of 4 to 16 adds; a line
+    # through all of them charged 1 sequence 30 % too much): the fixed part is where the small
+    # batches' line meets 0 sequences, the rest a curve through every measured batch
+    small = [i for i, b in enumerate(batches) if b <= 4]
+    attn_layer_s, _ = _fit_line([batches[i] for i in small], [ys[i] for i in small])
+    seqs_layer_s = [(b, max(0.0, y - attn_layer_s)) for b, y in zip(batches, ys)]
+    per_seq = Overheads(seqs_layer_s=tuple(seqs_layer_s)).seqs_layer
+    pre_b = sorted(prefill)
+    ys = [
+        prefill[b] - sim._attn(prompt * b, 0, b, prompt / 2)[0] - attn_layer_s - per_seq(b)
+        for b in pre_b
+    ]
+    _, prefill_seq_layer_s = _fit_line(pre_b, ys)
+    return dict(
+        attn_layer_s=attn_layer_s,
+        seqs_layer_s=seqs_layer_s,
+        prefill_seq_layer_s=prefill_seq_layer_s,
+    )
+
+
 def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str, float]:
     """Host overheads of the attention layers, the experts and the LM head of ``checkpoint``,
     1 thread."""
@@ -313,15 +344,8 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
         for n, v in zip(counts, _nondecreasing([t[kind, n] for n in counts])):
             t[kind, n] = v
 
-    ys = [t["decode", b] - sim._attn(b, b, 0, context)[0] for b in batches]
-    # the cost is concave in the sequences (1 to 4 add ~3x what each of 4 to 16 adds; a line
-    # through all of them charged 1 sequence 30 % too much): the fixed part is where the small
-    # batches' line meets 0 sequences, the rest a curve through every measured batch
-    small = [i for i, b in enumerate(batches) if b <= 4]
-    attn_layer_s, _ = _fit_line([batches[i] for i in small], [ys[i] for i in small])
-    seqs_layer_s = [(b, max(0.0, y - attn_layer_s)) for b, y in zip(batches, ys)]
-    ys = [t["prefill", b] - sim._attn(16 * b, 0, b, 8)[0] - attn_layer_s for b in pre_b]
-    _, prefill_seq_layer_s = _fit_line(pre_b, ys)
+    attention = fit_attention(sim, {b: t["decode", b] for b in batches}, context,
+                              {b: t["prefill", b] for b in pre_b})  # fmt: skip
     # what each timed call took beyond the roofline
     rest = {n: t["moe", n] - sim._experts(n * k, active[n]) for n in moe_tokens}
     # the per-layer, per-expert and per-pair terms (what a skewed or spread load changes)
@@ -336,9 +360,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
         (n * k, max(0.0, rest[n] - moe_layer_s - expert_s * active[n])) for n in moe_tokens
     ]
     return dict(
-        attn_layer_s=attn_layer_s,
-        seqs_layer_s=seqs_layer_s,
-        prefill_seq_layer_s=prefill_seq_layer_s,
+        **attention,
         moe_layer_s=moe_layer_s,
         expert_s=expert_s,
         pair_s=pair_s,

@@ -113,6 +113,27 @@ def test_components_are_timed_round_robin():
     assert calls[-12:] == ["a", "a", "b", "b"] * 3
 
 
+def test_a_prefill_sequence_is_charged_its_attention_cost_once():
+    """`fit_attention` on the seconds a known machine's attention layer takes: the fixed and
+    per-sequence costs come back, and a prefill sequence's extra cost is what it costs beyond
+    a decode sequence (the simulator charges every sequence along the curve), not both."""
+    from splitmoe.sim.calibrate import ATTENTION_GRID_SEQS, ROOFLINE_CPU, fit_attention
+
+    truth = Simulator(SHAPE, _cpu(COMPONENTS))
+    decode = {b: truth._attn(b, b, 0, 32)[0] for b in ATTENTION_GRID_SEQS}
+    prefill = {b: truth._attn(16 * b, 0, b, 8)[0] for b in (1, 4, 8)}
+    fitted = fit_attention(Simulator(SHAPE, _cpu(Overheads())), decode, 32, prefill)
+    assert fitted["attn_layer_s"] == pytest.approx(COMPONENTS.attn_layer_s, rel=1e-6)
+    for n, t in fitted["seqs_layer_s"]:
+        assert t == pytest.approx(COMPONENTS.seq_layer_s * n, rel=1e-6)
+    assert fitted["prefill_seq_layer_s"] == pytest.approx(COMPONENTS.prefill_seq_layer_s, rel=1e-6)
+    again = Simulator(SHAPE, _cpu(replace(COMPONENTS, seq_layer_s=0.0, seqs_layer_s=tuple(
+        fitted["seqs_layer_s"]), prefill_seq_layer_s=fitted["prefill_seq_layer_s"])))  # fmt: skip
+    for b, t in prefill.items():  # (a prefill chunk's layer, as measured)
+        assert again._attn(16 * b, 0, b, 8)[0] == pytest.approx(t, rel=1e-6)
+    assert ROOFLINE_CPU.overheads == Overheads()  # (the roofline `measure_components` fits over)
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe_dense"])
 def test_components_measure_a_checkpoint(tiny_ckpt, name):
     """The in-process components of a real (tiny) checkpoint, a dense layer included: every
