@@ -41,8 +41,9 @@ for more: each point's fastest repeat is then less at the mercy of a slow minute
 on the calibration runs alone (``--profile`` takes a frozen one instead), predicts the held-out
 points, prints the table and ``held-out: N/16 within ±15%`` last, and exits 1 below
 `HELD_OUT_PASS` (15). It also prints the commit of ``splitmoe/sim/`` it ran (the frozen model)
-and the host's copy bandwidth before the runs (`host_probe`): whether the machine held still.
-With ``--from-csv`` and ``--profile`` it re-checks saved rows without running.
+and the host's copy bandwidth and wake-up round trip before the runs (`host_probe`,
+`wake_probe`): whether the machine held still. With ``--from-csv`` and ``--profile`` it
+re-checks saved rows without running.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ FIELDS = [
     "output_tok_s_per_rank", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tbt_p50_ms",
     "tbt_p90_ms", "tbt_p99_ms", "tpot_mean_ms", "step_p50_ms", "comm_share", "imbalance",
     "seqs_per_step_mean", "step_min_ms", "step_max_ms", "output_tok_s_min", "output_tok_s_max",
-    "load_avg", "host_gb_s", "host_gb_s_min", "host_gb_s_max", "pred_output_tok_s", "pred_tbt_ms",
+    "load_avg", "host_gb_s", "host_gb_s_min", "host_gb_s_max", "host_wake_us", "host_wake_us_min",
+    "host_wake_us_max", "pred_output_tok_s", "pred_tbt_ms",
     "pred_ttft_ms", "pred_comm_share", "err_output_tok_s", "err_tbt", "calibration",
 ]  # fmt: skip
 
@@ -257,20 +259,73 @@ def host_probe() -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def host_line(rows: list[dict], tolerance: float) -> str:
-    """The host probes' range over a study (`host_probe`), and whether the machine's own speed
-    moved by more than the check's ``tolerance`` about its median (then the study measured
-    the host as much as the runtime: no check on it is a test of the model)."""
-    probed = [r for r in rows if r.get("host_gb_s_min") not in (None, "")]
+def wake_probe(trips: int = 200) -> float | None:
+    """This host's wake-up round trip now (microseconds, the median of ``trips``): a byte sent
+    to a forked process that sleeps waiting for it, and its answer, ~15-40 ms in all. A rank
+    that shares the cores sleeps in each exchange and is woken by its peer's message, so the
+    topologies of more rank processes than cores pay this every layer; a VM's neighbours move
+    it (66 to 215 us within a minute on the 2-core AVX-512 EPYC) where the copy bandwidth
+    barely moves. None where processes cannot be forked."""
+    if not hasattr(os, "fork"):
+        return None
+    ping, pong = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the child only reads and writes its pipes)
+        try:
+            for _ in range(trips):
+                os.read(ping[0], 1)
+                os.write(pong[1], b"x")
+        finally:
+            os._exit(0)
+    times = []
+    try:
+        for _ in range(trips):
+            t = time.perf_counter()
+            os.write(ping[1], b"x")
+            os.read(pong[0], 1)
+            times.append(time.perf_counter() - t)
+    finally:
+        os.waitpid(pid, 0)
+        for fd in (*ping, *pong):
+            os.close(fd)
+    return statistics.median(times) * 1e6
+
+
+def _probe_range(rows: list[dict], key: str) -> tuple[float, float, float] | None:
+    """(lowest, highest, median) of probe ``key`` over the rows that have it."""
+    probed = [r for r in rows if r.get(f"{key}_min") not in (None, "")]
     if not probed:
+        return None
+    lo = min(float(r[f"{key}_min"]) for r in probed)
+    hi = max(float(r[f"{key}_max"]) for r in probed)
+    return lo, hi, statistics.median(float(r[key]) for r in probed)
+
+
+def host_line(rows: list[dict], tolerance: float) -> str:
+    """The host probes' ranges over a study (`host_probe`, `wake_probe`), and whether the
+    machine's own speed moved by more than the check's ``tolerance`` about their medians (then
+    the study measured the host as much as the runtime: no check on it is a test of the
+    model)."""
+    parts, moved = [], False
+    for key, what, unit, fmt in (
+        ("host_gb_s", "copy bandwidth", " GB/s", "{:.1f}"),
+        ("host_wake_us", "wake-up round trip", " us", "{:.0f}"),
+    ):
+        got = _probe_range(rows, key)
+        if got is None:
+            continue
+        lo, hi, mid = got
+        moved |= hi > mid * (1 + tolerance) or lo < mid * (1 - tolerance)
+        parts.append(
+            f"{what} {fmt.format(lo)}-{fmt.format(hi)}{unit} (median {fmt.format(mid)}; "
+            f"{lo / mid - 1:+.0%} / {hi / mid - 1:+.0%})"
+        )
+    if not parts:
         return ""
-    lo = min(float(r["host_gb_s_min"]) for r in probed)
-    hi = max(float(r["host_gb_s_max"]) for r in probed)
-    mid = statistics.median(float(r["host_gb_s"]) for r in probed)
-    moved = hi > mid * (1 + tolerance) or lo < mid * (1 - tolerance)
     return (
-        f"host: copy bandwidth before the runs {lo:.1f}-{hi:.1f} GB/s (median {mid:.1f}; "
-        f"{lo / mid - 1:+.0%} / {hi / mid - 1:+.0%}): "
+        "host: before the runs, "
+        + ", ".join(parts)
+        + ": "
         + ("moved beyond" if moved else "held within")
         + f" ±{tolerance:.0%}"
     )
@@ -304,7 +359,7 @@ def run_point(llms: list[LLM], topo: Topology, num_requests: int, rate: float, a
     comm0, served0 = stats_counters(llms)
     for llm in llms:
         llm.reset_metrics()
-    host = host_probe()
+    host, wake = host_probe(), wake_probe()
     start = time.perf_counter()
     start_wall = time.time()
     outputs, pending, nxt = [], 0, 0
@@ -349,6 +404,7 @@ def run_point(llms: list[LLM], topo: Topology, num_requests: int, rate: float, a
         step_p50_ms=decode_step_time(records, m.tbt_p50) * 1e3,
         load_avg=os.getloadavg()[0],
         host_gb_s=host,
+        **({} if wake is None else {"host_wake_us": wake}),
         comm_share=(comm1 - comm0) / busy if busy else 0.0,
         imbalance=imbalance,
         seqs_per_step_mean=m.seqs_per_step_mean,
@@ -363,8 +419,10 @@ def median_dict(runs: list[dict]) -> dict:
         vals = [r[field] for r in runs]
         out[f"{key}_min" + ("_ms" if key == "step" else "")] = min(vals)
         out[f"{key}_max" + ("_ms" if key == "step" else "")] = max(vals)
-    out["host_gb_s_min"] = min(r["host_gb_s"] for r in runs)
-    out["host_gb_s_max"] = max(r["host_gb_s"] for r in runs)
+    for key in ("host_gb_s", "host_wake_us"):
+        if all(key in r for r in runs):
+            out[f"{key}_min"] = min(r[key] for r in runs)
+            out[f"{key}_max"] = max(r[key] for r in runs)
     return out
 
 

@@ -88,12 +88,15 @@ def test_one_real_run_end_to_end(study, tmp_path):
     rows = list(csv.DictReader((out / "scaling.csv").open()))
     assert len(rows) == 1 and rows[0]["status"] == "ok"
     assert float(rows[0]["output_tok_s"]) > 0 and float(rows[0]["tbt_p50_ms"]) > 0
+    assert float(rows[0]["host_wake_us_min"]) > 0  # (probed beside the live rank processes)
 
 
 def test_repeats_ranges_and_pass_order(study):
-    runs = [dict(step_p50_ms=s, output_tok_s=t, load_avg=1.0, host_gb_s=h) for s, t, h in
-            ((1.0, 90.0, 30.0), (1.4, 60.0, 24.0), (1.1, 80.0, 33.0))]  # fmt: skip
+    runs = [dict(step_p50_ms=s, output_tok_s=t, load_avg=1.0, host_gb_s=h, host_wake_us=w)
+            for s, t, h, w in ((1.0, 90.0, 30.0, 70.0), (1.4, 60.0, 24.0, 90.0),
+                               (1.1, 80.0, 33.0, 66.0))]  # fmt: skip
     m = study.median_dict(runs)
+    assert (m["host_wake_us"], m["host_wake_us_min"], m["host_wake_us_max"]) == (70.0, 66.0, 90.0)
     assert (m["step_p50_ms"], m["step_min_ms"], m["step_max_ms"]) == (1.1, 1.0, 1.4)
     assert (m["output_tok_s_min"], m["output_tok_s_max"]) == (60.0, 90.0)
     assert (m["host_gb_s"], m["host_gb_s_min"], m["host_gb_s_max"]) == (30.0, 24.0, 33.0)
@@ -104,17 +107,25 @@ def test_repeats_ranges_and_pass_order(study):
 
 
 def test_the_host_line_says_whether_the_machine_held_still(study):
-    """The probes' range over a study against the check's tolerance about their median; rows
-    without probes (older CSVs) print nothing."""
+    """The probes' ranges over a study against the check's tolerance about their medians; a
+    probe an older CSV lacks is left out, and rows without any print nothing."""
     probes = ((32.0, 30.0, 34.0), (33.0, 31.0, 35.0), (31.0, 29.0, 33.0))
     rows = [dict(host_gb_s=m, host_gb_s_min=lo, host_gb_s_max=hi) for m, lo, hi in probes]
     still = study.host_line(rows, 0.15)
-    assert still.startswith("host: copy bandwidth before the runs 29.0-35.0 GB/s (median 32.0")
-    assert still.endswith("held within ±15%")
+    assert still.startswith("host: before the runs, copy bandwidth 29.0-35.0 GB/s (median 32.0")
+    assert still.endswith("held within ±15%") and "wake-up" not in still
+    for r, us in zip(rows, (70.0, 72.0, 68.0)):
+        r.update(host_wake_us=us, host_wake_us_min=us - 4, host_wake_us_max=us + 6)
+    still = study.host_line(rows, 0.15)
+    assert "wake-up round trip 64-78 us (median 70;" in still and still.endswith("held within ±15%")
+    rows[2]["host_wake_us_max"] = 210.0  # (a neighbour on the host: the bandwidth held)
+    assert study.host_line(rows, 0.15).endswith("moved beyond ±15%")
+    rows[2]["host_wake_us_max"] = 74.0
     rows[1]["host_gb_s_min"] = 24.0  # -25 %
     assert study.host_line(rows, 0.15).endswith("moved beyond ±15%")
     assert study.host_line([dict(step_p50_ms=1.0)], 0.15) == ""
     assert study.host_probe() > 0.1  # GB/s, measured here
+    assert 0.1 < study.wake_probe(trips=20) < 1e6  # us, measured here
 
 
 def test_the_frozen_model_is_the_tree_the_study_imports(study, monkeypatch):
