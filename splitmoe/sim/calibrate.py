@@ -517,9 +517,10 @@ def fit_runs(
 
     # more rank processes than cores (they sleep while they wait): the wake-up of one rank
     # (from what a second, empty micro-batch's exchange adds to 1+2 at 1 sequence), the step
-    # boundary's cost per rank (1+2 at 1), what an attention rank's adds (2+1 at 2: 1+2 with
-    # one of its expert ranks an attention rank) and the slow-down of per-token work (1+2 at
-    # 16) depend on each other: fit them in turn until the four runs are reproduced.
+    # boundary's cost per rank (1+2 at 1) and what an attention rank's adds (2+1 at 2: one
+    # attention rank of 1+2's two expert ranks turned into one) and the slow-down of per-token
+    # work (1+2 at 16) depend on each other: fit them in turn until the four runs are
+    # reproduced.
     def with_shared(c: float) -> HardwareProfile:
         return replace(hw, overheads=replace(hw.overheads, shared_step_s=c))
 

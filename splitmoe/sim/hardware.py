@@ -93,8 +93,8 @@ class Overheads:
         there (it samples, sends its tokens to the driver, which is one more process on the
         cores, and takes the next step's requests; an expert rank only joins the all-gather).
         Every decode step of 2A+1E at 3 to 44 sequences took 2-5 ms more than 1A+2E's
-        constants said on the 2-core AVX-512 EPYC, and no more at two micro-batches than at
-        one: a cost per step, not per exchange; 0 on the GPU profiles;
+        constants said on the 2-core AVX-512 EPYC, as much at two micro-batches as at one, so
+        the cost is per step, not per exchange; 0 on the GPU profiles;
     """
 
     step_s: float = 0.0
