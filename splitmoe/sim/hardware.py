@@ -89,12 +89,6 @@ class Overheads:
         (`HardwareProfile.contention` > 1): the step's boundary (the control all-gather, tokens
         out to the driver, the next step's start) wakes each sleeping rank; 0 on the GPU
         profiles;
-    shared_attention_step_s: what an attention rank's step boundary adds to ``shared_step_s``
-        there (it samples, sends its tokens to the driver, which is one more process on the
-        cores, and takes the next step's requests; an expert rank only joins the all-gather).
-        Every decode step of 2A+1E at 3 to 44 sequences took 2-5 ms more than 1A+2E's
-        constants said on the 2-core AVX-512 EPYC, as much at two micro-batches as at one, so
-        the cost is per step, not per exchange; 0 on the GPU profiles;
     """
 
     step_s: float = 0.0
@@ -115,7 +109,6 @@ class Overheads:
     proc_seq_step_s: float = 0.0
     empty_micro_batch_s: float = 0.0
     shared_step_s: float = 0.0
-    shared_attention_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collective_s", tuple(float(x) for x in self.collective_s))

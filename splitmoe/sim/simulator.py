@@ -546,11 +546,7 @@ class Simulator:
             + procs
             + oh.seq_step_s * seqs
             + oh.collective(dep.ranks)
-            + (  # each woken at the boundary, an attention rank for more
-                oh.shared_step_s * dep.ranks + oh.shared_attention_step_s * dep.attention_ranks
-                if slow > 1
-                else 0.0
-            )
+            + (oh.shared_step_s * dep.ranks if slow > 1 else 0.0)  # each woken at the boundary
             + head * slow_a
             + m.num_moe_layers * layer
             + m.num_dense_layers * dense
