@@ -291,6 +291,13 @@ def wake_probe(trips: int = 200) -> float | None:
     return statistics.median(times) * 1e6
 
 
+# the host probes taken before each run: (row key, what it measures, unit, format)
+HOST_PROBES = (
+    ("host_gb_s", "copy bandwidth", " GB/s", "{:.1f}"),
+    ("host_wake_us", "wake-up round trip", " us", "{:.0f}"),
+)
+
+
 def _probe_range(rows: list[dict], key: str) -> tuple[float, float, float] | None:
     """(lowest, highest, median) of probe ``key`` over the rows that have it."""
     probed = [r for r in rows if r.get(f"{key}_min") not in (None, "")]
@@ -307,10 +314,7 @@ def host_line(rows: list[dict], tolerance: float) -> str:
     the study measured the host as much as the runtime: no check on it is a test of the
     model)."""
     parts, moved = [], False
-    for key, what, unit, fmt in (
-        ("host_gb_s", "copy bandwidth", " GB/s", "{:.1f}"),
-        ("host_wake_us", "wake-up round trip", " us", "{:.0f}"),
-    ):
+    for key, what, unit, fmt in HOST_PROBES:
         got = _probe_range(rows, key)
         if got is None:
             continue
@@ -419,7 +423,7 @@ def median_dict(runs: list[dict]) -> dict:
         vals = [r[field] for r in runs]
         out[f"{key}_min" + ("_ms" if key == "step" else "")] = min(vals)
         out[f"{key}_max" + ("_ms" if key == "step" else "")] = max(vals)
-    for key in ("host_gb_s", "host_wake_us"):
+    for key, *_ in HOST_PROBES:
         if all(key in r for r in runs):
             out[f"{key}_min"] = min(r[key] for r in runs)
             out[f"{key}_max"] = max(r[key] for r in runs)
