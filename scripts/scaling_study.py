@@ -930,7 +930,8 @@ def _fit(shape, hw, tbt, model):
         f"{oh.proc_seq_step_s * 1e3:.3f} ms/seq, "
         f"empty micro-batch {oh.empty_micro_batch_s * 1e6:.0f} us/layer, "
         f"collective {oh.collective(2) * 1e6:.0f} us; ranks sharing cores: wake-up "
-        f"{oh.wake_s * 1e6:.0f} us, step boundary {oh.shared_step_s * 1e6:.0f} us per rank, "
+        f"{oh.wake_s * 1e6:.0f} us, step boundary {oh.shared_step_s * 1e6:.0f} us per rank "
+        f"+ {oh.shared_attention_step_s * 1e6:.0f} per further attention rank, "
         f"per-token work x{fitted.oversubscribed:.2f}"
     )
     return replace(fitted, name="cpu", source={

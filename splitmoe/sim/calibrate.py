@@ -376,7 +376,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
 # configuration is left for validation.
 CALIBRATION_RUNS = (
     (1, 0, 1, 1), (1, 0, 16, 1), (2, 0, 1, 1), (2, 0, 16, 1), (1, 1, 1, 1), (1, 2, 1, 1),
-    (1, 2, 16, 1), (1, 0, 1, 2), (1, 2, 1, 2),
+    (1, 2, 16, 1), (1, 0, 1, 2), (1, 2, 1, 2), (2, 1, 2, 1),
 )  # fmt: skip
 CALIBRATION_PROMPT = 16
 CALIBRATION_TOKENS = 32
@@ -455,8 +455,9 @@ def fit_runs(
     multi-process step costs ``proc_step_s`` / ``proc_seq_step_s`` (2 colocated ranks at 1 and
     16 sequences), ``collective_s`` (1 attention + 1 expert rank), ``wake_s``,
     ``shared_step_s`` and ``oversubscribed`` (1 + 2 ranks at 1 sequence in two micro-batches,
-    at 1 and at 16 sequences) and ``empty_micro_batch_s`` (1 colocated rank, 1 sequence in two
-    micro-batches) so the
+    at 1 and at 16 sequences), ``shared_attention_step_s`` (2 + 1 ranks at 2 sequences, one
+    each) and ``empty_micro_batch_s`` (1 colocated rank, 1 sequence in two micro-batches) so
+    the
     simulator reproduces the measured decode step time (seconds) of the `CALIBRATION_RUNS`
     present in ``tbt``, in that order; ``cores`` is the machine's count; constants without a
     run keep ``hw``'s value."""
@@ -516,10 +517,14 @@ def fit_runs(
 
     # more rank processes than cores (they sleep while they wait): the wake-up of one rank
     # (from what a second, empty micro-batch's exchange adds to 1+2 at 1 sequence), the step
-    # boundary's cost per rank (1+2 at 1) and the slow-down of per-token work (1+2 at 16) depend
-    # on each other: fit them in turn until the three runs are reproduced.
+    # boundary's cost per rank (1+2 at 1), what a second attention rank's adds (2+1 at 2: 1+2
+    # with one of its expert ranks an attention rank) and the slow-down of per-token work (1+2
+    # at 16) depend on each other: fit them in turn until the four runs are reproduced.
     def with_shared(c: float) -> HardwareProfile:
         return replace(hw, overheads=replace(hw.overheads, shared_step_s=c))
+
+    def with_attention_shared(c: float) -> HardwareProfile:
+        return replace(hw, overheads=replace(hw.overheads, shared_attention_step_s=c))
 
     def with_wake(c: float) -> HardwareProfile:
         return replace(hw, overheads=replace(hw.overheads, wake_s=c))
@@ -531,6 +536,11 @@ def fit_runs(
         if (1, 2, 1) in tbt:  # the rest of a step of sleeping ranks: once per step
             c = _solve(lambda c: pred(with_shared(c), 1, 2, 1) - tbt[(1, 2, 1)], 0.0, 0.05)
             hw = with_shared(c)
+        if (2, 1, 2) in tbt:  # ... and a second attention rank's
+            c = _solve(
+                lambda c: pred(with_attention_shared(c), 2, 1, 2) - tbt[(2, 1, 2)], 0.0, 0.05
+            )
+            hw = with_attention_shared(c)
         if (1, 2, 16) in tbt:
             hw = _fit_oversubscribed(hw, lambda h: pred(h, 1, 2, 16) - tbt[(1, 2, 16)])
     if (1, 0, 1, 2) in tbt:  # an empty micro-batch's pass through the layers, colocated

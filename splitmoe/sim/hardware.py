@@ -89,6 +89,14 @@ class Overheads:
         (`HardwareProfile.contention` > 1): the step's boundary (the control all-gather, tokens
         out to the driver, the next step's start) wakes each sleeping rank; 0 on the GPU
         profiles;
+    shared_attention_step_s: what each attention rank after the first adds to the step
+        boundary there (it samples and trades tokens and requests with the driver, one more
+        process on the cores, while the rest of the instance waits; an expert rank only joins
+        the all-gather, and one attention rank's share is in ``shared_step_s``). In every
+        quiet held-out set on the 2-core AVX-512 EPYC, 2A+1E's decode steps at 3 to 40
+        sequences took 1-5 ms (median 2.6) more than 1A+2E's constants said at one
+        micro-batch, and as much or less at two: a cost per step, not per exchange; 0 on the
+        GPU profiles;
     """
 
     step_s: float = 0.0
@@ -109,6 +117,7 @@ class Overheads:
     proc_seq_step_s: float = 0.0
     empty_micro_batch_s: float = 0.0
     shared_step_s: float = 0.0
+    shared_attention_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collective_s", tuple(float(x) for x in self.collective_s))

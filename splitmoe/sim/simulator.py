@@ -18,7 +18,8 @@ tokens; ``T = B`` in decode) is, with ``m`` micro-batches (primes: one micro-bat
                                  an exchange wakes computes on what it leaves free
                colocated:     max(m (Ta' + Te'), m Tc') + min(Ta' + Te', Tc')   (Tc = 0 when each
                                  rank holds every expert)
-    step       o_step + o_seqstep * B + o_coll(W) [+ (A + E) o_shared] + LM head + sum over layers
+    step       o_step + o_seqstep * B + o_coll(W) [+ (A + E) o_shared + (A - 1) o_shared_A]
+                 + LM head + sum over layers
     TPOT = step;  tokens/s per GPU = A B / (step (A + E))
 
 ``p_max`` / ``n_act`` (pairs and distinct experts on the busiest expert rank) come from
@@ -30,12 +31,13 @@ cheaper, per layer) on the count matrix those loads imply. Host overheads ``o_*`
 roofline come from the `HardwareProfile`. Ranks sharing too few cores (bracketed terms) sleep
 while they wait: each exchange pays ``o_wake`` per rank it wakes (every expert rank, every
 attention rank with sequences, ``A_busy``), every step ``o_shared`` per rank process (the step
-boundary wakes each), and the work that grows with the tokens of a side whose several ranks
-compute at once runs ``oversubscribed`` times slower (their fixed per-layer cost does not; a lone
-rank of its side is not slowed). The ``global`` balancer adds its all-gather of
-counts among the A attention ranks, ``o_coll(A)`` (+ ``(A - 1) o_wake`` where ranks sleep), to
-each micro-batch's exchange. A closed batch of fewer requests than attention ranks leaves ranks
-empty: the experts and the driver see only the requests there are.
+boundary wakes each) and ``o_shared_A`` per attention rank after the first, and the work that
+grows with the tokens of a side whose several ranks compute at once runs ``oversubscribed``
+times slower (their fixed per-layer cost does not; a lone rank of its side is not slowed). The
+``global`` balancer adds its all-gather of counts among the A attention ranks, ``o_coll(A)`` (+
+``(A - 1) o_wake`` where ranks sleep), to each micro-batch's exchange. A closed batch of fewer
+requests than attention ranks leaves ranks empty: the experts and the driver see only the
+requests there are.
 """
 
 from __future__ import annotations
@@ -546,7 +548,12 @@ class Simulator:
             + procs
             + oh.seq_step_s * seqs
             + oh.collective(dep.ranks)
-            + (oh.shared_step_s * dep.ranks if slow > 1 else 0.0)  # each woken at the boundary
+            + (  # each woken at the boundary, a further attention rank for more
+                oh.shared_step_s * dep.ranks
+                + oh.shared_attention_step_s * (dep.attention_ranks - 1)
+                if slow > 1
+                else 0.0
+            )
             + head * slow_a
             + m.num_moe_layers * layer
             + m.num_dense_layers * dense

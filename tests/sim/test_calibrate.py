@@ -41,7 +41,7 @@ def test_fit_recovers_the_step_constants_of_a_known_machine():
     truth = _cpu(
         replace(COMPONENTS, step_s=300e-6, proc_step_s=120e-6, proc_seq_step_s=12e-6,
                 collective_s=(0.0, 30e-6), empty_micro_batch_s=90e-6, wake_s=70e-6,
-                shared_step_s=250e-6),
+                shared_step_s=250e-6, shared_attention_step_s=400e-6),
         oversubscribed=1.9,
     )  # fmt: skip
     runs = {key: _step(truth, *key) for key in CALIBRATION_RUNS}
@@ -54,6 +54,7 @@ def test_fit_recovers_the_step_constants_of_a_known_machine():
     assert oh.collective(2) == pytest.approx(30e-6, rel=0.05)
     assert oh.wake_s == pytest.approx(70e-6, rel=0.05)
     assert oh.shared_step_s == pytest.approx(250e-6, rel=0.05)
+    assert oh.shared_attention_step_s == pytest.approx(400e-6, rel=0.05)
     assert fitted.oversubscribed == pytest.approx(1.9, rel=0.05)
     # and the configurations it was not fitted on
     for key in ((2, 1, 1, 1), (2, 1, 16, 2), (2, 2, 1, 1), (2, 2, 16, 2), (1, 1, 16, 2)):
