@@ -9,9 +9,10 @@ ranks at 1 and 16 sequences, 1+1 at 1, 1+2 at 1 and 16, one and two micro-batche
 sequence, and 2+1 at 2) fit the step's fixed cost, the driver's cost of a multi-process
 instance, one collective call, an empty colocated micro-batch's layer loop, and, where rank
 processes outnumber the cores, the wake-up of a sleeping rank, the step boundary's cost per
-rank and per attention rank, and the slow-down of per-token work. About a minute on 2 cores.
-Timings on a shared machine drift: the scaling study (``--validate``, ``--held-out``) refits
-the run-based constants from its own runs, in the same passes as the runs it checks.
+rank and per attention rank after the first, and the slow-down of per-token work. About a
+minute on 2 cores. Timings on a shared machine drift: the scaling study (``--validate``,
+``--held-out``) refits the run-based constants from its own runs, in the same passes as the
+runs it checks.
 """
 
 from __future__ import annotations

@@ -457,8 +457,7 @@ def fit_runs(
     ``shared_step_s`` and ``oversubscribed`` (1 + 2 ranks at 1 sequence in two micro-batches,
     at 1 and at 16 sequences), ``shared_attention_step_s`` (2 + 1 ranks at 2 sequences, one
     each) and ``empty_micro_batch_s`` (1 colocated rank, 1 sequence in two micro-batches) so
-    the
-    simulator reproduces the measured decode step time (seconds) of the `CALIBRATION_RUNS`
+    the simulator reproduces the measured decode step time (seconds) of the `CALIBRATION_RUNS`
     present in ``tbt``, in that order; ``cores`` is the machine's count; constants without a
     run keep ``hw``'s value."""
     from splitmoe.sim.simulator import Deployment, Simulator

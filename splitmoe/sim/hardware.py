@@ -94,9 +94,9 @@ class Overheads:
         process on the cores, while the rest of the instance waits; an expert rank only joins
         the all-gather, and one attention rank's share is in ``shared_step_s``). In every
         quiet held-out set on the 2-core AVX-512 EPYC, 2A+1E's decode steps at 3 to 40
-        sequences took 1-5 ms (median 2.6) more than 1A+2E's constants said at one
-        micro-batch, and as much or less at two: a cost per step, not per exchange; 0 on the
-        GPU profiles;
+        sequences took 0-5 ms (median 2.9) more than 1A+2E's constants said at one
+        micro-batch, and less at two (median 1.3; as much at 3 sequences): a cost per step,
+        not per exchange; 0 on the GPU profiles;
     """
 
     step_s: float = 0.0
