@@ -519,36 +519,25 @@ def fit_runs(
     # boundary's cost per rank (1+2 at 1), what a second attention rank's adds (2+1 at 2: 1+2
     # with one of its expert ranks an attention rank) and the slow-down of per-token work (1+2
     # at 16) depend on each other: fit them in turn until the four runs are reproduced.
-    def with_shared(c: float) -> HardwareProfile:
-        return replace(hw, overheads=replace(hw.overheads, shared_step_s=c))
+    def fit_overhead(name: str, key: tuple[int, ...], hi: float) -> HardwareProfile:
+        """``hw`` with the host overhead ``name`` that reproduces calibration run ``key``."""
 
-    def with_attention_shared(c: float) -> HardwareProfile:
-        return replace(hw, overheads=replace(hw.overheads, shared_attention_step_s=c))
+        def at(c: float) -> HardwareProfile:
+            return replace(hw, overheads=replace(hw.overheads, **{name: c}))
 
-    def with_wake(c: float) -> HardwareProfile:
-        return replace(hw, overheads=replace(hw.overheads, wake_s=c))
+        return at(_solve(lambda c: pred(at(c), *key) - tbt[key], 0.0, hi))
 
     for _ in range(30 if (1, 2, 16) in tbt else 1):
         if (1, 2, 1, 2) in tbt:  # a second micro-batch's round trip: its wake-ups
-            c = _solve(lambda c: pred(with_wake(c), 1, 2, 1, 2) - tbt[1, 2, 1, 2], 0.0, 0.05)
-            hw = with_wake(c)
+            hw = fit_overhead("wake_s", (1, 2, 1, 2), 0.05)
         if (1, 2, 1) in tbt:  # the rest of a step of sleeping ranks: once per step
-            c = _solve(lambda c: pred(with_shared(c), 1, 2, 1) - tbt[(1, 2, 1)], 0.0, 0.05)
-            hw = with_shared(c)
+            hw = fit_overhead("shared_step_s", (1, 2, 1), 0.05)
         if (2, 1, 2) in tbt:  # ... and a second attention rank's
-            c = _solve(
-                lambda c: pred(with_attention_shared(c), 2, 1, 2) - tbt[(2, 1, 2)], 0.0, 0.05
-            )
-            hw = with_attention_shared(c)
+            hw = fit_overhead("shared_attention_step_s", (2, 1, 2), 0.05)
         if (1, 2, 16) in tbt:
             hw = _fit_oversubscribed(hw, lambda h: pred(h, 1, 2, 16) - tbt[(1, 2, 16)])
     if (1, 0, 1, 2) in tbt:  # an empty micro-batch's pass through the layers, colocated
-
-        def with_mb(c: float) -> HardwareProfile:
-            return replace(hw, overheads=replace(hw.overheads, empty_micro_batch_s=c))
-
-        c = _solve(lambda c: pred(with_mb(c), 1, 0, 1, 2) - tbt[(1, 0, 1, 2)], 0.0, 0.01)
-        hw = with_mb(c)
+        hw = fit_overhead("empty_micro_batch_s", (1, 0, 1, 2), 0.01)
     return hw
 
 
