@@ -63,10 +63,12 @@ def class_ends(limit: int, per: int = 1, bucket=pow2_bucket) -> tuple[int, ...]:
     return tuple(sorted(ends))
 
 
-# sequences of the attention's timed decode steps
-ATTENTION_GRID_SEQS = class_ends(32)
+# sequences of the attention's timed decode steps (and rows of the LM head's), up to 64: every
+# batch of the held-out sweep (docs/scaling.md §4) on one attention rank is then measured, not
+# extrapolated along a curve's last segment
+ATTENTION_GRID_SEQS = class_ends(64)
 # the largest token count of the experts' timed decode calls (a micro-batch's routed tokens)
-EXPERT_GRID_LIMIT = 48
+EXPERT_GRID_LIMIT = 64
 # ... and a prefill step's (16-token prompts of 4 to 32 sequences): GEMMs of many rows per
 # expert, where the per-pair cost of the decode grid is all but gone
 EXPERT_PREFILL_TOKENS = (64, 128, 256, 512)
@@ -334,7 +336,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     points.update({("prefill", b): attn_point(b, 16, 16) for b in pre_b})
     points.update({("head", b): head_point(b) for b in batches})
     active = {}
-    moe_tokens = grid_tokens + EXPERT_PREFILL_TOKENS
+    moe_tokens = tuple(sorted(set(grid_tokens + EXPERT_PREFILL_TOKENS)))  # (64 is in both)
     for tokens in moe_tokens:
         points["moe", tokens], active[tokens] = moe_point(tokens)
     with torch.inference_mode():
