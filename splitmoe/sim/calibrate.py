@@ -79,6 +79,12 @@ def expert_grid_tokens(top_k: int) -> tuple[int, ...]:
     return class_ends(EXPERT_GRID_LIMIT, top_k, half_octave_bucket)
 
 
+def expert_timed_tokens(top_k: int) -> tuple[int, ...]:
+    """Every token count the experts are timed at, each once: the decode grid and the prefill
+    points (64 is in both)."""
+    return tuple(sorted(set(expert_grid_tokens(top_k) + EXPERT_PREFILL_TOKENS)))
+
+
 def _settle(fn) -> None:
     """Calls ``fn`` until the CPU kernel choices its shapes meet have settled
     (`classes_on_trial`; at most `SETTLE_CALLS`): while a class is on trial its calls run the
@@ -336,7 +342,7 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     points.update({("prefill", b): attn_point(b, 16, 16) for b in pre_b})
     points.update({("head", b): head_point(b) for b in batches})
     active = {}
-    moe_tokens = tuple(sorted(set(grid_tokens + EXPERT_PREFILL_TOKENS)))  # (64 is in both)
+    moe_tokens = expert_timed_tokens(k)
     for tokens in moe_tokens:
         points["moe", tokens], active[tokens] = moe_point(tokens)
     with torch.inference_mode():

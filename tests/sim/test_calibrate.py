@@ -67,12 +67,19 @@ def test_the_grids_time_both_ends_of_every_kernel_class():
     time the first and the last count of each class, so the curves through them step where
     the runtime does."""
     from splitmoe.kernels.cpu_choice import half_octave_bucket, pow2_bucket
-    from splitmoe.sim.calibrate import ATTENTION_GRID_SEQS, class_ends, expert_grid_tokens
+    from splitmoe.sim.calibrate import (
+        ATTENTION_GRID_SEQS,
+        class_ends,
+        expert_grid_tokens,
+        expert_timed_tokens,
+    )
 
     assert ATTENTION_GRID_SEQS == (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)
     assert expert_grid_tokens(4) == (
         1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 24, 25, 32, 33, 48, 49, 64
     )  # fmt: skip
+    # ... and with the prefill points, each count timed once (64 tokens is in both)
+    assert expert_timed_tokens(4)[-6:] == (48, 49, 64, 128, 256, 512)
     for bucket in (pow2_bucket, half_octave_bucket):
         for per in (1, 2, 4, 6, 8):
             ends = class_ends(48, per, bucket)
@@ -146,9 +153,8 @@ def test_components_measure_a_checkpoint(tiny_ckpt, name):
     from splitmoe.config import ModelConfig
     from splitmoe.sim.calibrate import (
         ATTENTION_GRID_SEQS,
-        EXPERT_PREFILL_TOKENS,
         ROOFLINE_CPU,
-        expert_grid_tokens,
+        expert_timed_tokens,
         measure_components,
     )
 
@@ -165,8 +171,7 @@ def test_components_measure_a_checkpoint(tiny_ckpt, name):
     # the pairs' curve: what every timed call (decode-sized, then prefill-sized) measured
     pairs = comp.pop("pairs_layer_s")
     k = ModelConfig.from_hf(tiny_ckpt(name)).top_k
-    tokens = sorted(set(expert_grid_tokens(k) + EXPERT_PREFILL_TOKENS))
-    assert [n for n, _ in pairs] == [n * k for n in tokens]
+    assert [n for n, _ in pairs] == [n * k for n in expert_timed_tokens(k)]
     assert all(math.isfinite(t) and t >= 0.0 for _, t in pairs)
     assert all(math.isfinite(v) and v >= 0.0 for v in comp.values())
     assert comp["attn_layer_s"] + comp["moe_layer_s"] + comp["expert_s"] > 0.0
