@@ -4,10 +4,11 @@
 
 In-process: 1-thread GEMM FLOP/s and copy bandwidth, and the runtime's own attention layers and
 experts timed on the model (host overhead per layer, per sequence, per activated expert). Then
-the ten short `LLM` runs of `splitmoe.sim.calibrate.CALIBRATION_RUNS` (1 and 2 colocated
-ranks at 1 and 16 sequences, 1+1 at 1, 1+2 at 1 and 16, one and two micro-batches at 1
+the eleven short `LLM` runs of `splitmoe.sim.calibrate.CALIBRATION_RUNS` (1 and 2 colocated
+ranks at 1 and 16 sequences, 1+1 at 1 and 16, 1+2 at 1 and 16, one and two micro-batches at 1
 sequence, and 2+1 at 2) fit the step's fixed cost, the driver's cost of a multi-process
-instance, one collective call, an empty colocated micro-batch's layer loop, and, where rank
+instance, the wait for a second attention rank with work, one collective call, a sequence's
+trips through the expert ranks, an empty colocated micro-batch's layer loop, and, where rank
 processes outnumber the cores, the wake-up of a sleeping rank, the step boundary's cost per
 rank and per attention rank after the first, and the slow-down of per-token work. About a
 minute on 2 cores. Timings on a shared machine drift: the scaling study (``--validate``,

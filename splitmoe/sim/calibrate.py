@@ -383,8 +383,8 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
 # prompts of CALIBRATION_PROMPT tokens, each generating CALIBRATION_TOKENS. Every other
 # configuration is left for validation.
 CALIBRATION_RUNS = (
-    (1, 0, 1, 1), (1, 0, 16, 1), (2, 0, 1, 1), (2, 0, 16, 1), (1, 1, 1, 1), (1, 2, 1, 1),
-    (1, 2, 16, 1), (1, 0, 1, 2), (1, 2, 1, 2), (2, 1, 2, 1),
+    (1, 0, 1, 1), (1, 0, 16, 1), (2, 0, 1, 1), (2, 0, 16, 1), (1, 1, 1, 1), (1, 1, 16, 1),
+    (1, 2, 1, 1), (1, 2, 16, 1), (1, 0, 1, 2), (1, 2, 1, 2), (2, 1, 2, 1),
 )  # fmt: skip
 CALIBRATION_PROMPT = 16
 CALIBRATION_TOKENS = 32
@@ -460,8 +460,9 @@ def fit_runs(
     shape, hw: HardwareProfile, tbt: dict[tuple[int, int, int, int], float]
 ) -> HardwareProfile:
     """Fits ``step_s`` and the components' scale (1 colocated rank at 1 and 16 sequences), the
-    multi-process step costs ``proc_step_s`` / ``proc_seq_step_s`` (2 colocated ranks at 1 and
-    16 sequences), ``collective_s`` (1 attention + 1 expert rank), ``wake_s``,
+    multi-process step costs ``proc_step_s`` and ``busy_attention_step_s`` (2 colocated ranks
+    at 1 and 16 sequences), ``collective_s`` and ``proc_seq_step_s`` (1 attention + 1 expert
+    rank at 1 and 16 sequences), ``wake_s``,
     ``shared_step_s`` and ``oversubscribed`` (1 + 2 ranks at 1 sequence in two micro-batches,
     at 1 and at 16 sequences), ``shared_attention_step_s`` (2 + 1 ranks at 2 sequences, one
     each) and ``empty_micro_batch_s`` (1 colocated rank, 1 sequence in two micro-batches) so
@@ -491,42 +492,6 @@ def fit_runs(
         speed = _solve(lambda f: tbt[(1, 0, 16)] - pred(at(f, step_for(f)), 1, 0, 16), 0.05, 20.0)
         hw = at(speed, step_for(speed))
 
-    def with_coll(c: float) -> HardwareProfile:
-        """A collective call costs ``c`` among any number of ranks (what sharing the cores adds
-        is counted in wake-ups)."""
-        oh = replace(hw.overheads, collective_s=(0.0, c), collective_slope_s=0.0)
-        return replace(hw, overheads=oh)
-
-    # more than one rank process: the driver's fixed and per-sequence cost per step, from two
-    # colocated runs (no exchange between the ranks; two ranks on the machine's own cores)
-    from splitmoe.runtime import available_cores
-
-    hw = replace(hw, cores=float(len(available_cores())))  # (this process's, `taskset` too)
-
-    def with_proc(step_s: float, seq_s: float) -> HardwareProfile:
-        oh = replace(hw.overheads, proc_step_s=step_s, proc_seq_step_s=seq_s)
-        return replace(hw, overheads=oh)
-
-    # (2,0,1) and (1,1,1) share the fixed multi-process cost and the 2-rank collective: fit
-    # them in turn until both runs are reproduced
-    for _ in range(4 if (2, 0, 1) in tbt else 1):
-        if (2, 0, 1) in tbt:
-            step_s = hw.overheads.proc_step_s
-            c = _solve(lambda c: pred(with_proc(c, 0.0), 2, 0, 1) - tbt[(2, 0, 1)], 0.0, 0.05)
-            hw = with_proc(c, 0.0)
-        if (1, 1, 1) in tbt:
-            c = _solve(lambda c: pred(with_coll(c), 1, 1, 1) - tbt[(1, 1, 1)], 0.0, 0.05)
-            hw = with_coll(c)
-    if (2, 0, 16) in tbt:
-        step_s = hw.overheads.proc_step_s
-        s = _solve(lambda s: pred(with_proc(step_s, s), 2, 0, 16) - tbt[(2, 0, 16)], 0.0, 0.01)
-        hw = with_proc(step_s, s)
-
-    # more rank processes than cores (they sleep while they wait): the wake-up of one rank
-    # (from what a second, empty micro-batch's exchange adds to 1+2 at 1 sequence), the step
-    # boundary's cost per rank (1+2 at 1), what a second attention rank's adds (2+1 at 2: 1+2
-    # with one of its expert ranks an attention rank) and the slow-down of per-token work (1+2
-    # at 16) depend on each other: fit them in turn until the four runs are reproduced.
     def fit_overhead(name: str, key: tuple[int, ...], hi: float) -> HardwareProfile:
         """``hw`` with the host overhead ``name`` that reproduces calibration run ``key``."""
 
@@ -535,6 +500,39 @@ def fit_runs(
 
         return at(_solve(lambda c: pred(at(c), *key) - tbt[key], 0.0, hi))
 
+    def with_coll(c: float) -> HardwareProfile:
+        """A collective call costs ``c`` among any number of ranks (what sharing the cores adds
+        is counted in wake-ups)."""
+        oh = replace(hw.overheads, collective_s=(0.0, c), collective_slope_s=0.0)
+        return replace(hw, overheads=oh)
+
+    # more than one rank process, each on a core of its own: the driver's step (2 colocated
+    # ranks at 1 sequence: one has work), the wait for the slower of two ranks with work (at
+    # 16), one collective call (1 + 1 at 1) and what each sequence's trips through an expert
+    # rank add (1 + 1 at 16); they share terms: fit them in turn until the four are reproduced
+    from splitmoe.runtime import available_cores
+
+    hw = replace(hw, cores=float(len(available_cores())))  # (this process's, `taskset` too)
+
+    def fit_coll(key: tuple[int, ...]) -> HardwareProfile:
+        c = _solve(lambda c: pred(with_coll(c), *key) - tbt[key], 0.0, 0.05)
+        return with_coll(c)
+
+    for _ in range(6):
+        if (2, 0, 1) in tbt:
+            hw = fit_overhead("proc_step_s", (2, 0, 1), 0.05)
+        if (1, 1, 1) in tbt:
+            hw = fit_coll((1, 1, 1))
+        if (2, 0, 16) in tbt:
+            hw = fit_overhead("busy_attention_step_s", (2, 0, 16), 0.05)
+        if (1, 1, 16) in tbt:
+            hw = fit_overhead("proc_seq_step_s", (1, 1, 16), 0.01)
+
+    # more rank processes than cores (they sleep while they wait): the wake-up of one rank
+    # (from what a second, empty micro-batch's exchange adds to 1+2 at 1 sequence), the step
+    # boundary's cost per rank (1+2 at 1), what a second attention rank's adds (2+1 at 2: 1+2
+    # with one of its expert ranks an attention rank) and the slow-down of per-token work (1+2
+    # at 16) depend on each other: fit them in turn until the four runs are reproduced.
     for _ in range(30 if (1, 2, 16) in tbt else 1):
         if (1, 2, 1, 2) in tbt:  # a second micro-batch's round trip: its wake-ups
             hw = fit_overhead("wake_s", (1, 2, 1, 2), 0.05)

@@ -77,10 +77,19 @@ class Overheads:
     wake_s: where rank processes outnumber the cores (`contention` > 1), the latency of waking
         one rank that sleeps waiting for an exchange (the OS waking a process; the transport's
         waits spin instead while a rank has a core of its own; on a GPU, a kernel polls: 0);
-    proc_step_s / proc_seq_step_s: per step, and per sequence and step, when an instance runs
-        more than one rank process (the driver scheduling, broadcasting the step and collecting
-        each sequence's token from separate processes; a single rank runs in the driver's
-        process; 0 on the GPU profiles, whose ranks are driven by their own processes anyway);
+    proc_step_s: per step when an instance runs more than one rank process (the driver
+        scheduling, broadcasting the step and collecting the tokens from separate processes; a
+        single rank runs in the driver's process; 0 on the GPU profiles, whose ranks are driven
+        by their own processes anyway);
+    busy_attention_step_s: there, per step and attention rank after the first with sequences:
+        the step waits for the slowest of the ranks with work, whose step times each vary (an
+        idle one is at the all-gather first). On the 2-core AVX-512 EPYC, two colocated ranks
+        measured 1-3 ms a step beyond their components at 16 sequences and about as much at 49
+        to 63, while the front end's CPU time was 5-15 us a sequence and step: a cost per
+        step, not per sequence; 0 on the GPU profiles;
+    proc_seq_step_s: per sequence and step where the experts are in other rank processes
+        (attention-FFN disaggregation: each sequence's rows go through the expert ranks and
+        back at every layer); 0 on the GPU profiles;
     empty_micro_batch_s: per layer and empty micro-batch (fewer sequences than micro-batches) on
         a colocated rank: the runtime still runs every op of its layer loop on zero rows, with no
         exchange to hide it behind (an AF attention rank runs it while it waits for the other
@@ -114,6 +123,7 @@ class Overheads:
     collective_slope_s: float = 0.0
     wake_s: float = 0.0
     proc_step_s: float = 0.0
+    busy_attention_step_s: float = 0.0
     proc_seq_step_s: float = 0.0
     empty_micro_batch_s: float = 0.0
     shared_step_s: float = 0.0

@@ -539,9 +539,15 @@ class Simulator:
         head = full * _split_mean(seqs * q_per_seq / full, lambda r: self._head(r, tp))
         # MTP: each drafted token runs the draft module, one more MoE layer (DeepSeek-V3)
         mtp = self.draft_tokens * layer
-        # the driver handles every sequence of the instance, whichever rank holds it
-        instance_seqs = seqs * busy_attention
-        procs = oh.proc_step_s + oh.proc_seq_step_s * instance_seqs if dep.ranks > 1 else 0.0
+        # several rank processes: the driver's step, the wait for the slowest attention rank
+        # with work, and where the experts are elsewhere every sequence of the instance
+        procs = (
+            oh.proc_step_s
+            + oh.busy_attention_step_s * (busy_attention - 1)
+            + (0.0 if dep.colocated else oh.proc_seq_step_s * seqs * busy_attention)
+            if dep.ranks > 1
+            else 0.0
+        )
         t_step = (
             oh.step_s
             + (oh.empty_micro_batch_s * (mb - full) * m.num_layers if dep.colocated else 0.0)

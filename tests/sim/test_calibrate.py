@@ -39,18 +39,23 @@ def _step(hw: HardwareProfile, a: int, e: int, b: int, m: int) -> float:
 
 def test_fit_recovers_the_step_constants_of_a_known_machine():
     truth = _cpu(
-        replace(COMPONENTS, step_s=300e-6, proc_step_s=120e-6, proc_seq_step_s=12e-6,
-                collective_s=(0.0, 30e-6), empty_micro_batch_s=90e-6, wake_s=70e-6,
-                shared_step_s=250e-6, shared_attention_step_s=400e-6),
+        replace(COMPONENTS, step_s=300e-6, proc_step_s=120e-6, busy_attention_step_s=200e-6,
+                proc_seq_step_s=12e-6, collective_s=(0.0, 30e-6), empty_micro_batch_s=90e-6,
+                wake_s=70e-6, shared_step_s=250e-6, shared_attention_step_s=400e-6),
         oversubscribed=1.9,
     )  # fmt: skip
     runs = {key: _step(truth, *key) for key in CALIBRATION_RUNS}
     fitted = fit_runs(SHAPE, _cpu(COMPONENTS), runs)
     for key, t in runs.items():  # every calibration run reproduced
         assert _step(fitted, *key) == pytest.approx(t, rel=0.02), key
-    # the constants of ranks sharing cores are told apart: a wake-up (what a second micro-batch
-    # adds), the step boundary per rank, the slow-down of per-token work
+    # the multi-process constants are told apart: the driver's step, the wait for a second
+    # attention rank with work, a collective call, a sequence's trips through the expert ranks;
+    # and those of ranks sharing cores: a wake-up (what a second micro-batch adds), the step
+    # boundary per rank, the slow-down of per-token work
     oh = fitted.overheads
+    assert oh.proc_step_s == pytest.approx(120e-6, rel=0.05)
+    assert oh.busy_attention_step_s == pytest.approx(200e-6, rel=0.05)
+    assert oh.proc_seq_step_s == pytest.approx(12e-6, rel=0.05)
     assert oh.collective(2) == pytest.approx(30e-6, rel=0.05)
     assert oh.wake_s == pytest.approx(70e-6, rel=0.05)
     assert oh.shared_step_s == pytest.approx(250e-6, rel=0.05)

@@ -206,6 +206,30 @@ def test_empty_micro_batch_costs_its_layer_loop_only_colocated():
     )
 
 
+def test_multi_process_costs_per_step_per_busy_rank_and_per_sequence_through_experts():
+    oh = Overheads(attn_layer_s=1e-3, moe_layer_s=1e-3, collective_s=(0.0, 2e-4))
+    base = Simulator(TINY, _roofline_only(overheads=oh))
+    terms = replace(oh, proc_step_s=5e-4, busy_attention_step_s=1e-3, proc_seq_step_s=1e-4)
+    sim = Simulator(TINY, _roofline_only(overheads=terms))
+
+    def extra(dep: Deployment, seqs: int, share: float = 1.0) -> float:
+        return (
+            sim.step(dep, seqs, 10, load_share=share).t_step
+            - base.step(dep, seqs, 10, load_share=share).t_step
+        )
+
+    assert extra(Deployment(1), 8) == pytest.approx(0.0)  # (one rank: in the driver's process)
+    # two colocated ranks: the driver's step, and the wait for the slower of the two with work,
+    # whatever their sequences; an idle second rank is waited for by nobody
+    for seqs in (4, 30):
+        assert extra(Deployment(2), seqs) == pytest.approx(5e-4 + 1e-3)
+    assert extra(Deployment(2), 1, share=0.0) == pytest.approx(5e-4)
+    # experts in other processes: every sequence of the instance pays its trips
+    assert extra(Deployment(1, 1), 4) == pytest.approx(5e-4 + 4e-4)
+    assert extra(Deployment(1, 1), 30) == pytest.approx(5e-4 + 30e-4)
+    assert extra(Deployment(2, 1), 4) == pytest.approx(5e-4 + 1e-3 + 8e-4)
+
+
 def test_attention_cost_of_the_sequences_follows_the_measured_curve(tmp_path):
     # the CPU calibration's points (n sequences, seconds beyond attn_layer_s), linear between
     # them from (0, 0) and along the last segment beyond; a line where none were measured
