@@ -927,7 +927,7 @@ def _fit(shape, hw, tbt, model):
     oh = fitted.overheads
     print(
         f"fitted: step {oh.step_s * 1e3:.3f} ms, multi-process {oh.proc_step_s * 1e3:.3f} ms + "
-        f"{oh.busy_attention_step_s * 1e3:.3f} per further attention rank with work + "
+        f"{oh.busy_attention_step_s * 1e3:.3f} ms per further attention rank with work + "
         f"{oh.proc_seq_step_s * 1e3:.3f} ms/seq through expert ranks, "
         f"empty micro-batch {oh.empty_micro_batch_s * 1e6:.0f} us/layer, "
         f"collective {oh.collective(2) * 1e6:.0f} us; ranks sharing cores: wake-up "

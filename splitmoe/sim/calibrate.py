@@ -492,15 +492,16 @@ def fit_runs(
         speed = _solve(lambda f: tbt[(1, 0, 16)] - pred(at(f, step_for(f)), 1, 0, 16), 0.05, 20.0)
         hw = at(speed, step_for(speed))
 
-    def fit_overhead(name: str, key: tuple[int, ...], hi: float) -> HardwareProfile:
-        """``hw`` with the host overhead ``name`` that reproduces calibration run ``key``."""
-
-        def at(c: float) -> HardwareProfile:
-            return replace(hw, overheads=replace(hw.overheads, **{name: c}))
-
+    def fit(key: tuple[int, ...], at, hi: float) -> HardwareProfile:
+        """``at(c)`` (a profile with one constant set to ``c``) at the ``c`` in ``[0, hi]`` that
+        reproduces calibration run ``key``."""
         return at(_solve(lambda c: pred(at(c), *key) - tbt[key], 0.0, hi))
 
-    def with_coll(c: float) -> HardwareProfile:
+    def fit_overhead(name: str, key: tuple[int, ...], hi: float) -> HardwareProfile:
+        """``hw`` with the host overhead ``name`` that reproduces calibration run ``key``."""
+        return fit(key, lambda c: replace(hw, overheads=replace(hw.overheads, **{name: c})), hi)
+
+    def with_collective(c: float) -> HardwareProfile:
         """A collective call costs ``c`` among any number of ranks (what sharing the cores adds
         is counted in wake-ups)."""
         oh = replace(hw.overheads, collective_s=(0.0, c), collective_slope_s=0.0)
@@ -514,15 +515,11 @@ def fit_runs(
 
     hw = replace(hw, cores=float(len(available_cores())))  # (this process's, `taskset` too)
 
-    def fit_coll(key: tuple[int, ...]) -> HardwareProfile:
-        c = _solve(lambda c: pred(with_coll(c), *key) - tbt[key], 0.0, 0.05)
-        return with_coll(c)
-
     for _ in range(6):
         if (2, 0, 1) in tbt:
             hw = fit_overhead("proc_step_s", (2, 0, 1), 0.05)
         if (1, 1, 1) in tbt:
-            hw = fit_coll((1, 1, 1))
+            hw = fit((1, 1, 1), with_collective, 0.05)
         if (2, 0, 16) in tbt:
             hw = fit_overhead("busy_attention_step_s", (2, 0, 16), 0.05)
         if (1, 1, 16) in tbt:
