@@ -527,6 +527,16 @@ class KVTransferConfig:
         "networks (CIDR) or host names whose KV agents a decode instance may read from, "
         "comma-separated ('*': any); requests naming others are refused",
     )
+    kv_secret_file: str | None = option(
+        None,
+        "file holding the secret shared by the router and every instance with a KV connector "
+        "(else SPLITMOE_KV_SECRET); KV transfers answer only to it",
+    )
+    kv_max_parked_blocks: int | None = option(
+        None,
+        "KV blocks a prefill instance keeps parked for decode instances at most (default: "
+        "half of each attention rank's pool); beyond, prefill requests get a 503",
+    )
 
     def __post_init__(self) -> None:
         if self.kv_role not in ("prefill", "decode", "both"):
@@ -548,6 +558,15 @@ class KVTransferConfig:
                 f"kv_trusted_agents={self.kv_trusted_agents!r} must be a comma-separated string"
             )
         trusted_agents(self.kv_trusted_agents)  # (raises on a malformed list)
+        n = self.kv_max_parked_blocks
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"kv_max_parked_blocks={n!r} must be None or an integer >= 1")
+        if self.kv_connector is not None:
+            from splitmoe.kv_transfer.auth import require_secret
+            from splitmoe.kv_transfer.connectors import check_available
+
+            require_secret(self.kv_secret_file, f"kv_connector={self.kv_connector!r}")
+            check_available(self.kv_connector)
 
 
 @dataclass(frozen=True)

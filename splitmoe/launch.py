@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         cfg, tokenizer, items = prepare(args, env)
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError, ImportError) as e:
         print(f"splitmoe.launch: error: {e}", file=sys.stderr)
         return 2
     init_method = rendezvous(env)

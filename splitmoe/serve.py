@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         api_keys = _api_keys(args)
         if launched and env.world_size < 2:
             raise ValueError("started by a launcher with one process: run it directly instead")
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError, ImportError) as e:
         print(f"splitmoe.serve: error: {e}", file=sys.stderr)
         return 2
     job = None

@@ -182,11 +182,7 @@ class AttentionWorker:
             cfg.max_model_len, block_size,
         )  # fmt: skip
         kv = cfg.kv_transfer  # prefill-decode disaggregation (splitmoe.kv_transfer)
-        self.kv_connector = (
-            make_connector(kv.kv_connector, self.kv_cache, kv.kv_host, kv.kv_transfer_timeout)
-            if kv.kv_connector
-            else None
-        )
+        self.kv_connector = make_connector(kv, self.kv_cache) if kv.kv_connector else None
         self.scheduler = Scheduler(
             cfg.scheduler,
             self.blocks,

@@ -9,9 +9,10 @@ that fails (the prefill instance died, the key is unknown, the bytes did not arr
 decode side to compute the prompt itself.
 
 `KVConnector` is the interface the scheduler sees (`connectors.make_connector` builds one);
-`MooncakeConnector` moves the bytes with
-Mooncake's transfer engine (TCP on one host, RDMA on a cluster). Which blocks to read and
-where they are goes through a small side channel (`agent.KVAgent`): one JSON line each way.
+`MooncakeConnector` moves the bytes with Mooncake's transfer engine (TCP on one host, RDMA on
+a cluster). Which blocks to read and where they are goes through a small signed side channel
+(`agent.KVAgent`), whose every answer is checked before it is used: a broken or hostile peer
+fails one transfer, never a rank.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import ipaddress
+import logging
 import re
 import struct
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+
+logger = logging.getLogger("splitmoe")
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,8 @@ class KVTransferParams:
     remote_agents: tuple[str, ...] = ()
     num_readers: int = 1
 
+    MAX_AGENTS = 16  # a pull asks them in turn, within one deadline
+
     def __post_init__(self) -> None:
         if not isinstance(self.transfer_id, str) or not 1 <= len(self.transfer_id) <= 128:
             raise ValueError("kv_transfer_params.transfer_id must be a string of 1 to 128 chars")
@@ -57,6 +64,11 @@ class KVTransferParams:
             host, _, port = str(a).rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"kv_transfer_params.remote_agents entry {a!r} is not host:port")
+        if len(agents) > self.MAX_AGENTS:
+            raise ValueError(
+                f"kv_transfer_params.remote_agents names {len(agents)} agents; at most "
+                f"{self.MAX_AGENTS} are allowed"
+            )
         object.__setattr__(self, "remote_agents", agents)
         n = self.num_readers
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
@@ -184,6 +196,7 @@ class KVConnector(ABC):
 
     _PULL_THREADS = 2  # transfers in flight at once; more wait in the executor's queue
     _executor: ThreadPoolExecutor | None = None
+    timeout_s: float = 30.0  # a whole pull's deadline (`kv_transfer_timeout`)
 
     def start_pull(
         self,
@@ -199,7 +212,20 @@ class KVConnector(ABC):
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._PULL_THREADS, thread_name_prefix="kv-pull")
         # (copies: the scheduler may clear the request's tables while the read runs)
-        return self._executor.submit(self.pull, params, key, [list(t) for t in tables], first, last)
+        tables = [list(t) for t in tables]
+        return self._executor.submit(self._pull_isolated, params, key, tables, first, last)
+
+    def _pull_isolated(self, params, key, tables, first, last) -> PullResult:
+        """`pull`, whose every failure is a failed `PullResult`: nothing a peer does raises into
+        the scheduler."""
+        t0 = time.perf_counter()
+        try:
+            return self.pull(params, key, tables, first, last)
+        except Exception as e:
+            logger.warning("KV pull of %s failed: %s: %s", key, type(e).__name__, e)
+            return PullResult(
+                False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0
+            )
 
     @property
     @abstractmethod
@@ -207,9 +233,10 @@ class KVConnector(ABC):
         """``host:port`` of this rank's KV agent (what decode instances are given)."""
 
     @abstractmethod
-    def park(self, key: str, tables: list[list[int]], num_readers: int) -> None:
+    def park(self, transfer_id: str, key: str, tables: list[list[int]], num_readers: int) -> bool:
         """Keeps these blocks readable under ``key`` until ``num_readers`` readers are done or
-        the timeout passes."""
+        the timeout passes; False (nothing kept: the caller frees them) when the instance parks
+        as many blocks as it may (`kv_max_parked_blocks`)."""
 
     @abstractmethod
     def take_released(self) -> list[list[list[int]]]:

@@ -52,6 +52,7 @@ class Request:
     num_cached_tokens: int = 0
     # prefill-decode disaggregation: whether this (decode-side) request tried its pull already
     kv_pulled: bool = False
+    kv_pull_deadline: float = 0.0  # (`time.monotonic`) its pull is abandoned after it
     kv_transfer_time: float = 0.0  # seconds its pull took (`RequestMetrics`)
     kv_transfer_bytes: int = 0
     # fixed at creation; the step loop reads them once per request and token

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from splitmoe.config import SchedulerConfig
-from splitmoe.kv_transfer import KVConnector, transfer_key
+from splitmoe.kv_transfer import KVConnector, PullResult, transfer_key
 from splitmoe.scheduler.block_manager import BlockManager
 from splitmoe.scheduler.request import Request, RequestSpec, Status
 from splitmoe.scheduler.window_blocks import NULL_BLOCK, SlidingWindowBlocks
@@ -69,6 +69,9 @@ class Scheduler:
         self.kv_pull_failures = 0
         # requests whose prompt KV is being read, with the transfer's future (`_start_pull`)
         self.pulling: list[tuple[Request, Future]] = []
+        # (a pull still running past its deadline: its request computes the prompt in blocks of
+        # its own, and these, which the read may still write, go back when the read ends)
+        self.abandoned: list[tuple[list[list[int]], Future]] = []
         self.kv_releases = 0  # parked entries whose blocks came back (`_free_released`)
 
     def add(self, spec: RequestSpec) -> Request:
@@ -78,12 +81,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pulling)
+        return bool(self.waiting or self.running or self.pulling or self.abandoned)
 
     @property
     def only_transfers(self) -> bool:
         """Nothing to compute until a pull lands (the step loop waits a little, not spins)."""
-        return bool(self.pulling) and not (self.waiting or self.running)
+        return bool(self.pulling or self.abandoned) and not (self.waiting or self.running)
 
     @property
     def num_unfinished(self) -> int:
@@ -214,19 +217,31 @@ class Scheduler:
         tables = [req.block_table] + ([req.window_table] if self.window_blocks else [])
         first = [len(cached)] + ([skip] if self.window_blocks else [])
         key = transfer_key(kv.transfer_id, req.prompt_token_ids)
-        self.pulling.append((req, self.kv_connector.start_pull(kv, key, tables, first, last)))
+        future = self.kv_connector.start_pull(kv, key, tables, first, last)
+        # (the pull has its own deadline; this one, later, holds whatever the peer does)
+        req.kv_pull_deadline = time.monotonic() + 2 * self.kv_connector.timeout_s + 5.0
+        self.pulling.append((req, future))
         return True
 
     def _land_pulls(self) -> None:
         """Requests whose pull ended: running with ``prompt_len - 1`` tokens computed, or (the
         pull failed) back at the queue's head to compute the prompt here; an aborted one's
-        blocks go back now that nothing writes them."""
+        blocks go back now that nothing writes them. A pull past its deadline is abandoned:
+        its request computes the prompt here at once, in blocks of its own."""
+        now = time.monotonic()
+        self._free_abandoned()
         still = []
         for req, future in self.pulling:
             if not future.done():
-                still.append((req, future))
+                if now < req.kv_pull_deadline:
+                    still.append((req, future))
+                    continue
+                if req.status is not Status.FINISHED:  # (else it waits for the read to end)
+                    self._abandon(req, future)
+                    continue
+                self.abandoned.append((self._take_tables(req), future))
                 continue
-            result = future.result()
+            result = _outcome(future)
             req.kv_transfer_time = result.seconds  # (a failed pull's time is in the TTFT too)
             req.kv_transfer_bytes = result.num_bytes
             if req.status is Status.FINISHED:  # aborted while its blocks were being written
@@ -236,16 +251,40 @@ class Scheduler:
                 self.running.append(req)
                 self.computed(req, req.prompt_len - 1 - req.num_computed_tokens)
             else:
-                self.kv_pull_failures += 1
-                logger.warning(
-                    "request %d: KV pull failed (%s); its prompt is computed here",
-                    req.request_id,
-                    result.error,
-                )
+                self._pull_failed(req, result.error)
                 self._free(req)
-                req.num_computed_tokens = req.num_indexed_blocks = 0
-                self.waiting.appendleft(req)
         self.pulling = still
+
+    def _pull_failed(self, req: Request, error: str | None) -> None:
+        """Back at the queue's head (holding no blocks), to compute its prompt here."""
+        self.kv_pull_failures += 1
+        logger.warning(
+            "request %d: KV pull failed (%s); its prompt is computed here", req.request_id, error
+        )
+        req.num_computed_tokens = req.num_indexed_blocks = 0
+        self.waiting.appendleft(req)
+
+    def _abandon(self, req: Request, future: Future) -> None:
+        self.abandoned.append((self._take_tables(req), future))
+        self._pull_failed(req, "no answer within the pull's deadline")
+
+    def _take_tables(self, req: Request) -> list[list[int]]:
+        """The request's block tables, moved out of it (it holds none after)."""
+        tables = [list(req.block_table), list(req.window_table)]
+        req.block_table.clear()
+        req.window_table.clear()
+        return tables
+
+    def _free_abandoned(self) -> None:
+        still = []
+        for tables, future in self.abandoned:
+            if not future.done():
+                still.append((tables, future))
+                continue
+            self.blocks.free(tables[0])
+            if self.window_blocks is not None:
+                self.window_blocks.free(tables[1])
+        self.abandoned = still
 
     def _free_released(self) -> None:
         """Frees the blocks that prefill-side transfers are done with (or that expired)."""
@@ -279,13 +318,14 @@ class Scheduler:
         self.running.remove(req)
         kv = req.params.kv_transfer_params
         if self.kv_connector is not None and kv is not None and kv.do_remote_decode:
-            # handed over: the blocks come back through `_free_released`
+            # handed over: the blocks come back through `_free_released` (unless the instance
+            # parks all it may already: then they are freed now, and readers compute the prompt)
             tables = [req.block_table] + ([req.window_table] if self.window_blocks else [])
             key = transfer_key(kv.transfer_id, req.prompt_token_ids)
-            self.kv_connector.park(key, [list(t) for t in tables], kv.num_readers)
-            req.block_table.clear()
-            req.window_table.clear()
-            return
+            if self.kv_connector.park(kv.transfer_id, key, tables, kv.num_readers):
+                req.block_table.clear()
+                req.window_table.clear()
+                return
         self._free(req)
 
     def abort(self, request_id: int) -> Request | None:
@@ -306,3 +346,12 @@ class Scheduler:
                 req.finish_reason = "abort"
                 return req
         return None
+
+
+def _outcome(future: Future) -> PullResult:
+    """A finished pull's result; a failed one if the future itself broke (it never should:
+    `KVConnector.start_pull` turns every failure into a result)."""
+    try:
+        return future.result()
+    except Exception as e:  # (cancelled at shutdown, or a bug below the connector)
+        return PullResult(False, error=f"{type(e).__name__}: {e}")

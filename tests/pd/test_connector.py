@@ -3,8 +3,6 @@ ids, blocks freed on both sides whichever way a transfer ends."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import pytest
@@ -12,75 +10,23 @@ import torch
 
 pytest.importorskip("mooncake.engine")
 
-from splitmoe.attention_nodes.kv_cache import GroupedKVCache, PagedKVCache  # noqa: E402
-from splitmoe.config import SchedulerConfig  # noqa: E402
+from pd.kv_sides import (  # noqa: E402
+    BS,
+    KV_SECRET,
+    HungAgent,
+    Side,
+    make_connector,
+    mooncake,
+    run_prompt,
+    schedule_until,
+)
+
+from splitmoe.attention_nodes.kv_cache import PagedKVCache  # noqa: E402
 from splitmoe.kv_transfer import KVTransferParams, transfer_key  # noqa: E402
-from splitmoe.kv_transfer.connectors import make_connector  # noqa: E402
-from splitmoe.kv_transfer.mooncake import _ask  # noqa: E402
+from splitmoe.kv_transfer.agent import Granted, Lease, ask  # noqa: E402
 from splitmoe.sampling_params import SamplingParams  # noqa: E402
-from splitmoe.scheduler.block_manager import BlockManager  # noqa: E402
 from splitmoe.scheduler.request import RequestSpec  # noqa: E402
-from splitmoe.scheduler.scheduler import Scheduler  # noqa: E402
-from splitmoe.scheduler.window_blocks import NULL_BLOCK, SlidingWindowBlocks  # noqa: E402
-
-BS = 4
-
-
-class Side:
-    """One instance's attention rank without a model: a pool, its blocks, a scheduler."""
-
-    def __init__(self, num_blocks: int, window: int | None = None, timeout: float = 30.0):
-        full = PagedKVCache(2, num_blocks, BS, 2, 8, torch.float32, "cpu")
-        self.window_blocks = None
-        self.cache = full
-        if window is not None:
-            w = PagedKVCache(1, num_blocks, BS, 2, 8, torch.float32, "cpu")
-            self.cache = GroupedKVCache(full, w, (0,))
-            self.window_blocks = SlidingWindowBlocks(num_blocks, BS, window)
-        self.blocks = BlockManager(num_blocks, BS, enable_prefix_caching=window is None)
-        self.connector = make_connector("mooncake", self.cache, "127.0.0.1", timeout)
-        self.sched = Scheduler(
-            SchedulerConfig(), self.blocks, (), 1 << 20, self.window_blocks, self.connector
-        )
-
-    def pools(self) -> list[torch.Tensor]:
-        c = self.cache
-        return [c.full.pool, c.window.pool] if hasattr(c, "window") else [c.pool]
-
-    def used(self) -> int:
-        return self.blocks.num_used + (self.window_blocks.num_used if self.window_blocks else 0)
-
-
-def schedule_until(side: Side, done, timeout: float = 20.0):
-    """Steps ``side`` until ``done()`` (a pull runs off the step loop and lands in a later step);
-    the last step's batch."""
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = side.sched.schedule()
-        if done():
-            return batch
-        assert time.monotonic() < deadline, "the pull did not land"
-        time.sleep(0.005)
-
-
-def run_prompt(side: Side, rid: int, prompt: list[int], kv: dict | None):
-    """Schedules the request until its prompt is computed, writes recognisable KV into its
-    blocks, and finishes it (as a one-token prefill request)."""
-    req = side.sched.add(
-        RequestSpec(rid, prompt, SamplingParams(max_tokens=1, kv_transfer_params=kv), 0.0)
-    )
-    while req.num_computed_tokens < req.prompt_len:
-        batch = side.sched.schedule()
-        for r, n in zip(batch.requests, batch.num_new_tokens):
-            side.sched.computed(r, n)
-    for k, (pool, table) in enumerate(zip(side.pools(), [req.block_table, req.window_table])):
-        for j, b in enumerate(table):
-            if k == 0 or b != NULL_BLOCK:
-                pool[:, :, b] = torch.randn(pool[:, :, b].shape) + 1000 * rid + j
-    tables = [list(req.block_table), list(req.window_table)]
-    req.output_token_ids.append(7)
-    side.sched.finish(req)
-    return tables
+from splitmoe.scheduler.window_blocks import NULL_BLOCK  # noqa: E402
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -128,9 +74,7 @@ def test_n_readers_share_one_parked_prompt():
 def test_a_failed_pull_computes_the_prompt_and_leaks_nothing():
     pre, dec = Side(32), Side(32)
     prompt = list(range(5, 5 + 13))
-    dead = make_connector(
-        "mooncake", PagedKVCache(2, 4, BS, 2, 8, torch.float32, "cpu"), "127.0.0.1", 5
-    )
+    dead = make_connector(mooncake(5), PagedKVCache(2, 4, BS, 2, 8, torch.float32, "cpu"))
     address = dead.address
     dead.close()  # nobody answers there any more
     for rid, agents in ((1, [address]), (2, [pre.connector.address])):  # dead / unknown key
@@ -142,28 +86,6 @@ def test_a_failed_pull_computes_the_prompt_and_leaks_nothing():
         dec.sched.abort(rid)
         assert dec.used() == 0
     assert dec.connector.counters["kv_transfer_failures"] == 2
-
-
-class HungAgent:
-    """A prefill instance's KV agent that accepts connections and never answers."""
-
-    def __init__(self):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.conns = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                self.conns.append(self.sock.accept()[0])
-            except OSError:
-                return
-
-    def close(self):
-        self.sock.close()
-        for c in self.conns:
-            c.close()
 
 
 def test_a_hung_prefill_side_never_stalls_the_step_loop():
@@ -204,8 +126,8 @@ def test_a_lease_keeps_the_blocks_for_the_whole_read():
     run_prompt(pre, 1, prompt, {"transfer_id": "t", "do_remote_decode": True})
     time.sleep(0.4)
     key = transfer_key("t", prompt)
-    lease = _ask(pre.connector.address, {"op": "lease", "key": key}, 5)
-    assert 0.4 < lease["valid_s"] <= 0.5
+    lease = ask(pre.connector.address, Lease(key, "r1"), KV_SECRET, time.monotonic() + 5)
+    assert isinstance(lease, Granted) and 0.4 < lease.valid_s <= 0.5
     time.sleep(0.2)  # past the park's own deadline, within the lease's
     pre.sched.schedule()
     assert pre.used() > 0 and pre.connector.num_parked == 1
@@ -225,7 +147,7 @@ def test_parked_blocks_expire_when_no_decode_instance_comes():
     assert pre.used() > 0
     time.sleep(0.3)
     pre.sched.schedule()
-    assert pre.used() == 0 and pre.connector.counters["kv_parked_expired"] == 1
+    assert pre.used() == 0 and pre.connector.stats()["kv_parked_expired"] == 1
 
 
 def test_transfer_params_are_checked():
