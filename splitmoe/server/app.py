@@ -20,7 +20,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +34,8 @@ from splitmoe.config import EngineConfig
 from splitmoe.inputs import check_request
 from splitmoe.outputs import RequestOutput
 from splitmoe.server.engine import AsyncEngine, EngineError, Job
+from splitmoe.server.http import BodyLimit
+from splitmoe.server.kv import KVGate, handoff, kv_status, parked_full, prefill_params
 from splitmoe.server.metrics import ServerMetrics
 from splitmoe.server.protocol import (
     BadRequest,
@@ -86,6 +88,10 @@ class ServerState:
     limits: Limits = Limits()
     tool_parser: ToolParser | None = None
     inflight: int = 0  # sequences accepted and not finished (event-loop thread only)
+    kv: KVGate = field(init=False)  # (prefill-decode: the router's secret, this instance's id)
+
+    def __post_init__(self) -> None:
+        self.kv = KVGate(self.config)
 
     @property
     def context_for_chat(self) -> int:
@@ -100,56 +106,6 @@ class ServerState:
     def capacity(self) -> int:
         """Sequences the attention ranks run at once; more wait in their queues."""
         return self.config.scheduler.max_num_seqs * self.config.parallel.attention_ranks
-
-
-class _BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes is a 413, whether its
-    Content-Length says so or it streams in chunks: the body is read here (at most ``limit``
-    bytes are held) and handed on whole."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or ()).get(b"content-length")
-        too_big = length is not None and length.isdigit() and int(length) > self.limit
-        chunks, seen, more = [], 0, not too_big
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # (the client left)
-                return
-            chunks.append(message.get("body", b""))
-            seen += len(chunks[-1])
-            more = message.get("more_body", False)
-            if seen > self.limit:
-                too_big = True
-                break
-        if too_big:
-            response = JSONResponse(
-                error_body(
-                    f"the request body is larger than {self.limit} bytes (--max-request-bytes)",
-                    "invalid_request_error",
-                    413,
-                ),
-                status_code=413,
-            )
-            return await response(scope, receive, send)
-        body, sent = b"".join(chunks), False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # (then only a disconnect comes)
-
-        if scope["method"] == "POST":  # (every body here is JSON, whatever a client labels it:
-            # `curl -d` says form-urlencoded)
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, replay, send)
 
 
 class _RequestContext:
@@ -208,7 +164,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="splitmoe", lifespan=lifespan)
     app.state.server = state
 
-    app.add_middleware(_BodyLimit, limit=state.limits.max_request_bytes)
+    app.add_middleware(BodyLimit, limit=state.limits.max_request_bytes)
     app.add_middleware(_RequestContext, state=state)  # (added last: the outermost)
 
     def _json_error(request: Request, message, kind, status, param=None) -> JSONResponse:
@@ -247,27 +203,11 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse(body, status_code=503)
 
     @app.get("/internal/kv")
-    async def kv_transfer():
-        # prefill-decode disaggregation (`splitmoe.router`): this instance's role and its
-        # attention ranks' KV agents and block counts, from their latest published counters
-        kv = state.config.kv_transfer
-        ranks = [s for s in state.engine.latest_stats() if "kv_blocks_used" in s]
-        keys = (
-            "rank",
-            "kv_agent",
-            "kv_blocks_used",
-            "kv_window_blocks_used",
-            "kv_parked",
-            "kv_transfers",
-            "kv_transfer_failures",
-            "kv_transfer_bytes",
-        )
-        return {
-            "kv_role": kv.kv_role,
-            "kv_connector": kv.kv_connector,
-            "agents": [s["kv_agent"] for s in ranks if s.get("kv_agent")],
-            "ranks": [{k: s[k] for k in keys if k in s} for s in ranks],
-        }
+    async def kv_transfer(request: Request):
+        # prefill-decode disaggregation (`splitmoe.router`): for the router alone
+        if not state.kv.allows(request.headers, request.url.path.encode()):
+            raise HTTPError(403, state.kv.refusal(), "permission_error")
+        return kv_status(state.kv, state.engine.latest_stats())
 
     @app.get("/metrics")
     async def metrics():
@@ -301,6 +241,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         _check_model(body.model, state)
+        await _check_kv(request, body, state)
         s = sampling(body, state.limits, _DEFAULT_MAX_TOKENS, _json_schema(body))
         texts = prompts_of(body, state.limits)
         # (tokenizing up to --max-request-bytes of text takes a while: off the event loop)
@@ -313,6 +254,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         _check_model(body.model, state)
+        await _check_kv(request, body, state)
         s = sampling(body, state.limits, _default_chat_max(state), _json_schema(body))
         if state.chat_template is None or state.tokenizer is None:
             raise BadRequest(
@@ -379,6 +321,13 @@ def _check_model(model: str | None, state: ServerState) -> None:
         )
 
 
+async def _check_kv(request: Request, body, state: ServerState) -> None:
+    """``kv_transfer_params`` come from the router alone (a 403 for anyone else)."""
+    if body.kv_transfer_params is not None:
+        if not state.kv.allows(request.headers, await request.body()):
+            raise HTTPError(403, state.kv.refusal(), "permission_error", "kv_transfer_params")
+
+
 def _json_schema(body: CompletionRequest | ChatCompletionRequest) -> str | None:
     """The grammar a ``response_format`` asks for, checked (a 400 for a schema it cannot be)."""
     fmt = body.response_format
@@ -443,6 +392,9 @@ async def _generate(
     echo: list[str] | None = None,
     tools: _ToolCalls | None = None,
 ):
+    kv = s.params[0].kv_transfer_params
+    if kv is not None and kv.do_remote_decode:  # (a prefill instance: see `server.kv`)
+        return await _prefill(request, state, prompts, s, chat)
     seqs, params = [], []
     for i, p in enumerate(prompts):
         for sp in s.params:
@@ -454,15 +406,7 @@ async def _generate(
                 raise BadRequest(str(e), param_of(str(e))) from None
             seqs.append(p)
             params.append(sp)
-    if state.max_queued_requests is not None:
-        queued = max(0, state.inflight + len(seqs) - state.capacity)
-        if queued > state.max_queued_requests:
-            raise HTTPError(
-                503,
-                f"the queue is full ({state.max_queued_requests} requests wait already); "
-                "retry later",
-                "service_unavailable",
-            )
+    _check_queue(state, len(seqs))
     job = Job(seqs, params, s.stream, asyncio.get_running_loop())
     state.engine.submit(job)
     state.inflight += len(seqs)
@@ -477,6 +421,58 @@ async def _generate(
     if outputs is None:  # (the client left)
         return Response(status_code=499)
     return reply.whole(outputs)
+
+
+def _check_queue(state: ServerState, sequences: int) -> None:
+    if state.max_queued_requests is not None:
+        queued = max(0, state.inflight + sequences - state.capacity)
+        if queued > state.max_queued_requests:
+            raise HTTPError(
+                503,
+                f"the queue is full ({state.max_queued_requests} requests wait already); "
+                "retry later",
+                "service_unavailable",
+            )
+
+
+async def _prefill(
+    request: Request, state: ServerState, prompts: list[list[int]], s: Sampling, chat: bool
+):
+    """A prefill instance's answer (`splitmoe.server.kv`): the request was checked as the
+    client sent it; each prompt is computed once, its blocks parked for its ``n`` readers."""
+    vocab = state.config.model.vocab_size
+    one = prefill_params(s.params)
+    try:
+        for sp in s.params:
+            sp.check_vocab(vocab)
+        for i, p in enumerate(prompts):
+            check_request(i, p, one, state.config)
+    except ValueError as e:
+        raise BadRequest(str(e), param_of(str(e))) from None
+    if parked_full(state.engine.latest_stats()):
+        raise HTTPError(
+            503,
+            "this prefill instance parks as much KV as it may (--kv-max-parked-blocks); the "
+            "decode instance computes the prompt",
+            "service_unavailable",
+        )
+    _check_queue(state, len(prompts))
+    job = Job(prompts, [one] * len(prompts), False, asyncio.get_running_loop())
+    state.engine.submit(job)
+    state.inflight += len(prompts)
+    try:
+        outputs = await _collect(request, state, job)
+    finally:
+        state.inflight -= len(prompts)
+    if outputs is None:  # (the client left)
+        return Response(status_code=499)
+    single = replace(
+        s, params=[one], n=1, stream=False, include_usage=False, echo=False, logprobs=None
+    )
+    reply = _Reply(state, prompts, single, chat, request.state.request_id, None, None)
+    body = reply.whole(outputs)
+    body["kv_transfer_params"] = handoff(one.kv_transfer_params, state.engine.latest_stats())
+    return body
 
 
 async def _collect(request: Request, state: ServerState, job: Job) -> list[RequestOutput] | None:

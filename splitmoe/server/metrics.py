@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from splitmoe.outputs import RequestOutput
 
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
     7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
@@ -35,7 +35,7 @@ class ServerMetrics:
             return Gauge(f"splitmoe:{name}", doc, [*names, *extra], registry=r)
 
         def histogram(name, doc):
-            return Histogram(f"splitmoe:{name}", doc, names, buckets=_LATENCY_BUCKETS, registry=r)
+            return Histogram(f"splitmoe:{name}", doc, names, buckets=LATENCY_BUCKETS, registry=r)
 
         self.request_success = counter(
             "request_success", "Finished requests by finish reason", ("finished_reason",)

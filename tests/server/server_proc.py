@@ -45,8 +45,9 @@ class Server:
         start_timeout: float = 120,
         env: dict[str, str] | None = None,
         warmup: bool = False,
+        port: int | None = None,
     ):
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         cmd = [sys.executable, "-m", "splitmoe.serve", "--model", str(ckpt)]
