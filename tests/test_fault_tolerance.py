@@ -3,10 +3,10 @@ mid-decode, and the job goes on.
 
 Tiny Qwen3-MoE (8 experts, top-2, 2 MoE layers), float32: every request in flight finishes
 once, with exactly HF transformers' greedy tokens (those of a run without the failure),
-whether the lost rank's experts all have replicas on the survivors or some are read again from
-the checkpoint; with no room for a lost expert the job ends with `RankFailure`. A stopped rank
-is noticed within ``timeout_s``, left out of the membership whichever rank it is (attention
-rank 0 included), and ended by the front end.
+whether the lost rank's experts all have replicas on the survivors, are read again from the
+checkpoint into replica slots or into slots the survivors grow; with no room for a lost expert
+the job ends with `RankFailure`. A stopped rank is noticed within ``timeout_s``, left out of
+the membership whichever rank it is (attention rank 0 included), and ended by the front end.
 48 requests rather than the issue's 64: the same batch shape class (one decode step for all of
 them) at three quarters of the HF reference's cost on 2 shared cores.
 """
@@ -21,7 +21,10 @@ import pytest
 from tiny_models import cpu_llm, prompt_ids
 
 from splitmoe import SamplingParams
+from splitmoe.config import engine_config
 from splitmoe.llm import RankFailure
+from splitmoe.memory import engine_memory
+from splitmoe.models.default_model import write_default_model
 
 N_REQUESTS = 48
 MAX_TOKENS = 12
@@ -127,13 +130,27 @@ def test_expert_rank_killed_mid_decode(
     assert all(s["kv_blocks_used"] == 0 for s in stats if s["role"] == "attention")
 
 
+def _expert_rank_bytes(ckpt, expert_ranks: int) -> int:
+    """What one expert rank of a 1 + ``expert_ranks`` job on ``ckpt`` holds (no replicas)."""
+    cfg = engine_config(
+        str(ckpt), attention_ranks=1, expert_ranks=expert_ranks, dtype="float32", device="cpu"
+    )
+    return engine_memory(cfg).role("expert")[0].total
+
+
 def test_expert_that_fits_nowhere_ends_the_job(tiny_ckpt):
-    """No replica slots: a lost expert rank's experts fit nowhere, and the job ends with
-    `RankFailure` naming the cause, as without fault tolerance."""
+    """No replica slots, and a memory budget (``expert_memory_gb``) that holds an expert rank's
+    4 slots per layer but not the 8 the survivor would need: a lost expert rank's experts fit
+    nowhere, and the job ends with `RankFailure` naming the cause, as without fault
+    tolerance."""
     ckpt = tiny_ckpt("qwen3_moe")
-    with pytest.raises(RankFailure, match="no survivor has a replica slot"):
-        with cpu_llm(ckpt, 1, 2, fault_tolerance=True, timeout_s=20) as llm:
+    budget = (_expert_rank_bytes(ckpt, 2) + _expert_rank_bytes(ckpt, 1)) / 2 / 2**30
+    with pytest.raises(RankFailure, match="no survivor has a replica slot") as failure:
+        with cpu_llm(
+            ckpt, 1, 2, fault_tolerance=True, timeout_s=20, expert_memory_gb=budget
+        ) as llm:
             _kill_mid_decode(llm, 2)
+    assert "over expert_memory_gb" in str(failure.value)
 
 
 @pytest.mark.parametrize("lost", [1, 0])
@@ -215,3 +232,51 @@ def test_stopped_rank_is_evicted_and_ended(
     assert recoveries[0]["members"] == [r for r in range(attention + experts) if r != victim]
     if victim < attention:  # (its requests resumed on the other attention rank)
         assert all(out.attention_rank == 1 for out in [*outs.values(), *after])
+
+
+def test_expert_rank_lost_without_spare_slots_grows_the_survivors(tmp_path):
+    """The built-in default model (16 experts, 4 MoE layers) on 1 + 3 ranks with no replica
+    slots (6 + 5 + 5 per layer), expert rank 1 killed mid-decode: its 5 experts fit no replica
+    slot, so the two survivors grow to 8 slots each and read them from the checkpoint; every
+    request finishes once with the tokens of the same job's run before the failure."""
+    ckpt = write_default_model(tmp_path / "default")
+    with cpu_llm(ckpt, 1, 3, fault_tolerance=True, timeout_s=20) as llm:
+        before = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        outs, recovered_in = _kill_mid_decode(llm, 2)
+        after = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+        stats = llm.stats()
+        recoveries = llm.recoveries
+    print(f"kill of expert rank 2 (no spare slot) -> next completed step: {recovered_in:.2f} s")
+    assert [out.token_ids for out in outs.values()] == [out.token_ids for out in before]
+    assert [out.token_ids for out in after] == [out.token_ids for out in before[:4]]
+    assert [r["lost"] for r in recoveries] == [[2]]
+    assert recoveries[0]["expert_slots"] == [8, 8]
+    experts = [s for s in stats if s["role"] == "expert"]
+    assert [s["rank"] for s in experts] == [1, 3]
+    for layer in ("0", "1", "2", "3"):  # (each expert once: no replica was made)
+        assert sorted(e for s in experts for e in s["slots"][layer]) == list(range(16))
+    read = [s["membership"]["recoveries"][0]["weights_read"] for s in experts]
+    assert read == [2 * 4, 3 * 4]  # (the new slots only: 2 and 3 per layer)
+
+
+def test_expert_and_attention_rank_lost_at_once(tiny_ckpt, hf_ref):
+    """2 + 2 ranks without replica slots; at once, attention rank 0 stops (SIGSTOP) and expert
+    rank 1 (rank 3) is killed: the survivors (one of each role) agree without both, the
+    expert survivor grows to every expert, attention rank 1 takes rank 0's requests, the
+    front end ends the stopped process, and every request finishes once with HF's tokens."""
+    ckpt = tiny_ckpt("qwen3_moe")
+    with cpu_llm(ckpt, 2, 2, fault_tolerance=True, timeout_s=STOP_TIMEOUT_S) as llm:
+        outs, recovered_in = _fault_mid_decode(llm, {0: signal.SIGSTOP, 3: signal.SIGKILL})
+        _assert_ended(llm, 0)
+        after = llm.generate(PROMPTS[:4], GREEDY)
+        stats = llm.stats()
+        recoveries = llm.recoveries
+    print(f"stop of rank 0 + kill of rank 3 -> next completed step: {recovered_in:.2f} s")
+    for p, out in zip(PROMPTS, outs.values()):
+        assert out.token_ids == hf_ref(ckpt, p, MAX_TOKENS)
+    for p, out in zip(PROMPTS, after):
+        assert out.token_ids == hf_ref(ckpt, p, MAX_TOKENS)
+    assert [r["lost"] for r in recoveries] == [[0, 3]]
+    assert [(s["rank"], s["role"]) for s in stats] == [(1, "attention"), (2, "expert")]
+    assert recoveries[0]["expert_slots"] == [8]
+    assert all(out.attention_rank == 1 for out in [*outs.values(), *after])
