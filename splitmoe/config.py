@@ -281,9 +281,16 @@ class ParallelConfig:
     )
     fault_tolerance: bool = option(
         False,
-        "survive the loss of an expert rank: the others rebuild their groups without it, "
-        "re-place its experts (replicas first, else read from the checkpoint) and replay the "
-        "step; steps then run as one micro-batch (see docs/fault_tolerance.md)",
+        "survive the loss of a rank, dead or silent past timeout_s: the others rebuild their "
+        "groups without it, re-place its experts (replicas first, else read from the "
+        "checkpoint) or resume its requests, and replay the step; steps then run as one "
+        "micro-batch (see docs/fault_tolerance.md)",
+    )
+    expert_memory_gb: float | None = option(
+        None,
+        "memory an expert rank may hold (its experts and step buffers), GiB: checked at "
+        "start-up, and fault tolerance grows the survivors' expert slots only within it "
+        "(default: what the device has)",
     )
 
     def __post_init__(self) -> None:
@@ -309,6 +316,15 @@ class ParallelConfig:
             raise ValueError(f"shared_memory={self.shared_memory!r} must be True or False")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
+        if self.expert_memory_gb is not None and (
+            isinstance(self.expert_memory_gb, bool)
+            or not isinstance(self.expert_memory_gb, (int, float))
+            or not self.expert_memory_gb > 0
+        ):
+            raise ValueError(
+                f"expert_memory_gb={self.expert_memory_gb!r} must be None (the device's memory) "
+                "or a number of GiB > 0"
+            )
         if self.micro_batches not in (None, "auto") and (
             isinstance(self.micro_batches, bool)
             or not isinstance(self.micro_batches, int)

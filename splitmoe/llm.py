@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection, wait
 
 from tqdm import tqdm
 
+from splitmoe.comm.control import RankEvicted
 from splitmoe.comm.distributed import hosted_store, shutdown_groups
 from splitmoe.comm.topology import Topology
 from splitmoe.config import EngineConfig, engine_config
@@ -50,6 +51,14 @@ logger = logging.getLogger("splitmoe")
 
 class RankFailure(RuntimeError):
     """A rank process raised or died; the whole job was stopped."""
+
+
+def recovery_bound_s(timeout_s: float) -> float:
+    """How long a fault-tolerant job's survivors may take to go on without a lost rank: up to
+    ``timeout_s`` to notice one that stopped answering, up to another to agree without it
+    (`agree_membership`), then rebuild, read weights and replay; past it the front end gives
+    up on them."""
+    return 3 * timeout_s + 10
 
 
 _FRAME = struct.Struct("<Q")  # the byte length of each pickled message on a rank's pipe
@@ -492,6 +501,10 @@ def _rank_main(
     try:
         run_rank(cfg, rank, init_method, channel, local_rank, local_world_size)
         shutdown_groups()
+    except RankEvicted as e:  # (the others went on without this rank: not the job's failure)
+        out.put(("evicted", rank, role, str(e)))
+        out.close()
+        sys.exit(1)
     except BaseException as e:  # report every failure, Ctrl-C included, then exit non-zero
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         out.put(("error", rank, role, detail, traceback.format_exc()))
@@ -729,8 +742,8 @@ class LLM:
                 if lost and self.health == "degraded":
                     # the survivors may first notice at their timeout, then agree within
                     # another; past that they report their own failure
-                    t = self.config.parallel.timeout_s
-                    deadline = max(deadline, min(self._lost.values()) + 3 * t + 10)
+                    bound = recovery_bound_s(self.config.parallel.timeout_s)
+                    deadline = max(deadline, min(self._lost.values()) + bound)
                 if time.monotonic() >= deadline:
                     if not fail_on_timeout:
                         raise
@@ -741,6 +754,14 @@ class LLM:
                 continue
             if msg[0] == "recovered":  # (kept, never handed to a caller)
                 self._note_recovery(msg[2])
+                continue
+            if msg[0] == "evicted":  # (a rank that woke after its peers went on without it)
+                logger.warning("rank %d (%s): %s", msg[1], msg[2], msg[3])
+                self._lost.setdefault(msg[1], time.monotonic())
+                self._end_rank(msg[1])
+                continue
+            if msg[0] == "error" and msg[1] in self._evicted():
+                logger.warning("rank %d (%s), left out of the job, failed: %s", *msg[1:4])
                 continue
             if msg[0] == "error":
                 _, rank, role, detail, tb = msg
@@ -781,8 +802,28 @@ class LLM:
             self._recoveries.append(rec)
             for r in rec["lost"]:  # (one left out while still running: silent past timeout_s)
                 self._lost.setdefault(r, time.monotonic())
+                self._end_rank(r)
                 if self._role(r) == "attention":
                     self._resume_lost(r)
+
+    def _evicted(self) -> set[int]:
+        """Ranks (as at start-up) that a recovery left out."""
+        return {r for rec in self._recoveries for r in rec["lost"]}
+
+    def _end_rank(self, rank: int) -> None:
+        """Ends a rank its peers left out (fault tolerance), if this process started it and it
+        still runs: stopped (SIGSTOP: a stopped process takes SIGKILL too), hung, or woken
+        after the others went on; it would hold its memory and cores for nothing. Reaped here,
+        so nothing is left of it. (A launched job's other ranks are their launcher's; one that
+        wakes finds itself left out and exits: `RankEvicted`.)"""
+        if rank >= len(self._procs):
+            return
+        p = self._procs[rank]
+        if p.exitcode is None:
+            role = self._role(rank)
+            logger.warning("rank %d (%s), left out of the job by its peers, is ended", rank, role)
+            p.kill()
+        p.join(timeout=5)
 
     def _resume_lost(self, rank: int) -> None:
         """Moves a lost attention rank's unfinished requests to the surviving ones (the job
@@ -824,8 +865,7 @@ class LLM:
         """``"ok"``, or ``"degraded"`` while the job recovers from a lost rank (fault
         tolerance): from when this front end saw the rank exit until its peers report that
         they go on without it."""
-        recovered = {r for rec in self._recoveries for r in rec["lost"]}
-        return "degraded" if set(self._lost) - recovered else "ok"
+        return "degraded" if set(self._lost) - self._evicted() else "ok"
 
     @property
     def recoveries(self) -> list[dict]:
@@ -839,11 +879,12 @@ class LLM:
         """Ranks that died without reporting (killed, out of memory): usually the root cause when
         a peer reports a broken connection."""
         deadline = time.monotonic() + grace_s
+        ended = self._evicted()  # (by this front end, after the others went on without them)
         while True:
             dead = [
                 (r, p.exitcode)
                 for r, p in enumerate(self._procs)
-                if r != exclude and p.exitcode is not None and p.exitcode != 0
+                if r != exclude and r not in ended and p.exitcode is not None and p.exitcode != 0
             ]
             if dead or time.monotonic() > deadline:
                 break
@@ -960,7 +1001,8 @@ class LLM:
         self, timeout: float | None = None, every_step: bool = True
     ) -> list[tuple[RequestOutput, list[int]]]:
         """Waits for the next step's progress (up to ``timeout`` s, or the job's collective
-        timeout, or until `wake`); returns ``(output so far, new token ids)`` per request that
+        timeout (with fault tolerance, the bound of a recovery: `recovery_bound_s`), or until
+        `wake`); returns ``(output so far, new token ids)`` per request that
         advanced. With ``every_step`` False only finished requests are returned (with no new
         tokens listed), and the ranks wake this process only for steps in which one finished,
         which spares the cores it shares with them. A failed rank raises `RankFailure` here."""
@@ -988,7 +1030,7 @@ class LLM:
 
     def _pump(self, timeout: float | None, progress: list | None, finished: list) -> None:
         """Reads the ranks' messages until one step's tokens (or a stats answer) arrived, up to
-        ``timeout`` s (None: the job's collective timeout, then `RankFailure`); appends
+        ``timeout`` s (None: `_silence_s`, then `RankFailure`); appends
         ``(output, new tokens)`` per advanced request to ``progress`` (None: not wanted, and the
         ranks wake this process only for steps in which a request finished) and the outputs
         that finished to ``finished``.
@@ -996,7 +1038,7 @@ class LLM:
         This runs once per step of every attention rank, on the same cores as the ranks where
         they share a host: at decode batch 256 it took ~1.5 ms of CPU per step when it built an
         update object and a stream delta per token (CPU, 1+1 ranks on 2 cores)."""
-        wait = self.config.parallel.timeout_s if timeout is None else timeout
+        wait = self._silence_s() if timeout is None else timeout
         deadline = time.monotonic() + wait
         while True:
             try:
@@ -1014,6 +1056,13 @@ class LLM:
                     continue
                 self._apply_step(rank, ids, tokens, done, logprobs, record, progress, finished)
                 return
+
+    def _silence_s(self) -> float:
+        """How long `poll` waits for a step before it fails the job: the collective timeout;
+        with fault tolerance, the bound of a recovery (`recovery_bound_s`), since a rank that
+        stops answering silences every step until its peers have noticed and gone on."""
+        par = self.config.parallel
+        return recovery_bound_s(par.timeout_s) if par.fault_tolerance else par.timeout_s
 
     def _apply_step(self, rank, ids, tokens, done, logprobs, record, progress, finished) -> None:
         """One step's new tokens (`_QueueChannel.emit`'s lists) into the live outputs.

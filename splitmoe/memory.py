@@ -461,14 +461,87 @@ def _host_available_bytes() -> int | None:
     return None
 
 
+def device_room(device) -> int | None:
+    """Bytes this process could still allocate on ``device`` (a ``torch.device``): on CUDA
+    what the device has free plus what PyTorch's allocator holds unused; on CPU the host's
+    MemAvailable (None where it cannot be read)."""
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return _host_available_bytes()
+
+
+def growth_fits(
+    before, after, survivors: list[int], rooms: list[tuple[str, int | None]]
+) -> str | None:
+    """Whether a fault-tolerant job's surviving expert ranks can grow from the layout of
+    ``before`` to that of ``after`` (`splitmoe.config.EngineConfig`s; `engine_memory` sizes
+    both): expert rank ``i`` of ``after`` was expert rank ``survivors[i]`` of ``before``, and
+    lives on the device ``rooms[i]`` names, which can still take ``rooms[i][1]`` bytes
+    (`device_room`; None: unknown, not checked). Each must stay within ``expert_memory_gb``
+    when set, and the bytes the ranks of one device add together within that device's room
+    (the ranks of a CPU host share its RAM). None when they fit, else why not."""
+    old = engine_memory(before).role("expert")
+    new = engine_memory(after).role("expert")
+    budget = after.parallel.expert_memory_gb
+    added: dict[str, int] = {}
+    frees: dict[str, list[int]] = {}
+    for i, rank in enumerate(new):
+        was = old[survivors[i]]
+        if budget is not None and rank.total > budget * GIB:
+            return (
+                f"grown to {rank.experts} slots per layer, expert rank {survivors[i]} would "
+                f"hold {rank.total / GIB:.3f} GiB, over expert_memory_gb={budget:g}"
+            )
+        key, free = rooms[i]
+        added[key] = added.get(key, 0) + max(0, rank.total - was.total)
+        frees.setdefault(key, []).extend([] if free is None else [free])
+    for key, need in added.items():
+        if frees[key] and need > min(frees[key]):
+            return (
+                f"growing the survivors' expert slots needs {need / GIB:.3f} GiB more on "
+                f"{key}, which has {min(frees[key]) / GIB:.3f} GiB free"
+            )
+    return None
+
+
+def _check_expert_budget(cfg) -> None:
+    """``expert_memory_gb``, where set: every expert rank's bytes within it, else
+    `LayoutDoesNotFit` with the table."""
+    from dataclasses import replace
+
+    budget = cfg.parallel.expert_memory_gb
+    if budget is None or not cfg.parallel.expert_ranks:
+        return
+    table = engine_memory(cfg)
+    cap = int(budget * GIB)
+    table = replace(
+        table,
+        ranks=tuple(replace(r, capacity=cap) if r.role == "expert" else r for r in table.ranks),
+    )
+    over = table.failures()
+    if over:
+        raise LayoutDoesNotFit(
+            f"{table}\nan expert rank needs up to {max(r.total for r in over) / GIB:.3f} GiB, "
+            f"over expert_memory_gb={budget:g}: raise it, add expert ranks or lower "
+            "max_num_batched_tokens",
+            table,
+        )
+
+
 def check_fits(cfg, local_ranks: int | None = None) -> MemoryTable | str:
     """The start-up check of `splitmoe.LLM`: raises `LayoutDoesNotFit` with the table when the
     layout does not fit the device memory, before any rank starts or any weight is read.
 
     On CUDA each rank has a GPU of its own: every rank against the device's total memory. On
     CPU the ``local_ranks`` rank processes this host starts (default: all) share its RAM: their
-    sum against MemAvailable. Returns the table, or a line saying why nothing was checked."""
+    sum against MemAvailable. Expert ranks also against ``expert_memory_gb`` where set.
+    Returns the table, or a line saying why nothing was checked."""
     import torch
+
+    _check_expert_budget(cfg)
 
     if cfg.device_type == "cuda":
         # rank r computes on GPU r % device_count (`splitmoe.comm.distributed`): ranks that

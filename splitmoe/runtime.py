@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import resource
+import socket
 import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -27,10 +28,11 @@ from splitmoe.comm.distributed import Groups, init_groups, new_collective, rank_
 from splitmoe.comm.shm import CONTROL_CAPACITY, CONTROL_SPIN_S, OWN_CORE_SPIN_S
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transports import TRANSPORTS
-from splitmoe.config import EngineConfig
+from splitmoe.config import EngineConfig, ParallelConfig
 from splitmoe.eplb.placement import Placement
 from splitmoe.eplb.rebalance import ExpertBalance
 from splitmoe.expert_nodes.worker import ExpertWorker
+from splitmoe.memory import device_room, growth_fits
 from splitmoe.metrics import StepRecord
 from splitmoe.scheduler.micro_batches import MicroBatchChooser
 from splitmoe.scheduler.request import RequestSpec
@@ -531,7 +533,8 @@ def _recover(me: _Rank, error: Exception, channel: Channel) -> None:
     new world, re-place the lost experts and rebuild the data and control planes; the caller
     then replays the interrupted step (without a lost attention rank's part: its requests are
     resumed elsewhere by the front end). Raises `RankLost` where the loss is not survivable (no
-    attention or no expert rank left, an expert that fits nowhere)."""
+    attention or no expert rank left, an expert that fits nowhere), and `RankEvicted` on a rank
+    the others left out (it answered too late)."""
     t0 = time.monotonic()
     topo, par = me.topo, me.cfg.parallel
     logger.warning("%s: a peer failed (%s); recovering", topo.describe(), error)
@@ -553,30 +556,32 @@ def _recover(me: _Rank, error: Exception, channel: Channel) -> None:
     if lost_experts and topo.num_expert == len(lost_experts):
         raise RankLost(f"every expert rank is lost ({origin_lost})") from error
     # (a lost attention rank's requests are the front end's to move: `LLM._resume_lost`)
-    placement = None if me.balance is None else me.balance.placement.without(lost_experts)
-    new_par = replace(
-        par,
-        attention_ranks=topo.num_attention - len(lost_attention),
-        expert_ranks=topo.num_expert - len(lost_experts),
-        redundant_experts=par.redundant_experts if placement is None else placement.redundant,
-    )
-    me.cfg = replace(me.cfg, parallel=new_par)
     rank = members.index(topo.rank)
-    me.topo = Topology.build(
-        rank, new_par, me.cfg.model.num_experts, topo.local_rank, topo.local_world_size
-    )
     me.groups = rejoin(
         me.groups,
         epoch,
         rank,
-        me.topo.world_size,
+        len(members),
         me.device,
         topo.local_world_size,
-        new_par.timeout,
-        shared_memory=new_par.shared_memory,
+        par.timeout,
+        shared_memory=par.shared_memory,
         spin_s=me.spin_s,
     )
+    new_par = replace(
+        par,
+        attention_ranks=topo.num_attention - len(lost_attention),
+        expert_ranks=topo.num_expert - len(lost_experts),
+    )
     old = me.balance
+    placement = None
+    if old is not None:
+        placement = _placement_without(me, old.placement, lost_experts, new_par, error)
+        new_par = replace(new_par, redundant_experts=placement.redundant)
+    me.cfg = replace(me.cfg, parallel=new_par)
+    me.topo = Topology.build(
+        rank, new_par, me.cfg.model.num_experts, topo.local_rank, topo.local_world_size
+    )
     me.connect(placement)
     read = 0
     if old is not None:
@@ -591,7 +596,8 @@ def _recover(me: _Rank, error: Exception, channel: Channel) -> None:
     me.members.recoveries.append(
         {"lost": origin_lost, "members": list(me.members.ranks), "seconds": took,
          "weights_read": read,
-         "placement_version": None if placement is None else placement.version}
+         "placement_version": None if placement is None else placement.version,
+         "expert_slots": None if placement is None else placement.slots_per_rank.tolist()}
     )  # fmt: skip
     logger.warning(
         "%s (was rank %d): recovered without rank(s) %s in %.2f s",
@@ -600,6 +606,34 @@ def _recover(me: _Rank, error: Exception, channel: Channel) -> None:
     recovered = getattr(channel, "recovered", None)
     if recovered is not None:
         recovered(me.members.stats())
+
+
+def _placement_without(
+    me: _Rank, placement: Placement, lost: list[int], new_par: ParallelConfig, error: Exception
+) -> Placement:
+    """The placement after losing expert ranks ``lost`` (`Placement.without`): replica slots
+    first; where a lost expert finds none, the survivors grow their slots if memory allows
+    (`memory.growth_fits`: ``expert_memory_gb`` and what each device has free, which every
+    survivor tells over the rebuilt world, so all decide alike), else `RankLost`. Every rank
+    of the new world calls it, in step (``me.groups`` is the rebuilt world's)."""
+    try:
+        return placement.without(lost)
+    except ValueError as no_room:
+        grown = placement.without(lost, grow=True)
+        mine = (f"{socket.gethostname()}/{me.device}", device_room(me.device))
+        rooms: list = [None] * dist.get_world_size(me.groups.cpu)
+        dist.all_gather_object(rooms, mine, group=me.groups.cpu)
+        survivors = [r for r in range(placement.num_ranks) if r not in lost]
+        after = replace(me.cfg, parallel=replace(new_par, redundant_experts=grown.redundant))
+        why = growth_fits(me.cfg, after, survivors, rooms[new_par.attention_ranks :])
+        if why is not None:
+            raise RankLost(f"{no_room}; {why}") from error
+        logger.warning(
+            "%s: no replica slot holds every lost expert: expert slots grow from %s to %s",
+            me.topo.describe(), placement.slots_per_rank[survivors].tolist(),
+            grown.slots_per_rank.tolist(),
+        )  # fmt: skip
+        return grown
 
 
 class RankLost(RuntimeError):

@@ -5,6 +5,7 @@ start-up check of `LLM`."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,10 +14,12 @@ from safetensors import safe_open
 from splitmoe.config import ModelConfig, engine_config
 from splitmoe.kernels.quant import QuantizedWeight
 from splitmoe.memory import (
+    GIB,
     LayoutDoesNotFit,
     ModelDims,
     check_fits,
     engine_memory,
+    growth_fits,
     linear_bytes,
     rank_memory,
 )
@@ -222,3 +225,40 @@ def test_kimi_k2_config_is_sized(tmp_path):
     dims = ModelDims.from_config(ModelConfig.from_hf(tmp_path))
     expert = dims.expert_bytes(2)["fp8"] * dims.num_experts * dims.num_moe_layers
     assert expert / 1e9 == pytest.approx(1015, rel=0.01)  # ~1 TB in FP8 (2,029 GB in bf16)
+
+
+def _cpu_config(ckpt, **options):
+    return engine_config(str(ckpt), dtype="float32", device="cpu", **options)
+
+
+def _with(cfg, **parallel):
+    return replace(cfg, parallel=replace(cfg.parallel, **parallel))
+
+
+def test_expert_memory_budget_is_checked_at_start_up(tiny_ckpt):
+    cfg = _cpu_config(tiny_ckpt("qwen3_moe"), expert_ranks=2)
+    need = engine_memory(cfg).role("expert")[0].total
+    check_fits(_with(cfg, expert_memory_gb=need / GIB))
+    with pytest.raises(LayoutDoesNotFit, match="over expert_memory_gb"):
+        check_fits(_with(cfg, expert_memory_gb=need / 2 / GIB))
+
+
+def test_growth_fits_the_budget_and_each_devices_room(tiny_ckpt):
+    """1 + 3 expert ranks of the tiny model (8 experts: 3 + 3 + 2 slots a layer) losing the
+    first: the two survivors grow to 4 + 4, within ``expert_memory_gb`` and what their device
+    has free (two ranks on one device: what both add), or not."""
+    before = _cpu_config(tiny_ckpt("qwen3_moe"), expert_ranks=3)
+    after = _with(before, expert_ranks=2)
+    old, new = engine_memory(before).role("expert"), engine_memory(after).role("expert")
+    added = [new[0].total - old[1].total, new[1].total - old[2].total]
+    assert all(a > 0 for a in added)
+    both = sum(added)
+    assert growth_fits(before, after, [1, 2], [("h/cpu", both), ("h/cpu", both)]) is None
+    assert growth_fits(before, after, [1, 2], [("h/cpu", None), ("h/cpu", None)]) is None
+    short = growth_fits(before, after, [1, 2], [("h/cpu", both - 1), ("h/cpu", both)])
+    assert short is not None and "more on h/cpu" in short
+    apart = [("a/cpu", max(added)), ("b/cpu", max(added))]  # (each on a device of its own)
+    assert growth_fits(before, after, [1, 2], apart) is None
+    capped = _with(after, expert_memory_gb=new[0].total / 2 / GIB)
+    over = growth_fits(before, capped, [1, 2], [("h/cpu", None), ("h/cpu", None)])
+    assert over is not None and "over expert_memory_gb" in over

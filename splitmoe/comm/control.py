@@ -140,6 +140,12 @@ def _times(ns) -> StepTimes:
 _AGREE_POLL_S = 0.01
 
 
+class RankEvicted(RuntimeError):
+    """This rank was left out of the job's membership by a recovery: it checked in after the
+    survivors had decided without it (it was stopped, hung or slow past the window). It must
+    exit rather than rejoin; the survivors already go on without it."""
+
+
 def agree_membership(
     store: dist.Store,
     epoch: int,
@@ -150,46 +156,44 @@ def agree_membership(
 ) -> list[int]:
     """The ranks (of the current world) that survive a failure, the same list on every survivor:
     the fault-tolerant control plane, over the job's rendezvous store rather than the process
-    groups (which a dead member has broken).
+    groups (which a lost member has broken).
 
     Every survivor checks in under recovery ``epoch``'s prefix with the ranks it saw exit
-    (``gone``); the leader, the lowest rank no survivor saw exit, waits until every rank that
-    nobody saw exit has checked in (or ``timeout_s`` passed: a rank silent that long is left
-    out, as gone), then writes the membership, which the others read. A rank left out of it
-    raises (it must not rejoin). The leader's own death is not survivable here (attention
-    rank 0 leads, and losing an attention rank is not recovered)."""
+    (``gone``), then waits until every rank that no survivor saw exit has checked in, or until
+    ``timeout_s`` has passed since its own check-in: a rank silent that long (exited, stopped,
+    hung, or on a host gone quiet) is left out. Then it proposes the ranks that checked in,
+    less those any of them saw exit, with one compare-and-set of the membership key: the first
+    proposal stands, and every survivor adopts the stored one (a survivor still waiting adopts
+    it as soon as it appears). No rank leads, so no rank's silence (rank 0's included) can
+    stall the others; the store is a single server, so the compare-and-set has one winner.
+
+    The window is the same bound the survivors' own detection has: each leaves its step within
+    ``timeout_s`` of its last progress, and after a failure every survivor stops progressing
+    within a layer of the others, so they all check in within ``timeout_s`` of the first one.
+    A rank that checks in after the membership was set (a frozen one woken late) finds itself
+    left out and raises `RankEvicted`."""
     prefix = f"splitmoe-membership-{epoch}/"
-    store.set(f"{prefix}here/{rank}", ",".join(map(str, gone)))
-    leader = min(r for r in range(world_size) if r not in gone)
     key = f"{prefix}members"
-    if rank == leader:
-        deadline = time.monotonic() + timeout_s
-        seen: dict[int, set[int]] = {}
-        while True:
-            for r in range(world_size):
-                if r not in seen and store.check([f"{prefix}here/{r}"]):
-                    told = store.get(f"{prefix}here/{r}").decode()
-                    seen[r] = {int(x) for x in told.split(",") if x}
-            dead = set(gone).union(*seen.values())
-            waiting = [r for r in range(world_size) if r not in seen and r not in dead]
-            if not waiting or time.monotonic() > deadline:
-                break
-            time.sleep(_AGREE_POLL_S)
-        members = [r for r in sorted(seen) if r not in dead]
-        store.set(key, ",".join(map(str, members)))
-    else:
-        deadline = time.monotonic() + 2 * timeout_s
-        while not store.check([key]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"rank {rank}: no membership from the leader (rank {leader}) within "
-                    f"{2 * timeout_s:g} s of recovery {epoch}"
-                )
-            time.sleep(_AGREE_POLL_S)
-        members = [int(x) for x in store.get(key).decode().split(",") if x]
+    store.set(f"{prefix}here/{rank}", ",".join(map(str, gone)))
+    deadline = time.monotonic() + timeout_s
+    seen: dict[int, set[int]] = {}
+    while not store.check([key]):
+        for r in range(world_size):
+            if r not in seen and store.check([f"{prefix}here/{r}"]):
+                told = store.get(f"{prefix}here/{r}").decode()
+                seen[r] = {int(x) for x in told.split(",") if x}
+        dead = set(gone).union(*seen.values())
+        waiting = [r for r in range(world_size) if r not in seen and r not in dead]
+        if not waiting or time.monotonic() > deadline:
+            proposal = ",".join(str(r) for r in sorted(seen) if r not in dead)
+            store.compare_set(key, "", proposal)
+            break
+        time.sleep(_AGREE_POLL_S)
+    members = [int(x) for x in store.get(key).decode().split(",") if x]
     if rank not in members:
-        raise RuntimeError(
-            f"rank {rank} was left out of the job's membership after recovery {epoch} "
-            f"(members: {members}): it was silent past the timeout"
+        raise RankEvicted(
+            f"rank {rank} was left out of the job's membership by recovery {epoch} "
+            f"(members: {members}): it did not check in within the window (stopped, hung "
+            "or slow); it exits rather than rejoin"
         )
     return members

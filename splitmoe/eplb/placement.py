@@ -93,44 +93,56 @@ class Placement:
         row = torch.arange(num_experts + redundant) % num_experts  # [S]
         return cls(num_experts, num_ranks, tuple(layers), row.repeat(len(layers), 1))
 
-    def without(self, lost: list[int]) -> Placement:
+    def without(self, lost: list[int], grow: bool = False) -> Placement:
         """The placement after losing expert ranks ``lost`` (indices 0..num_ranks-1): the
         survivors keep every slot they hold, in order, and are renumbered 0..n-1; each expert
         that only a lost rank held takes a slot holding a replica (an expert held more than once
         among the survivors: the most replicated first, its last slot), whose weights the rank
         reads again from the checkpoint. ValueError when an expert fits nowhere (no replica
-        slot left), or no rank survives. Version + 1; every rank computes the same."""
+        slot left), or no rank survives. Version + 1; every rank computes the same.
+
+        ``grow``: where the survivors hold fewer slots than experts (then no layer's replica
+        slots can take all of its lost experts), they grow to one slot per expert, spread
+        near-equally (contiguous ranges again: each survivor keeps its slots first, in place,
+        and gets the new ones after them); in every layer the lost experts fill the new slots
+        first (each layer lacks at least as many experts as there are new slots), then replica
+        slots as above."""
         keep = [r for r in range(self.num_ranks) if r not in lost]
         if not keep:
             raise ValueError(f"every expert rank is lost ({sorted(lost)}): no expert survives")
         kept = torch.isin(self.slot_rank, torch.tensor(keep))  # [S]
-        rows = []
+        held = self.slots_per_rank[keep].tolist()  # the survivors' slots, in rank order
+        slots = max(sum(held), self.num_experts) if grow else sum(held)
+        counts = _near_equal(slots, len(keep))
+        # near-equal counts of survivors of a near-equal split are a non-increasing run of
+        # base / base + 1: the near-equal split of as many slots or more gives each as many or
+        # more, so every survivor's local slots stay put
+        if any(c < h for c, h in zip(counts, held)):
+            raise ValueError(
+                f"the survivors' slot counts {held} are not contiguous near-equal ranges of "
+                f"{slots} slots"
+            )
+        out = []
         for i, layer in enumerate(self.layers):
-            row = self.slot_expert[i, kept].tolist()
-            missing = sorted(set(range(self.num_experts)) - set(row))
-            for e in missing:
-                counts = {x: row.count(x) for x in row}
-                spare = [j for j, x in enumerate(row) if counts[x] > 1]
+            row = _with_new_slots(self.slot_expert[i, kept].tolist(), held, counts)
+            for e in sorted(set(range(self.num_experts)) - set(row)):
+                if None in row:  # a new slot
+                    row[row.index(None)] = e
+                    continue
+                copies = {x: row.count(x) for x in row}
+                spare = [j for j, x in enumerate(row) if copies[x] > 1]
                 if not spare:
                     raise ValueError(
                         f"layer {layer}: expert {e} was held only by the lost expert rank(s) "
                         f"{sorted(lost)} and no survivor has a replica slot to take it "
                         "(more redundant_experts would leave room)"
                     )
-                j = max(spare, key=lambda j: (counts[row[j]], j))
+                j = max(spare, key=lambda j: (copies[row[j]], j))
                 row[j] = e
-            rows.append(row)
-        out = Placement(
-            self.num_experts, len(keep), self.layers, torch.tensor(rows), self.version + 1
+            out.append(row)
+        return Placement(
+            self.num_experts, len(keep), self.layers, torch.tensor(out), self.version + 1
         )
-        # contiguous slots per rank, near-equal counts: the survivors' kept counts are that
-        # distribution again (a non-increasing run of base / base + 1), so local slots stay put
-        if out.slots_per_rank.tolist() != self.slots_per_rank[keep].tolist():
-            raise ValueError(
-                f"the survivors' slot counts {self.slots_per_rank[keep].tolist()} are not "
-                f"contiguous near-equal ranges of {out.num_slots} slots"
-            )
-        return out
 
     def plan(self, load: torch.Tensor) -> Placement:
         """The next placement from ``load [L, E]`` (int, tokens per expert over a window, the
@@ -149,6 +161,24 @@ class Placement:
         return Placement(
             self.num_experts, self.num_ranks, self.layers, torch.tensor(rows), self.version + 1
         )
+
+
+def _near_equal(slots: int, ranks: int) -> list[int]:
+    """Slots per rank of ``slots`` spread over ``ranks`` in contiguous near-equal ranges (the
+    first ranks one more), as `Placement.slots_per_rank`."""
+    base, extra = divmod(slots, ranks)
+    return [base + (r < extra) for r in range(ranks)]
+
+
+def _with_new_slots(row: list[int], held: list[int], counts: list[int]) -> list[int | None]:
+    """One layer's kept slots (``held[i]`` of rank ``i``'s, in order) laid out on ``counts``
+    slots per rank: each rank's kept slots, then its new ones (None)."""
+    out: list[int | None] = []
+    at = 0
+    for h, c in zip(held, counts):
+        out += row[at : at + h] + [None] * (c - h)
+        at += h
+    return out
 
 
 def _plan_layer(

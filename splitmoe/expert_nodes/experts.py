@@ -13,7 +13,7 @@ from splitmoe.comm.transport import ExpertBatch
 from splitmoe.config import ModelConfig
 from splitmoe.expert_nodes.graphs import ExpertGraphs
 from splitmoe.kernels.backends import MoeBackend
-from splitmoe.kernels.quant import held_bytes
+from splitmoe.kernels.quant import QuantizedWeight, held_bytes
 from splitmoe.models.loader import load_expert_weights
 
 
@@ -135,14 +135,22 @@ class LocalExperts:
 
     def stage(self, expert_ids: dict[int, list[int]]) -> StagedExperts:
         """Rebalance, first half: starts reading, in a background thread, the weights of the
-        (layer, local slot) pairs whose expert differs in ``expert_ids`` (same slot counts),
-        from the checkpoint, while this rank keeps serving its current experts. `apply` then
-        installs one layer at a time."""
-        changed = {
-            layer: [s for s, (a, b) in enumerate(zip(self.layer_experts[layer], ids)) if a != b]
-            for layer, ids in expert_ids.items()
-        }
-        changed = {layer: slots for layer, slots in changed.items() if slots}
+        (layer, local slot) pairs whose expert differs in ``expert_ids`` from the checkpoint,
+        while this rank keeps serving its current experts. `apply` then installs one layer at
+        a time. ``expert_ids`` has as many slots per layer as held, or more (a fault-tolerant
+        survivor growing its slots: `Placement.without`), whose new slots all count as
+        changed."""
+        changed = {}
+        for layer, ids in expert_ids.items():
+            held = self.layer_experts[layer]
+            if len(ids) < len(held):
+                raise ValueError(
+                    f"layer {layer}: {len(ids)} slots where this rank holds {len(held)}: "
+                    "slots are never taken away"
+                )
+            slots = [s for s, e in enumerate(ids) if s >= len(held) or held[s] != e]
+            if slots:
+                changed[layer] = slots
         staged = StagedExperts(changed, {layer: list(ids) for layer, ids in expert_ids.items()})
         wanted = {layer: [expert_ids[layer][s] for s in slots] for layer, slots in changed.items()}
         staged.start(lambda: self._read(wanted))
@@ -164,13 +172,27 @@ class LocalExperts:
     def apply(self, staged: StagedExperts, layer: int) -> int:
         """Rebalance, second half, between two steps: copies ``layer``'s staged weights into
         their local slots (only the changed slots: a memory copy, no checkpoint read); returns
-        how many slots changed."""
+        how many slots changed. New slots (a survivor growing) are appended: the layer's
+        tensors are then new ones, which its captured CUDA graphs no longer read (they run it
+        eagerly until captured again, see `ExpertGraphs.replay`)."""
         slots = staged.changed.get(layer, [])
         if slots:
-            idx = torch.tensor(slots, device=self.weights[layer][0].device)
-            # w13, w2 (and with expert biases b13, b2)
-            for held, new in zip(self.weights[layer], staged.weights()[layer]):
-                held.index_copy_(0, idx, new)
+            held = self.weights[layer]
+            device = held[0].device
+            new = staged.weights()[layer]  # w13, w2 (and with expert biases b13, b2)
+            # (slots ascend, and every new slot changed: the new ones are the tail)
+            inside = sum(s < len(self.layer_experts[layer]) for s in slots)
+            if inside:
+                idx = torch.tensor(slots[:inside], device=device)
+                head = torch.arange(inside, device=device)
+                part = new if inside == len(slots) else [_rows(src, head) for src in new]
+                for w, src in zip(held, part):
+                    w.index_copy_(0, idx, src)
+            if inside < len(slots):
+                tail = torch.arange(inside, len(slots), device=device)
+                self.weights[layer] = tuple(
+                    _appended(w, _rows(src, tail)) for w, src in zip(held, new)
+                )
         self.layer_experts[layer] = list(staged.expert_ids[layer])
         self.weights_reloaded += len(slots)
         return len(slots)
@@ -244,3 +266,16 @@ class LocalExperts:
 
     def finish(self, handle: torch.Tensor) -> torch.Tensor:
         return handle
+
+
+def _rows(w, idx: torch.Tensor):
+    """Leading rows ``idx`` of a stacked weight (a tensor or a `QuantizedWeight`)."""
+    return w.select(idx) if isinstance(w, QuantizedWeight) else w.index_select(0, idx)
+
+
+def _appended(w, more):
+    """A stacked weight with ``more``'s rows after its own (a new tensor)."""
+    if isinstance(w, QuantizedWeight):
+        data = torch.cat([w.data, more.data])
+        return QuantizedWeight(data, torch.cat([w.scale, more.scale]), w.fmt, w.block)
+    return torch.cat([w, more])

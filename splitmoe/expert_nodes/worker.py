@@ -34,14 +34,19 @@ class ExpertWorker:
             device,
             moe_backend(cfg.moe_backend, device),
         )
-        # CUDA graphs of every layer's experts, captured now (a no-op on CPU): a call holds at
-        # most one row per token of every attention rank's decode batch
-        self.experts.capture_graphs(
-            cfg.cuda_graphs, cfg.scheduler.max_num_seqs * topo.num_attention, cfg.model.top_k
-        )
+        self.cfg = cfg
+        self._capture_graphs()
         self.transport = transport
         self.tokens_served = 0
         self.timeline = Timeline()
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs of every layer's experts, captured now (a no-op on CPU): a call holds at
+        most one row per token of every attention rank's decode batch."""
+        cfg = self.cfg
+        self.experts.capture_graphs(
+            cfg.cuda_graphs, cfg.scheduler.max_num_seqs * self.topo.num_attention, cfg.model.top_k
+        )
 
     def stats(self) -> dict:
         return {
@@ -72,11 +77,15 @@ class ExpertWorker:
         """After an expert rank was lost (fault tolerance): this rank's place in the rebuilt
         world, its new transport, and ``placement`` (`Placement.without`), whose changed slots
         it reads from the checkpoint now, before the interrupted step is replayed; returns how
-        many (layer, slot) weights it read."""
+        many (layer, slot) weights it read. A survivor whose slots grew (no replica slot held
+        a lost expert) captures its CUDA graphs again: the grown layers' tensors are new."""
         self.topo, self.transport = topo, transport
+        before = {layer: len(ids) for layer, ids in self.experts.layer_experts.items()}
         staged = self.experts.stage(placement.experts_on(topo.expert_index))
         read = sum(self.experts.apply(staged, layer) for layer in self.moe_layers)
         self.placement = placement
+        if any(len(self.experts.layer_experts[layer]) != n for layer, n in before.items()):
+            self._capture_graphs()
         return read
 
     def step(self, micro_batches: int = 1) -> None:
