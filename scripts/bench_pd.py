@@ -29,6 +29,7 @@ import json
 import math
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import _one_http, pd_snapshot, pd_snapshot_after, pd_split, pd_table  # noqa: E402
 
 from splitmoe.config import ModelConfig  # noqa: E402
+from splitmoe.kv_transfer.auth import SECRET_ENV  # noqa: E402
 from splitmoe.models.default_model import resolve_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -196,6 +198,7 @@ def main() -> int:
     ap.add_argument("--logs", default="/tmp", help="servers' logs go here")
     ap.add_argument("--json", default=None, help="write both rows here")
     args = ap.parse_args()
+    os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))  # (the PD processes share it)
     model = resolve_model(args.model)
     cfg = ModelConfig.from_hf(model)
     need = max(args.long_len + args.long_out, args.short_len + args.short_out)

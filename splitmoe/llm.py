@@ -805,6 +805,8 @@ class LLM:
                 self._end_rank(r)
                 if self._role(r) == "attention":
                     self._resume_lost(r)
+            # (a lost rank's last counters would show its blocks held for ever)
+            self._snapshots = tuple(s for s in self._snapshots if s["rank"] not in self._lost)
 
     def _evicted(self) -> set[int]:
         """Ranks (as at start-up) that a recovery left out."""
@@ -1274,6 +1276,8 @@ class LLM:
         return list(self._snapshots)
 
     def _keep_snapshot(self, rank: int, counters: dict) -> None:
+        if rank in self._lost:  # (read late, from a rank the job has lost)
+            return
         by_rank = {s["rank"]: s for s in self._snapshots}
         by_rank[rank] = counters
         self._snapshots = tuple(by_rank[r] for r in sorted(by_rank))
