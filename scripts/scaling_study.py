@@ -30,7 +30,9 @@ Outputs under ``--out``:
   for the closed-batch runs with their errors and verdicts (the ±15 % check of
   `splitmoe.sim.validate`).
 
-The check validates only layouts whose rank processes
+With a check, before any run, the study reads the host's own steadiness (`host_readings`, ~5 s) and
+says first whether it moves beyond the check's tolerance, and then how many repeats a point would
+need (`host_check`; ``--passes`` scales them). The check validates only layouts whose rank processes
 each have a core of their own (`usable_cores`, recorded per row); oversubscribed ones are measured,
 predicted and plotted, marked, and count neither way. Each validation point is a hit, a miss, or
 inconclusive (its repeats spread beyond the tolerance and reach the prediction:
@@ -316,6 +318,17 @@ HOST_PROBES = (
 )
 
 
+def _probe_text(what: str, unit: str, fmt: str, lo: float, hi: float, mid: float) -> str:
+    return (
+        f"{what} {fmt.format(lo)}-{fmt.format(hi)}{unit} (median {fmt.format(mid)}; "
+        f"{lo / mid - 1:+.0%} / {hi / mid - 1:+.0%})"
+    )
+
+
+def _beyond(lo: float, hi: float, mid: float, tolerance: float) -> bool:
+    return hi > mid * (1 + tolerance) or lo < mid * (1 - tolerance)
+
+
 def _probe_range(rows: list[dict], key: str) -> tuple[float, float, float] | None:
     """(lowest, highest, median) of probe ``key`` over the rows that have it."""
     probed = [r for r in rows if r.get(f"{key}_min") not in (None, "")]
@@ -336,12 +349,8 @@ def host_line(rows: list[dict], tolerance: float) -> str:
         got = _probe_range(rows, key)
         if got is None:
             continue
-        lo, hi, mid = got
-        moved |= hi > mid * (1 + tolerance) or lo < mid * (1 - tolerance)
-        parts.append(
-            f"{what} {fmt.format(lo)}-{fmt.format(hi)}{unit} (median {fmt.format(mid)}; "
-            f"{lo / mid - 1:+.0%} / {hi / mid - 1:+.0%})"
-        )
+        moved |= _beyond(*got, tolerance)
+        parts.append(_probe_text(what, unit, fmt, *got))
     if not parts:
         return ""
     return (
@@ -351,6 +360,60 @@ def host_line(rows: list[dict], tolerance: float) -> str:
         + ("moved beyond" if moved else "held within")
         + f" ±{tolerance:.0%}"
     )
+
+
+def host_readings(readings: int = 16, gap_s: float = 0.2) -> dict[str, list[float]]:
+    """``readings`` of each host probe (`HOST_PROBES`), ``gap_s`` apart (~5 s in all), before
+    anything of the study runs: the host's own steadiness, which bounds what a point can show."""
+    out: dict[str, list[float]] = {key: [] for key, *_ in HOST_PROBES}
+    for i in range(readings):
+        if i:
+            time.sleep(gap_s)
+        out["host_gb_s"].append(host_probe())
+        wake = wake_probe()
+        if wake is not None:
+            out["host_wake_us"].append(wake)
+    return {k: v for k, v in out.items() if v}
+
+
+def repeats_needed(values: list[float], tolerance: float) -> int:
+    """Repeats of a point whose median is known within ±``tolerance`` (95 %) when each repeat
+    moves as ``values`` do: the median of n draws scatters by ~1.25 sigma / sqrt(n) (normal
+    noise), sigma taken robustly (1.4826 x the median absolute deviation, relative to the
+    median: one slow reading does not set it)."""
+    mid = statistics.median(values)
+    sigma = 1.4826 * statistics.median(abs(v - mid) for v in values) / mid
+    return max(1, math.ceil((1.96 * 1.2533 * sigma / tolerance) ** 2))
+
+
+def host_check(
+    readings: dict[str, list[float]], tolerance: float, repeats: int, per_pass: int
+) -> str:
+    """The line the study prints first (`host_readings`): each probe's range, and where one
+    spreads beyond ``tolerance`` of its median, that the verdict will be weak and how many
+    repeats a point would need (`repeats_needed`, against this run's ``repeats``; ``--passes``
+    scales them by ``per_pass``)."""
+    parts, moved, need = [], False, 1
+    for key, what, unit, fmt in HOST_PROBES:
+        values = readings.get(key)
+        if not values:
+            continue
+        got = min(values), max(values), statistics.median(values)
+        moved |= _beyond(*got, tolerance)
+        need = max(need, repeats_needed(values, tolerance))
+        parts.append(_probe_text(what, unit, fmt, *got))
+    if not parts:
+        return ""
+    count = max(len(v) for v in readings.values())
+    line = f"host check: {count} readings before the study, " + ", ".join(parts)
+    if not moved:
+        return line + f": held within ±{tolerance:.0%}"
+    line += f": moved beyond ±{tolerance:.0%}, so the verdict will be weak (noisy points are "
+    line += f"inconclusive); a point's median needs ~{need} repeats to be known within "
+    line += f"±{tolerance:.0%} (95 %), this run takes {repeats}"
+    if need > repeats:
+        line += f": --passes {math.ceil(need / per_pass)}"
+    return line
 
 
 def stats_counters(llms: list[LLM]) -> tuple[float, list[float]]:
@@ -829,6 +892,11 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_hf(args.model)
     for n in notes:
         print(f"note: {n}")
+    if args.validate or args.profile:
+        from splitmoe.sim.validate import TOLERANCE
+
+        # first, before the minutes of runs: whether this host can hold a point within the check
+        print(host_check(host_readings(), TOLERANCE, args.passes * args.repeats, args.repeats))
     hw = None
     if args.profile:
         from splitmoe.sim.hardware import load_profile

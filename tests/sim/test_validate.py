@@ -162,3 +162,21 @@ def test_held_out_keeps_its_bar_as_a_share_of_the_decidable_points(study, model)
     assert result([STEADY_ON] * 9 + [NOISY_ON] * 6 + [STEADY_OFF]).outcome is Outcome.FAILED
     got = result([STEADY_ON] * 7 + [NOISY_ON] * 9)
     assert got.outcome is Outcome.INCONCLUSIVE and "(INCONCLUSIVE: fewer than 50%" in got.line
+
+
+def test_the_host_check_says_first_how_many_repeats_a_noisy_host_needs(study):
+    """Readings within ±15 % of their median: held; one probe beyond: the verdict will be weak,
+    with the repeats a point's median needs and the ``--passes`` that gives them."""
+    still = {"host_gb_s": [30.0, 31.0, 29.5, 30.5, 32.0], "host_wake_us": [70.0, 72.0, 69.0]}
+    line = study.host_check(still, 0.15, repeats=5, per_pass=1)
+    assert line.startswith("host check: 5 readings before the study, copy bandwidth 29.5-32.0")
+    assert line.endswith("held within ±15%")
+    moving = {**still, "host_gb_s": [20.0, 26.0, 31.0, 36.0, 42.0, 30.0, 24.0]}
+    need = study.repeats_needed(moving["host_gb_s"], 0.15)
+    assert need > 5
+    line = study.host_check(moving, 0.15, repeats=5, per_pass=1)
+    assert "moved beyond ±15%, so the verdict will be weak" in line
+    assert line.endswith(f"needs ~{need} repeats to be known within ±15% (95 %), this run takes "
+                         f"5: --passes {need}")  # fmt: skip
+    assert study.repeats_needed([30.0] * 5, 0.15) == 1
+    assert study.usable_cores() >= 1
