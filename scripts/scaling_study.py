@@ -30,16 +30,16 @@ Outputs under ``--out``:
   for the closed-batch runs with their errors and verdicts (the ±15 % check of
   `splitmoe.sim.validate`).
 
-With a check, before any run, the study reads the host's own steadiness (`host_readings`, ~5 s) and
-says first whether it moves beyond the check's tolerance, and then how many repeats a point would
-need (`host_check`; ``--passes`` scales them). The check validates only layouts whose rank processes
-each have a core of their own (`usable_cores`, recorded per row); oversubscribed ones are measured,
-predicted and plotted, marked, and count neither way. Each validation point is a hit, a miss, or
-inconclusive (its repeats spread beyond the tolerance and reach the prediction:
-`splitmoe.sim.validate.verdict`). With a check (``--validate``, or ``--from-csv`` with
-``--profile``) the study exits 0 when every decidable point hits, 2 when fewer than half of the
-points are decidable (the host was too noisy to judge), and 1 when decidable points miss or there
-was nothing to check (`exit_code`).
+With a check, before any run, the study reads the host's own steadiness (`host_readings`, ~5 s)
+and says first whether it moves beyond the check's tolerance, and then how many repeats a point
+would need (`host_check`; ``--passes`` scales them). The check validates only layouts whose rank
+processes each have a core of their own (`usable_cores`, recorded per row); oversubscribed ones
+are measured, predicted and plotted, marked, and count neither way. Each validation point is a
+hit, a miss, or inconclusive (its repeats spread beyond the tolerance, and wherever the prediction
+misses some repeat ran as slow: `splitmoe.sim.validate.verdict`). With a check (``--validate``, or
+``--from-csv`` with ``--profile``) the study exits 0 when every decidable point hits, 2 when fewer
+than half of the points are decidable (the host was too noisy to judge), and 1 when decidable
+points miss or there was nothing to check (`exit_code`).
 
 ``--held-out``: the held-out check of docs/scaling.md §4 in one command. On the realistic preset
 (``--model`` to change it) it measures the calibration runs (`CALIBRATION_RUNS`) and the 16

@@ -5,17 +5,18 @@ of ``num_requests`` prompts of ``prompt_len`` tokens, each generating ``max_toke
 instance of ``attention_ranks + expert_ranks`` ranks. `predict_row` adds the simulator's
 ``pred_*`` figures and relative errors; `check` gives each row its `Verdict`.
 
-The check is on the decode step time (the ranks' median step period, the simulator's TPOT) and
-on end-to-end output tokens/s (which adds the prefill and the first token). A point's measured
-figure is the median of its repeats; where the row carries their range (``step_min_ms`` /
+The check is on the decode step time (the ranks' median step period, the simulator's TPOT) and on
+end-to-end output tokens/s (which adds the prefill and the first token). A point's measured figure
+is the median of its repeats; where the row carries their range (``step_min_ms`` /
 ``step_max_ms``, ``output_tok_s_min`` / ``_max``) the check also asks whether the host held the
 point still. A steady point (its repeats within ``TOLERANCE`` of their median) is a *hit* when
-both predictions are within ``TOLERANCE`` of the medians, a *miss* otherwise; a noisy point is
-*inconclusive* when each prediction lies within that tolerance or inside the range the repeats
-measured, a *miss* otherwise. The study passes when enough of the decidable points (hits and
-misses) hit, and says nothing when fewer than `MIN_DECIDABLE_SHARE` of the points are decidable
-(`Outcome`). (Client-side TBT is not the step time here: with several rank processes the driver
-receives tokens in bursts, so its median gap is about two steps.)
+both predictions are within ``TOLERANCE`` of the medians, a *miss* otherwise; a noisy point is a
+*miss* only where a prediction beyond that tolerance is slower than every repeat (no host noise
+explains that), *inconclusive* otherwise: inside the range the repeats measured, or faster than
+all of it (a host that slowed every repeat). The study passes when enough of the decidable points
+(hits and misses) hit, and says nothing when fewer than `MIN_DECIDABLE_SHARE` of the points are
+decidable (`Outcome`). (Client-side TBT is not the step time here: with several rank processes the
+driver receives tokens in bursts, so its median gap is about two steps.)
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class Verdict(str, Enum):
     """What one validation point says about the model."""
 
     HIT = "hit"  # steady repeats, predictions within the tolerance of their median
-    MISS = "miss"  # a prediction outside the tolerance and outside the measured range
-    INCONCLUSIVE = "inconclusive"  # repeats spread beyond the tolerance, prediction inside them
+    MISS = "miss"  # steady and off, or a prediction slower than every repeat
+    INCONCLUSIVE = "inconclusive"  # repeats spread beyond the tolerance, and could hold the model
 
 
 class Outcome(Enum):
@@ -212,14 +213,48 @@ def miss_inside_range(row: dict) -> bool:
     return True
 
 
+def predicted_faster(row: dict) -> bool:
+    """A miss whose predictions (wherever they miss) are faster than every repeat: a step time
+    below the fastest repeat's, tokens/s above. On a noisy point that is what a host that slowed
+    every repeat shows of a model of the undisturbed host (nothing speeds a run up)."""
+    checks = (
+        (row["err_tbt"], "step_min_ms", lambda fastest: row["pred_tbt_ms"] < fastest),
+        (row["err_output_tok_s"], "output_tok_s_max",
+         lambda fastest: row["pred_output_tok_s"] > fastest),
+    )  # fmt: skip
+    for err, key, faster in checks:
+        if abs(err) <= TOLERANCE:
+            continue
+        if row.get(key) in (None, "") or not faster(float(row[key])):
+            return False
+    return True
+
+
+def _not_ruled_out(row: dict) -> bool:
+    """No prediction outside the tolerance is slower than the slowest repeat (a step time above
+    ``step_max_ms``, tokens/s below ``output_tok_s_min``), which no host noise would explain."""
+    checks = (
+        (row["err_tbt"], "step_max_ms", lambda slowest: row["pred_tbt_ms"] > slowest),
+        (row["err_output_tok_s"], "output_tok_s_min",
+         lambda slowest: row["pred_output_tok_s"] < slowest),
+    )  # fmt: skip
+    for err, key, slower in checks:
+        if abs(err) <= TOLERANCE:
+            continue
+        if row.get(key) in (None, "") or slower(float(row[key])):
+            return False
+    return True
+
+
 def verdict(row: dict) -> Verdict:
-    """A predicted row's `Verdict`: a steady point (`noisy` false, or no range recorded) hits
-    when `within` and misses otherwise; a noisy point is inconclusive when its predictions lie
-    inside what it measured (`miss_inside_range`: within the tolerance or inside the range of
-    the repeats, figure by figure) and misses otherwise."""
+    """A predicted row's `Verdict`. A steady point (`noisy` false, or no range recorded) hits
+    when `within` and misses otherwise. A noisy point misses only where a prediction is outside
+    the tolerance and slower than every repeat; otherwise (the prediction inside the range the
+    repeats measured, `miss_inside_range`, or faster than all of it, `predicted_faster`: the
+    host may have slowed every repeat) it is inconclusive."""
     if not noisy(row):
         return Verdict.HIT if within(row) else Verdict.MISS
-    return Verdict.INCONCLUSIVE if miss_inside_range(row) else Verdict.MISS
+    return Verdict.INCONCLUSIVE if _not_ruled_out(row) else Verdict.MISS
 
 
 def oversubscribed(row: dict, cores: int | None) -> bool:
@@ -268,14 +303,18 @@ class Check:
 
     def noise(self) -> str:
         """How far the machine moved the points: those whose own repeats spread beyond the
-        tolerance, and the load average while they ran."""
+        tolerance, where their predictions fell against the repeats, and the load average."""
         rows = self.validation
         if not rows or _range(rows[0], "step_min_ms", "step_max_ms") is None:
             return ""
         loads = sorted(float(r["load_avg"]) for r in rows if r.get("load_avg") not in (None, ""))
+        off = [r for r in rows if noisy(r) and not within(r)]
         text = (
             f"noise: the repeats of {sum(noisy(r) for r in rows)} of {len(rows)} validation "
-            f"points spread beyond ±{TOLERANCE:.0%} of their median"
+            f"points spread beyond ±{TOLERANCE:.0%} of their median; of the {len(off)} of those "
+            f"predicted beyond it, {sum(miss_inside_range(r) for r in off)} inside the range "
+            f"their repeats measured and {sum(predicted_faster(r) for r in off)} faster than "
+            "every repeat (the host slows runs, nothing speeds one up)"
         )
         if loads:
             text += f"; load average {loads[len(loads) // 2]:.1f} (max {loads[-1]:.1f})"

@@ -22,7 +22,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "scaling_study.py"
 STEADY_ON = (0.97, 0.99, 1.0, 1.02, 1.05)  # within ±15 % of their median, on the prediction
 STEADY_OFF = (1.28, 1.3, 1.3, 1.33, 1.36)  # steady, 30 % slower than predicted
 NOISY_ON = (0.95, 1.2, 1.25, 1.3, 1.6)  # median 25 % off, but the repeats reach the prediction
-NOISY_OFF = (1.3, 1.5, 1.6, 1.7, 2.2)  # spread beyond ±15 %, and all slower than predicted
+SLOWED = (1.3, 1.5, 1.6, 1.7, 2.2)  # spread beyond ±15 %, all slower than predicted: a loaded host
+NOISY_OFF = (0.45, 0.55, 0.6, 0.65, 0.8)  # spread, all faster than predicted: no load explains it
 
 
 @pytest.fixture(scope="module")
@@ -66,33 +67,37 @@ def _check(model: Path, rows: list[dict], cores: int | None = 2):
 
 def test_three_verdicts_from_synthetic_repeats(study, model):
     """Steady and on the prediction: hit; steady and off it: miss; spread beyond ±15 % and
-    reaching the prediction: inconclusive; spread and all on one side of it: miss. A 2A+1E
-    point on 2 cores is predicted and marked, never judged."""
+    reaching the prediction: inconclusive; spread and all slower than predicted (a host that
+    slowed every repeat): inconclusive; spread and all faster: miss. A 2A+1E point on 2 cores is
+    predicted and marked, never judged."""
     from splitmoe.sim.validate import Verdict, verdict
 
-    kinds = (STEADY_ON, STEADY_OFF, NOISY_ON, NOISY_OFF)
+    kinds = (STEADY_ON, STEADY_OFF, NOISY_ON, SLOWED, NOISY_OFF)
     rows = [_point(study, model, 1, 0, 16, 2, r) for r in kinds]
-    rows.append(_point(study, model, 2, 1, 16, 1, NOISY_OFF))
+    rows.append(_point(study, model, 2, 1, 16, 1, STEADY_OFF))
     got = _check(model, rows)
-    assert [verdict(r) for r in got.rows[:4]] == [
-        Verdict.HIT, Verdict.MISS, Verdict.INCONCLUSIVE, Verdict.MISS
+    assert [verdict(r) for r in got.rows[:5]] == [
+        Verdict.HIT, Verdict.MISS, Verdict.INCONCLUSIVE, Verdict.INCONCLUSIVE, Verdict.MISS
     ]  # fmt: skip
     assert [r["verdict"] for r in got.rows] == [
-        "hit", "miss", "inconclusive", "miss", "oversubscribed"
+        "hit", "miss", "inconclusive", "inconclusive", "miss", "oversubscribed"
     ]  # fmt: skip
-    assert len(got.validation) == 4 and len(got.oversubscribed) == 1
+    assert len(got.validation) == 5 and len(got.oversubscribed) == 1
     # the measured figure is the median of the repeats, not the fastest of them
     assert got.rows[2]["err_tbt"] == pytest.approx(1 / 1.25 - 1)
     t = got.tally()
-    assert (t.hits, t.misses, t.inconclusive, t.decidable) == (1, 2, 1, 3)
+    assert (t.hits, t.misses, t.inconclusive, t.decidable) == (1, 2, 2, 3)
+    assert "of the 3 of those predicted beyond it, 1 inside the range" in got.noise()
+    assert "and 1 faster than every repeat" in got.noise()
     # where the cores are not known (an older CSV), every layout is judged
-    assert len(_check(model, rows, cores=None).validation) == 5
+    assert len(_check(model, rows, cores=None).validation) == 6
 
 
 def test_counts_and_exit_status(study, model):
     """0 when every decidable point hits, 1 when a decidable point misses, 2 when fewer than
-    half are decidable (even with a miss among them); oversubscribed points change nothing; a
-    check with nothing to validate fails."""
+    half are decidable (even with a miss among them: a loaded host slowing every repeat is not
+    a failed model); oversubscribed points change nothing; a check with nothing to validate
+    fails."""
     from splitmoe.sim.validate import Check, Outcome
 
     def status(*kinds: tuple, cores: int | None = 2) -> int:
@@ -100,18 +105,20 @@ def test_counts_and_exit_status(study, model):
         return study.exit_code(_check(model, rows, cores))
 
     hit, miss = (1, 0, STEADY_ON), (1, 0, STEADY_OFF)
-    noisy, wide = (1, 1, NOISY_ON), (2, 0, NOISY_OFF)
-    crowded = (2, 1, NOISY_OFF)  # three rank processes on two cores, far off
+    noisy, slowed, wide = (1, 1, NOISY_ON), (2, 0, SLOWED), (2, 0, NOISY_OFF)
+    crowded = (2, 1, STEADY_OFF)  # three rank processes on two cores, far off
     assert status(hit, hit, noisy) == 0
     assert status(hit, hit, noisy, crowded) == 0  # not counted against the model
     assert status(hit, hit, noisy, crowded, cores=None) == 1  # ... unless the cores are unknown
     assert status(hit, miss, noisy) == 1
-    assert status(hit, wide, noisy) == 1  # spread, but nowhere near the prediction: a miss
+    assert status(hit, wide, noisy) == 1  # spread, but faster than the model: a miss
+    assert status(hit, hit, slowed) == 0
     assert status(hit, noisy, noisy) == 2  # 1 of 3 decidable
+    assert status(hit, slowed, slowed, noisy) == 2  # a loaded host: inconclusive, not failed
     assert status(miss, noisy, noisy, noisy) == 2  # 1 of 4: the host, not the model, was judged
     assert status(hit, hit, noisy, noisy) == 0  # half decidable is enough
     assert study.exit_code(Check(rows=[])) == 1
-    only_crowded = [_point(study, model, 2, 1, 16, 1, NOISY_OFF)]
+    only_crowded = [_point(study, model, 2, 1, 16, 1, STEADY_OFF)]
     assert study.exit_code(_check(model, only_crowded)) == 1  # nothing the host could run
     assert [o.exit_status for o in Outcome] == [0, 1, 2]
 
