@@ -27,20 +27,29 @@ Outputs under ``--out``:
   with a note, when it is missing), and predicted against measured;
 * ``cpu_profile.json`` and ``validation.txt`` (``--validate``, on by default with ``--quick``):
   this machine's profile, calibrated at the start of the study, and the simulator's predictions
-  for the closed-batch runs with their errors (the ±15 % check of `splitmoe.sim.validate`).
+  for the closed-batch runs with their errors and verdicts (the ±15 % check of
+  `splitmoe.sim.validate`).
 
-With a check (``--validate``, or ``--from-csv`` with ``--profile``) the study exits 1 when it
-fails: some validation run is outside the tolerance, or there was none to check
-(`exit_code`).
+With a check, before any run, the study reads the host's own steadiness (`host_readings`, ~5 s)
+and says first whether it moves beyond the check's tolerance, and then how many repeats a point
+would need (`host_check`; ``--passes`` scales them). The check validates only layouts whose rank
+processes each have a core of their own (`usable_cores`, recorded per row); oversubscribed ones
+are measured, predicted and plotted, marked, and count neither way. Each validation point is a
+hit, a miss, or inconclusive (its repeats spread beyond the tolerance, and wherever the prediction
+misses some repeat ran as slow: `splitmoe.sim.validate.verdict`). With a check (``--validate``, or
+``--from-csv`` with ``--profile``) the study exits 0 when every decidable point hits, 2 when fewer
+than half of the points are decidable (the host was too noisy to judge), and 1 when decidable
+points miss or there was nothing to check (`exit_code`).
 
 ``--held-out``: the held-out check of docs/scaling.md §4 in one command. On the realistic preset
 (``--model`` to change it) it measures the calibration runs (`CALIBRATION_RUNS`) and the 16
 held-out points (`splitmoe.sim.validate.HELD_OUT_RUNS`: closed batches 8 and 32 on 1A+0E, 1A+1E,
 2A+0E, 2A+1E, each at one and two micro-batches, pinned) in the same passes (5; ``--passes``
-for more: each point's fastest repeat is then less at the mercy of a slow minute), fits the profile
+for more: each point's median is then less at the mercy of a slow minute), fits the profile
 on the calibration runs alone (``--profile`` takes a frozen one instead), predicts the held-out
-points, prints the table and ``held-out: N/16 within ±15%`` last, and exits 1 below
-`HELD_OUT_PASS` (15). It also prints the commit of ``splitmoe/sim/`` it ran (the frozen model)
+points, prints the table and ``held-out: N/16 within ±15%`` last, and exits by the same three
+verdicts, the bar `HELD_OUT_PASS` (15 of 16) a share of the decidable points (every point counts
+here, 2A+1E included). It also prints the commit of ``splitmoe/sim/`` it ran (the frozen model)
 and the host's copy bandwidth and wake-up round trip before the runs (`host_probe`,
 `wake_probe`): whether the machine held still. With ``--from-csv`` and ``--profile`` it
 re-checks saved rows without running.
@@ -88,7 +97,8 @@ FIELDS = [
     "seqs_per_step_mean", "step_min_ms", "step_max_ms", "output_tok_s_min", "output_tok_s_max",
     "load_avg", "host_gb_s", "host_gb_s_min", "host_gb_s_max", "host_wake_us", "host_wake_us_min",
     "host_wake_us_max", "pred_output_tok_s", "pred_tbt_ms",
-    "pred_ttft_ms", "pred_comm_share", "err_output_tok_s", "err_tbt", "calibration",
+    "pred_ttft_ms", "pred_comm_share", "err_output_tok_s", "err_tbt", "calibration", "cores",
+    "verdict",
 ]  # fmt: skip
 
 
@@ -237,6 +247,16 @@ def frozen_model() -> str:
     )
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: what a container's cpuset or `taskset`
+    leaves), not the host's count: a rank process spins while it waits only with a core of its
+    own, and sleeps on a futex otherwise."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity call on macOS)
+        return os.cpu_count() or 1
+
+
 # ---- one run point ----------------------------------------------------------------------------
 @functools.cache
 def _probe_buffers() -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,6 +318,17 @@ HOST_PROBES = (
 )
 
 
+def _probe_text(what: str, unit: str, fmt: str, lo: float, hi: float, mid: float) -> str:
+    return (
+        f"{what} {fmt.format(lo)}-{fmt.format(hi)}{unit} (median {fmt.format(mid)}; "
+        f"{lo / mid - 1:+.0%} / {hi / mid - 1:+.0%})"
+    )
+
+
+def _beyond(lo: float, hi: float, mid: float, tolerance: float) -> bool:
+    return hi > mid * (1 + tolerance) or lo < mid * (1 - tolerance)
+
+
 def _probe_range(rows: list[dict], key: str) -> tuple[float, float, float] | None:
     """(lowest, highest, median) of probe ``key`` over the rows that have it."""
     probed = [r for r in rows if r.get(f"{key}_min") not in (None, "")]
@@ -318,12 +349,8 @@ def host_line(rows: list[dict], tolerance: float) -> str:
         got = _probe_range(rows, key)
         if got is None:
             continue
-        lo, hi, mid = got
-        moved |= hi > mid * (1 + tolerance) or lo < mid * (1 - tolerance)
-        parts.append(
-            f"{what} {fmt.format(lo)}-{fmt.format(hi)}{unit} (median {fmt.format(mid)}; "
-            f"{lo / mid - 1:+.0%} / {hi / mid - 1:+.0%})"
-        )
+        moved |= _beyond(*got, tolerance)
+        parts.append(_probe_text(what, unit, fmt, *got))
     if not parts:
         return ""
     return (
@@ -333,6 +360,60 @@ def host_line(rows: list[dict], tolerance: float) -> str:
         + ("moved beyond" if moved else "held within")
         + f" ±{tolerance:.0%}"
     )
+
+
+def host_readings(readings: int = 16, gap_s: float = 0.2) -> dict[str, list[float]]:
+    """``readings`` of each host probe (`HOST_PROBES`), ``gap_s`` apart (~5 s in all), before
+    anything of the study runs: the host's own steadiness, which bounds what a point can show."""
+    out: dict[str, list[float]] = {key: [] for key, *_ in HOST_PROBES}
+    for i in range(readings):
+        if i:
+            time.sleep(gap_s)
+        out["host_gb_s"].append(host_probe())
+        wake = wake_probe()
+        if wake is not None:
+            out["host_wake_us"].append(wake)
+    return {k: v for k, v in out.items() if v}
+
+
+def repeats_needed(values: list[float], tolerance: float) -> int:
+    """Repeats of a point whose median is known within ±``tolerance`` (95 %) when each repeat
+    moves as ``values`` do: the median of n draws scatters by ~1.25 sigma / sqrt(n) (normal
+    noise), sigma taken robustly (1.4826 x the median absolute deviation, relative to the
+    median: one slow reading does not set it)."""
+    mid = statistics.median(values)
+    sigma = 1.4826 * statistics.median(abs(v - mid) for v in values) / mid
+    return max(1, math.ceil((1.96 * 1.2533 * sigma / tolerance) ** 2))
+
+
+def host_check(
+    readings: dict[str, list[float]], tolerance: float, repeats: int, per_pass: int
+) -> str:
+    """The line the study prints first (`host_readings`): each probe's range, and where one
+    spreads beyond ``tolerance`` of its median, that the verdict will be weak and how many
+    repeats a point would need (`repeats_needed`, against this run's ``repeats``; ``--passes``
+    scales them by ``per_pass``)."""
+    parts, moved, need = [], False, 1
+    for key, what, unit, fmt in HOST_PROBES:
+        values = readings.get(key)
+        if not values:
+            continue
+        got = min(values), max(values), statistics.median(values)
+        moved |= _beyond(*got, tolerance)
+        need = max(need, repeats_needed(values, tolerance))
+        parts.append(_probe_text(what, unit, fmt, *got))
+    if not parts:
+        return ""
+    count = max(len(v) for v in readings.values())
+    line = f"host check: {count} readings before the study, " + ", ".join(parts)
+    if not moved:
+        return line + f": held within ±{tolerance:.0%}"
+    line += f": moved beyond ±{tolerance:.0%}, so the verdict will be weak (noisy points are "
+    line += f"inconclusive); a point's median needs ~{need} repeats to be known within "
+    line += f"±{tolerance:.0%} (95 %), this run takes {repeats}"
+    if need > repeats:
+        line += f": --passes {math.ceil(need / per_pass)}"
+    return line
 
 
 def stats_counters(llms: list[LLM]) -> tuple[float, list[float]]:
@@ -510,6 +591,7 @@ def sweep(
             prompt_len=args.prompt_len,
             max_tokens=args.max_tokens,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            cores=usable_cores(),
         )
         for i, (n, rate) in enumerate(points_of(topo)):
             measured = runs.get((topo, i))
@@ -619,13 +701,19 @@ def write_plots(rows: list[dict], out: Path, notes: list[str]) -> list[Path]:
     pred = [r for r in ok if r.get("pred_output_tok_s") not in (None, "")]
     if pred:
         fig, ax = plt.subplots(figsize=(5.2, 5))
-        for cal in (False, True):
-            sel = [r for r in pred if bool(r.get("calibration")) == cal]
+        for use, marker, label in (
+            ("validation", "o", "validation runs"),
+            ("calibration", "s", "calibration runs"),
+            ("oversubscribed", "x", "oversubscribed (not counted)"),
+        ):
+            sel = [r for r in pred if _use(r) == use]
+            if not sel:
+                continue
             ax.scatter(
                 [r["output_tok_s"] for r in sel],
                 [r["pred_output_tok_s"] for r in sel],
-                marker="s" if cal else "o",
-                label="calibration runs" if cal else "validation runs",
+                marker=marker,
+                label=label,
             )
             for r in sel:
                 ax.annotate(
@@ -652,6 +740,13 @@ def write_plots(rows: list[dict], out: Path, notes: list[str]) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _use(r: dict) -> str:
+    """What a predicted row is to the check: calibration, oversubscribed, or validation."""
+    if r.get("calibration"):
+        return "calibration"
+    return "oversubscribed" if r.get("verdict") == "oversubscribed" else "validation"
 
 
 def _group_label(d: dict) -> str:
@@ -684,7 +779,7 @@ def read_csv(path: Path) -> list[dict]:
     for r in csv.DictReader(path.open()):
         row = {}
         for k, v in r.items():
-            if v in ("", None) or k in ("status", "transport", "balancer"):
+            if v in ("", None) or k in ("status", "transport", "balancer", "verdict"):
                 row[k] = v
             elif k == "calibration":
                 row[k] = v == "True"
@@ -773,7 +868,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     if args.from_csv:
-        rows = read_csv(Path(args.from_csv))
+        rows, check = read_csv(Path(args.from_csv)), None
         if args.profile:
             from splitmoe.sim.hardware import load_profile
 
@@ -781,11 +876,13 @@ def main(argv=None) -> int:
             by_key = {id_key(r): r for r in check.rows}
             rows = [by_key.get(id_key(r), r) for r in rows]
             print(check.table())
-            print(host_text(check.rows) + (held_out_line(check, runs) if runs else check.verdict()))
+            print(host_text(check.rows), end="")
         write_csv(rows, out / "scaling.csv")
         for p in write_plots(rows, out / "plots", notes):
             print(f"plot: {p}")
-        return exit_code(check, runs) if args.profile else 0
+        if check is not None:
+            print(held_out_line(check, runs) if runs else check.verdict())  # last, as in a run
+        return exit_code(check, runs)
     batches = None
     if args.held_out:
         topos, batches = held_out_plan(runs)
@@ -795,6 +892,11 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_hf(args.model)
     for n in notes:
         print(f"note: {n}")
+    if args.validate or args.profile:
+        from splitmoe.sim.validate import TOLERANCE
+
+        # first, before the minutes of runs: whether this host can hold a point within the check
+        print(host_check(host_readings(), TOLERANCE, args.passes * args.repeats, args.repeats))
     hw = None
     if args.profile:
         from splitmoe.sim.hardware import load_profile
@@ -812,7 +914,7 @@ def main(argv=None) -> int:
     print(
         f"{len(topos)} topologies, {sum(per_topo)} workload points, "
         f"model {cfg.model_type} ({cfg.num_layers} layers, {cfg.num_experts} experts, "
-        f"top-{cfg.top_k}), {os.cpu_count()} cores"
+        f"top-{cfg.top_k}), {usable_cores()} cores"
     )
     t0 = time.time()
     with tqdm(total=total, unit="point", file=sys.stdout, mininterval=1.0) as bar:
@@ -867,25 +969,28 @@ def held_out_set(args) -> tuple | None:
 def held_out_line(check, runs: tuple) -> str:
     from splitmoe.sim.validate import held_out
 
-    return held_out(check, runs)[2]
+    return held_out(check, runs).line
 
 
 def exit_code(check, held_out_runs: tuple | None = None) -> int:
-    """The study's exit status: 1 when a check ran and failed, else 0. The check fails where a
-    validation run is outside the tolerance (`Check.passed`); the held-out check (the points
-    ``held_out_runs``) where fewer than `HELD_OUT_PASS` of them are within it."""
+    """The study's exit status (`splitmoe.sim.validate.Outcome`): 0 without a check or when the
+    model held on the decidable points, 2 when too few points were decidable (the host was too
+    noisy to judge), 1 when decidable points missed or there was nothing to check. The check
+    asks every decidable validation point to hit (`Check.outcome`); the held-out check (the
+    points ``held_out_runs``) `HELD_OUT_PASS` of every 16 (`held_out`)."""
     if check is None:
         return 0
     if held_out_runs:
-        from splitmoe.sim.validate import held_out as count
+        from splitmoe.sim.validate import held_out
 
-        return 0 if count(check, held_out_runs)[1] else 1
-    return 0 if check.passed else 1
+        return held_out(check, held_out_runs).outcome.exit_status
+    return check.outcome().exit_status
 
 
 def validate(args, hw, rows: list[dict], out: Path):
     """Fits the profile's step-level constants on the sweep's calibration runs (unless a
-    ``--profile`` was given), writes it, and checks the simulator on every other closed batch."""
+    ``--profile`` was given), writes it, and checks the simulator on every other closed batch
+    (outside the held-out check, those whose rank processes each had a core: `recorded_cores`)."""
     from splitmoe.sim.calibrate import CALIBRATION_PROMPT, CALIBRATION_RUNS, CALIBRATION_TOKENS
     from splitmoe.sim.calibrate import calibrate as calibrate_profile
     from splitmoe.sim.model import ModelShape
@@ -917,7 +1022,15 @@ def validate(args, hw, rows: list[dict], out: Path):
         hw.to_file(out / "cpu_profile.json")
     elif getattr(args, "held_out", False):
         calib = set(CALIBRATION_RUNS)  # (a frozen profile's own runs: not held-out points)
-    return run_check(shape, hw, rows, calib), hw
+    cores = None if getattr(args, "held_out", False) else recorded_cores(rows)
+    return run_check(shape, hw, rows, calib, cores), hw
+
+
+def recorded_cores(rows: list[dict]) -> int | None:
+    """The cores the rows were measured with (`usable_cores`, a ``cores`` column), or None for
+    CSVs without it (then no layout is set aside as oversubscribed)."""
+    got = [int(r["cores"]) for r in rows if r.get("cores") not in (None, "")]
+    return min(got) if got else None
 
 
 def _fit(shape, hw, tbt, model):
