@@ -476,7 +476,9 @@ async def _generate(
         state.inflight -= len(seqs)
     if outputs is None:  # (the client left)
         return Response(status_code=499)
-    return reply.whole(outputs)
+    # (tool-call parsing and logprobs formatting are linear in the output, which can be long:
+    # off the event loop)
+    return await asyncio.to_thread(reply.whole, outputs)
 
 
 async def _collect(request: Request, state: ServerState, job: Job) -> list[RequestOutput] | None:
@@ -645,8 +647,13 @@ class _Reply:
                     offsets[d.index] += len(d.text)
                     reason = finish_reason(d.finish_reason)
                     text, extra = d.text, {}
-                    if calls is not None:
+                    if calls is not None and reason is None:  # (amortized O(1) a character)
                         text, extra, reason = _tool_delta(calls[d.index], text, reason)
+                    elif calls is not None:  # (the whole text parsed: off the event loop)
+                        call = calls[d.index]
+                        text, extra, reason = await asyncio.to_thread(
+                            _tool_delta, call, text, reason
+                        )
                     parts.append(
                         self._chunk(
                             [self._choice(d.index, text, reason, logprobs, d.token_ids, **extra)]
