@@ -2,9 +2,10 @@
 
 The flow of one request with a schema:
 
-1. the front door calls `check_json_schema` (no tokenizer needed): a bad schema is a 400 there,
-   and what travels on is the schema's canonical JSON text (``response_format``
-   ``{"type": "json_object"}`` travels as `JSON_OBJECT_SCHEMA`);
+1. the front door checks the schema (`check_json_schema`, no tokenizer needed; the server runs
+   it in a process of its own, within a time budget: `splitmoe.server.schema_check`): a bad
+   schema is a 400 there, and what travels on is the schema's canonical JSON text
+   (``response_format`` ``{"type": "json_object"}`` travels as `JSON_OBJECT_SCHEMA`);
 2. the attention rank that owns the request makes a `GrammarState` with
    ``backend.state(schema)`` (`GrammarBackend`: one per rank, built from the checkpoint's
    ``tokenizer.json``; compiled grammars cached by schema text);
@@ -32,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,6 +52,9 @@ JSON_OBJECT_SCHEMA = '{"type":"object"}'
 # two levels of JSON here ("properties", then the property's schema).
 MAX_SCHEMA_DEPTH = 64  # levels of JSON nesting in the schema document
 MAX_SCHEMA_CHARS = 128 * 1024  # of its canonical text
+
+# Schema texts `check_json_schema` remembers as accepted (each at most MAX_SCHEMA_CHARS).
+CHECKED_SCHEMAS = 64
 
 # Compiled grammars kept per rank (least recently used evicted first). A compiled grammar's
 # size grows with the vocabulary (its token-mask cache); both bounds hold at once.
@@ -92,7 +97,52 @@ def check_json_schema(schema: str | dict) -> str:
     Raises ValueError naming the problem: not JSON, not a JSON object, nested deeper than
     `MAX_SCHEMA_DEPTH`, longer than `MAX_SCHEMA_CHARS`, or a schema xgrammar cannot turn into a
     grammar (unknown type, dangling ``$ref``, ``minItems`` > ``maxItems``, a bad ``pattern``...).
+    The last step can take long (xgrammar's conversion of a ``pattern`` grows with the square of
+    a repetition count: ``[ab]{10000}`` takes seconds): the server bounds it in time.
     """
+    text = canonical_schema(schema)
+    if not _ACCEPTED.known(text):
+        convert_schema(text)
+        _ACCEPTED.add(text)
+    return text
+
+
+class _AcceptedSchemas:
+    """The canonical texts this process knows to convert (least recently used out, at most
+    `CHECKED_SCHEMAS`): a request's ``n`` sequences, or a client's repeated schema, convert
+    once. The server's own checker adds those it accepted (`remember_accepted_schema`)."""
+
+    def __init__(self, entries: int):
+        self._texts: OrderedDict[str, None] = OrderedDict()
+        self._entries = entries
+        self._lock = threading.Lock()  # (front-end threads check at once)
+
+    def known(self, text: str) -> bool:
+        with self._lock:
+            if text in self._texts:
+                self._texts.move_to_end(text)
+                return True
+            return False
+
+    def add(self, text: str) -> None:
+        with self._lock:
+            self._texts[text] = None
+            while len(self._texts) > self._entries:
+                self._texts.popitem(last=False)
+
+
+_ACCEPTED = _AcceptedSchemas(CHECKED_SCHEMAS)
+
+
+def remember_accepted_schema(text: str) -> None:
+    """Records a canonical schema text that `convert_schema` accepted elsewhere (the server's
+    checker process): `check_json_schema` in this process takes it without converting it."""
+    _ACCEPTED.add(text)
+
+
+def canonical_schema(schema: str | dict) -> str:
+    """The checks of `check_json_schema` that need no xgrammar (quick: linear in the schema's
+    size): its canonical text, or ValueError."""
     if isinstance(schema, str):
         try:
             value = json.loads(schema)
@@ -114,11 +164,15 @@ def check_json_schema(schema: str | dict) -> str:
         raise ValueError(f"schema is not valid JSON: {e}") from None
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"schema is {len(text)} characters long; the limit is {MAX_SCHEMA_CHARS}")
+    return text
+
+
+def convert_schema(text: str) -> xgrammar.Grammar:
+    """xgrammar's grammar of a canonical schema text; ValueError if it has none."""
     try:
-        _xgr().Grammar.from_json_schema(text, any_whitespace=False)
+        return _xgr().Grammar.from_json_schema(text, any_whitespace=False)
     except Exception as e:  # xgrammar raises RuntimeError and its own error types
         raise ValueError(f"unsupported JSON schema: {_xgr_message(e)}") from None
-    return text
 
 
 def _tokenizer_info(

@@ -51,7 +51,7 @@ def error_body(
     return {"error": err}
 
 
-def _limit(default: int, doc: str):
+def _limit(default: float, doc: str):
     return field(default=default, metadata={"help": doc})
 
 
@@ -66,10 +66,15 @@ class Limits:
     max_n: int = _limit(MAX_N, f"completions per prompt ('n', 'best_of'; at most {MAX_N})")
     max_stop_strings: int = _limit(16, "stop strings per request")
     max_stop_string_chars: int = _limit(256, "characters per stop string")
+    schema_check_timeout: float = _limit(
+        5.0,
+        "seconds a response_format JSON schema may take to turn into a grammar; a slower one "
+        "is a 400",
+    )
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
-            if getattr(self, name) < 1:
+            if not getattr(self, name) >= 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_n > MAX_N:
             raise ValueError(f"--max-n must be <= {MAX_N}")
@@ -79,7 +84,8 @@ class Limits:
         """One ``--flag`` per field, with its default and help."""
         for f in fields(Limits):
             flag = "--" + f.name.replace("_", "-")
-            parser.add_argument(flag, type=int, default=f.default, help=f.metadata["help"])
+            kind = type(f.default)
+            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
 
     @classmethod
     def from_args(cls, args) -> Limits:
