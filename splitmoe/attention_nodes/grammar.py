@@ -8,7 +8,9 @@ The flow of one request with a schema:
    (``response_format`` ``{"type": "json_object"}`` travels as `JSON_OBJECT_SCHEMA`);
 2. the attention rank that owns the request makes a `GrammarState` with
    ``backend.state(schema)`` (`GrammarBackend`: one per rank, built from the checkpoint's
-   ``tokenizer.json``; compiled grammars cached by schema text);
+   ``tokenizer.json``; compiled grammars cached by schema text) on a thread beside its step
+   loop: the request is scheduled once its grammar is ready, the others step meanwhile
+   (xgrammar releases the GIL while it converts and compiles);
 3. every step, before sampling, `apply_grammar_masks` sets to -inf each token a row's grammar
    does not allow now; after sampling, ``state.accept(token)`` advances the grammar;
 4. the request stops when its state is `GrammarState.terminated` (the JSON is complete and only
@@ -252,6 +254,7 @@ class GrammarBackend:
         *,
         max_entries: int = GRAMMAR_CACHE_ENTRIES,
         max_bytes: int = GRAMMAR_CACHE_BYTES,
+        compile_threads: int | None = None,
     ):
         if max_entries < 1 or max_bytes < 1:
             raise ValueError(f"cache bounds must be >= 1, got {max_entries} entries, {max_bytes} B")
@@ -259,11 +262,12 @@ class GrammarBackend:
         self.vocab_size = tokenizer_info.vocab_size
         self.stop_token_ids = tuple(tokenizer_info.stop_token_ids)
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        # The rank waits for a compile (it runs in the step loop), so the cores it may run on
-        # are idle meanwhile; xgrammar's own cache is off, ours bounds memory.
-        threads = max(1, min(8, len(os.sched_getaffinity(0))))
+        # ``compile_threads``: xgrammar's threads per compile (None: one per core, up to 8).
+        # xgrammar's own cache is off, ours bounds memory.
+        if compile_threads is None:
+            compile_threads = min(8, len(os.sched_getaffinity(0)))
         self._compiler = xgr.GrammarCompiler(
-            tokenizer_info, max_threads=threads, cache_enabled=False
+            tokenizer_info, max_threads=max(1, compile_threads), cache_enabled=False
         )
         self._cache: OrderedDict[str, xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
@@ -306,9 +310,9 @@ class GrammarBackend:
         if compiled is not None:
             self._cache.move_to_end(schema)
             return compiled
-        text = check_json_schema(schema)
+        converted = convert_schema(canonical_schema(schema))
         try:
-            compiled = self._compiler.compile_json_schema(text, any_whitespace=False)
+            compiled = self._compiler.compile_grammar(converted)
         except Exception as e:
             raise ValueError(f"unsupported JSON schema: {_xgr_message(e)}") from None
         self._cache[schema] = compiled
