@@ -66,6 +66,7 @@ class Limits:
     max_n: int = _limit(MAX_N, f"completions per prompt ('n', 'best_of'; at most {MAX_N})")
     max_stop_strings: int = _limit(16, "stop strings per request")
     max_stop_string_chars: int = _limit(256, "characters per stop string")
+    max_logit_bias: int = _limit(300, "entries in a request's 'logit_bias' (OpenAI's limit)")
     schema_check_timeout: float = _limit(
         5.0,
         "seconds a response_format JSON schema may take to turn into a grammar; a slower one "
@@ -380,11 +381,20 @@ def sampling(
             )
     bias = None
     if req.logit_bias:
+        if len(req.logit_bias) > limits.max_logit_bias:
+            raise BadRequest(
+                f"'logit_bias' has {len(req.logit_bias)} entries; at most "
+                f"{limits.max_logit_bias} are allowed (--max-logit-bias)",
+                "logit_bias",
+            )
         bias = {}
         for key, value in req.logit_bias.items():
-            if not key.isdigit():
+            # (ASCII digits only, and few: int() takes "²" for a digit and refuses more than
+            # 4300 of them, both a ValueError that was a 500)
+            if not (key.isascii() and key.isdigit() and len(key) <= 19):
+                shown = key if len(key) <= 24 else key[:21] + "..."
                 raise BadRequest(
-                    f"'logit_bias' keys must be token ids (decimal strings); got {key!r}",
+                    f"'logit_bias' keys must be token ids (decimal strings); got {shown!r}",
                     "logit_bias",
                 )
             bias[int(key)] = value
