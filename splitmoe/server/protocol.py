@@ -10,6 +10,7 @@ words pydantic's errors the same way.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -31,6 +33,11 @@ from splitmoe.sampling_params import SamplingParams
 MAX_TOP_LOGPROBS = 20  # (OpenAI's limit for chat; 5 for completions, allowed up to this here)
 MAX_N = 128  # completions per prompt
 MAX_SEED = 2**64 - 1
+# Levels of nesting in a request's free-form JSON (a tool's parameters, chat_template_kwargs,
+# a tool call's arguments): deeper is a 400. Python's recursion limit (~1000) is what deeper
+# values hit on their way through templates and json.dumps (a 500); real tool schemas nest a
+# few levels (OpenAI's structured outputs allow 10 levels of objects).
+MAX_JSON_DEPTH = 64
 
 
 class BadRequest(ValueError):
@@ -102,7 +109,42 @@ def _integral(v):
     return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**63 else v
 
 
+def json_depth(value: object) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion, in time linear
+    in its size."""
+    depth, level = 0, [value]
+    while level:
+        nested = [v for v in level if isinstance(v, (dict, list))]
+        if not nested:
+            break
+        depth += 1
+        level = [c for v in nested for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def _shallow(value):
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def _json_text(text: str) -> str:
+    """A tool call's ``arguments``: empty, or JSON text nested at most `MAX_JSON_DEPTH` levels
+    (the chat template reads it as an object; 100,000 levels were a RecursionError, a 500)."""
+    if not text:
+        return text
+    try:
+        value = json.loads(text)
+    except RecursionError:  # (past the interpreter's limit: found in linear time)
+        raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # (JSONDecodeError, or an integer of more than 4300 digits)
+        raise ValueError(f"is not JSON text ({e})") from None
+    _shallow(value)
+    return text
+
+
 Int = Annotated[int, BeforeValidator(_integral)]
+FreeJSON = Annotated[dict[str, Any], AfterValidator(_shallow)]  # (any JSON object, bounded)
 Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 TokenId = Annotated[Int, Field(ge=0)]
@@ -188,7 +230,7 @@ class TextPart(BaseModel):
 class FunctionCall(BaseModel):
     model_config = _Strict
     name: str
-    arguments: str
+    arguments: Annotated[str, AfterValidator(_json_text)]
 
 
 class ToolCall(BaseModel):
@@ -212,7 +254,7 @@ class FunctionDef(BaseModel):
     model_config = _Strict
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: FreeJSON | None = None
     strict: bool | None = None
 
 
@@ -233,7 +275,7 @@ class ChatCompletionRequest(_Sampling):
     # vLLM's chat extensions
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: FreeJSON | None = None
 
 
 _WHAT = {  # fields whose type is a union: one message for all of pydantic's per-branch errors
