@@ -5,14 +5,15 @@ Every request is checked completely at the door (its body's size, its JSON again
 schema of `splitmoe.server.protocol`, the limits, the prompt against the context, the model
 name, the queue) before the engine sees it, so a bad request is a 4xx in OpenAI's error shape
 that names the field, and costs the ranks nothing. Nothing a client sends holds the event loop:
-a ``response_format`` schema is judged once, in a process of its own, within
-``--schema-check-timeout`` (`splitmoe.server.schema_check`), and tokenizing, templates, the
-per-sequence checks and tool-call parsing run on worker threads. Every response carries an
-``X-Request-Id``; a 5xx says what failed in one line and gives that id, and the traceback goes
-to the server log under it: a client never sees a traceback, a path or rank internals. A fault
-while serving one request (its sampling, its stop strings, its detokenizing) fails that request
-alone. A client that disconnects, streaming or not, aborts its sequences: their KV blocks are
-freed on their attention ranks at once.
+a body must arrive within ``--request-read-timeout`` (408), a ``response_format`` schema is
+judged once, in a process of its own, within ``--schema-check-timeout``
+(`splitmoe.server.schema_check`), and tokenizing, templates, the per-sequence checks and
+tool-call parsing run on worker threads. Every response carries an ``X-Request-Id``; a 5xx says
+what failed in one line and gives that id, and the traceback goes to the server log under it: a
+client never sees a traceback, a path or rank internals. A fault while serving one request (its
+sampling, its stop strings, its detokenizing) fails that request alone. A client that
+disconnects, streaming or not, aborts its sequences: their KV blocks are freed on their
+attention ranks at once.
 """
 
 from __future__ import annotations
@@ -64,12 +65,20 @@ logger = logging.getLogger("splitmoe")
 
 _DEFAULT_MAX_TOKENS = 16  # (OpenAI's completions default)
 _DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request checks that its client is there
+_QUEUE_RETRY_AFTER_S = 1  # Retry-After of a 503 for a full queue (a step frees sequences)
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
+        self.status, self.kind, self.param, self.headers = status, kind, param, headers
 
 
 class RequestFailed(Exception):
@@ -90,6 +99,7 @@ class ServerState:
     limits: Limits = Limits()
     tool_parser: ToolParser | None = None
     schemas: SchemaChecker | None = None  # (None: one is made from the limits)
+    model_alias: str | None = None  # a name requests may use besides served_model_name
     inflight: int = 0  # sequences accepted and not finished (event-loop thread only)
 
     @property
@@ -110,10 +120,12 @@ class ServerState:
 class _BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes is a 413, whether its
     Content-Length says so or it streams in chunks: the body is read here (at most ``limit``
-    bytes are held) and handed on whole."""
+    bytes are held) and handed on whole. A body that has not all come ``read_timeout`` seconds
+    after its headers is a 408 (a client that sends a few bytes and stalls held a connection
+    and its buffer for ever). Both close the connection: the rest of the body is not read."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, read_timeout: float = Limits.request_read_timeout):
+        self.app, self.limit, self.read_timeout = app, limit, read_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -121,8 +133,17 @@ class _BodyLimit:
         length = dict(scope.get("headers") or ()).get(b"content-length")
         too_big = length is not None and length.isdigit() and int(length) > self.limit
         chunks, seen, more = [], 0, not too_big
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.read_timeout
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:  # (Python 3.10's; the builtin one's alias since 3.11)
+                message = (
+                    f"the request body did not arrive within {self.read_timeout:g} s "
+                    "(--request-read-timeout)"
+                )
+                return await _closing(message, 408)(scope, receive, send)
             if message["type"] != "http.request":  # (the client left)
                 return
             chunks.append(message.get("body", b""))
@@ -132,15 +153,8 @@ class _BodyLimit:
                 too_big = True
                 break
         if too_big:
-            response = JSONResponse(
-                error_body(
-                    f"the request body is larger than {self.limit} bytes (--max-request-bytes)",
-                    "invalid_request_error",
-                    413,
-                ),
-                status_code=413,
-            )
-            return await response(scope, receive, send)
+            message = f"the request body is larger than {self.limit} bytes (--max-request-bytes)"
+            return await _closing(message, 413)(scope, receive, send)
         body, sent = b"".join(chunks), False
 
         async def replay():
@@ -155,6 +169,15 @@ class _BodyLimit:
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         await self.app(scope, replay, send)
+
+
+def _closing(message: str, status: int) -> JSONResponse:
+    """An error response that closes the connection (a body left unread cannot be skipped)."""
+    return JSONResponse(
+        error_body(message, "invalid_request_error", status),
+        status_code=status,
+        headers={"connection": "close"},
+    )
 
 
 class _RequestContext:
@@ -216,7 +239,11 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="splitmoe", lifespan=lifespan)
     app.state.server = state
 
-    app.add_middleware(_BodyLimit, limit=state.limits.max_request_bytes)
+    app.add_middleware(
+        _BodyLimit,
+        limit=state.limits.max_request_bytes,
+        read_timeout=state.limits.request_read_timeout,
+    )
     app.add_middleware(_RequestContext, state=state)  # (added last: the outermost)
 
     def _json_error(
@@ -304,7 +331,7 @@ def build_app(state: ServerState) -> FastAPI:
                     "object": "model",
                     "created": now(),
                     "owned_by": "splitmoe",
-                    "root": state.config.model.path,
+                    "root": state.served_model_name,  # (as vLLM: never a path of this host)
                     "max_model_len": state.config.max_model_len,
                 }
             ],
@@ -382,7 +409,7 @@ def _internal_error(rid: str) -> RequestFailed:
 
 
 def _check_model(model: str | None, state: ServerState) -> None:
-    if model is not None and model != state.served_model_name:
+    if model is not None and model not in (state.served_model_name, state.model_alias):
         raise HTTPError(
             404,
             f"the model {model!r} does not exist; this server serves "
@@ -470,9 +497,10 @@ async def _generate(
         if queued > state.max_queued_requests:
             raise HTTPError(
                 503,
-                f"the queue is full ({state.max_queued_requests} requests wait already); "
-                "retry later",
+                f"the queue is full ({state.max_queued_requests} sequences may wait, "
+                "--max-queued-requests); retry later",
                 "service_unavailable",
+                headers={"Retry-After": str(_QUEUE_RETRY_AFTER_S)},
             )
     job = Job(seqs, params, s.stream, asyncio.get_running_loop())
     state.engine.submit(job)
@@ -747,7 +775,7 @@ def _status_of(err: Exception) -> tuple[int, str]:
 def _headers_of(err: Exception) -> dict[str, str] | None:
     if isinstance(err, SchemaBusy):
         return {"Retry-After": str(err.retry_after)}
-    return None
+    return err.headers if isinstance(err, HTTPError) else None
 
 
 # what a handler raises to answer with an error of OpenAI's shape (whole, or as a stream's

@@ -64,9 +64,9 @@ def _limit(default: float, doc: str):
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for: over a limit is a 400 (413 for the body) that names the
-    limit, before any rank sees the request. Each field is a server flag (``--max-n``, ...;
-    `add_args`)."""
+    """What one request may ask for, and how long it may take to send: over a limit is a 400
+    (413 for the body, 408 for a body too slow) that names the limit, before any rank sees the
+    request. Each field is a server flag (``--max-n``, ...; `add_args`)."""
 
     max_request_bytes: int = _limit(16 << 20, "largest request body; a larger one is a 413")
     max_prompts_per_request: int = _limit(256, "prompts one /v1/completions request may batch")
@@ -78,6 +78,14 @@ class Limits:
         5.0,
         "seconds a response_format JSON schema may take to turn into a grammar; a slower one "
         "is a 400",
+    )
+    request_read_timeout: float = _limit(
+        60.0, "seconds a client has to send a request's body once its headers came; then a 408"
+    )
+    header_read_timeout: float = _limit(
+        20.0,
+        "seconds a connection has to send a request's headers (from its opening, or from the "
+        "end of its last response); then it is closed",
     )
 
     def __post_init__(self) -> None:
