@@ -5,7 +5,7 @@ refused with a 4xx/503 that says why; no response holds a path of the host; a cl
 a few bytes of a body, or of its headers, and stalls is cut off at the read deadline while
 everyone else is served.
 
-One server (tiny Qwen3-MoE with an 8192-token context, colocated, no ``--served-model-name``)
+One server (tiny Qwen3-MoE with a 4096-token context, colocated, no ``--served-model-name``)
 serves the module.
 """
 
@@ -37,8 +37,8 @@ SLOW_SCHEMA = {"type": "string", "pattern": "(a|b){4000}"}
 
 @pytest.fixture(scope="module")
 def ckpt(tiny_ckpt):
-    # (a long context: one greedy stream outlasts the slow schema's checks)
-    return tiny_ckpt("qwen3_moe", max_position_embeddings=8192)
+    # (a long context: long greedy streams, a step apart, run through the slow schema's checks)
+    return tiny_ckpt("qwen3_moe", max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
@@ -65,31 +65,30 @@ def _served(server) -> None:
 
 
 class _Stream(threading.Thread):
-    """A greedy completion stream read on a thread: the arrival time of each chunk."""
+    """Greedy completion streams, one after the other until ``stop``, read on a thread: the
+    arrival time of each chunk."""
 
-    def __init__(self, server, max_tokens: int):
+    def __init__(self, server):
         super().__init__(daemon=True)
-        self.url, self.max_tokens = server.url, max_tokens
+        self.url = server.url
         self.times: list[float] = []
-        self.finished = False
         self.stop = threading.Event()
 
     def run(self) -> None:
         body = {
             "prompt": prompt_ids(5, seed=1),
-            "max_tokens": self.max_tokens,
+            "max_tokens": 4000,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
         }
-        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if self.stop.is_set():
-                    return
-                if line == "data: [DONE]":
-                    self.finished = True
-                elif line.startswith("data: "):
-                    self.times.append(time.monotonic())
+        while not self.stop.is_set():
+            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if self.stop.is_set():
+                        return
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        self.times.append(time.monotonic())
 
 
 def _health_times(server, until) -> list[float]:
@@ -118,7 +117,7 @@ def test_a_slow_schema_pauses_neither_health_nor_a_running_stream(server):
     quick = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}
     r = _post(server, {"prompt": "x", "max_tokens": 2, "response_format": quick})
     assert r.status_code == 200, r.text
-    stream = _Stream(server, max_tokens=8000)
+    stream = _Stream(server)
     stream.start()
     deadline = time.monotonic() + 60
     while len(stream.times) < 20 and time.monotonic() < deadline:
@@ -132,20 +131,20 @@ def test_a_slow_schema_pauses_neither_health_nor_a_running_stream(server):
 
     def structured():
         fmt = {"type": "json_schema", "json_schema": {"name": "ab", "schema": SLOW_SCHEMA}}
-        result["r"] = _post(server, {"prompt": "x", "max_tokens": 3, "response_format": fmt})
+        body = {"prompt": "x", "max_tokens": 3, "response_format": fmt}
+        # (its compile yields the CPU to the steps: on a loaded machine it takes a while)
+        result["r"] = httpx.post(server.url + "/v1/completions", json=body, timeout=600)
 
     asker = threading.Thread(target=structured, daemon=True)
     asker.start()
     health = _health_times(server, lambda: not asker.is_alive())
     ended = time.monotonic()
     stream.stop.set()
+    stream.join(30)  # (at its next chunk: its request is aborted when it hangs up)
     r = result["r"]
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"].startswith('"'), r.text  # (the grammar was applied)
-    assert not stream.finished and stream.times[-1] >= ended - 0.5, (
-        "the stream ended before the structured request: make it longer"
-    )
-    gaps = _gaps([began, *(t for t in stream.times if began <= t <= ended)])
+    gaps = _gaps([began, *(t for t in stream.times if began <= t <= ended), ended])
     usual = statistics.median(quiet)
     print(
         f"schema request {ended - began:.2f} s; stream gaps: median {usual * 1e3:.0f} ms, "
