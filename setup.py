@@ -25,6 +25,8 @@ setup(
         "matplotlib",
         "pydantic>=2.7",
         "xgrammar>=0.1.25",  # structured output (response_format, SamplingParams.json_schema)
+        "msgspec>=0.18",  # typed messages (the KV agents' side channel)
+        "httpx>=0.27",  # the prefill-decode router's client (python -m splitmoe.router)
         "tiktoken>=0.7",  # tokenizers released as tiktoken files (Kimi-K2)
     ],
     entry_points={"console_scripts": ["splitmoe=splitmoe.cli:main"]},
@@ -35,7 +37,6 @@ setup(
             "triton>=3.0",
             "ruff",
             "openai>=1.0",
-            "httpx",
             "hypothesis",
             "schemathesis>=4",
             "jsonschema",
