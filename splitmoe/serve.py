@@ -9,10 +9,10 @@ curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
 Every engine option of `splitmoe.config` is a flag (as for the launcher), checked before any rank
 starts. Under torchrun or mpirun, rank 0 serves: its attention rank 0 is a child process that
 joins the launcher's rendezvous, and every other process runs its rank (attention ranks
-``1..A-1``, then the expert ranks), so one server fronts a multi-node job. The router on rank 0
-picks an attention rank for each request; rank 0 relays requests, aborts and commands to the
-ranks in other processes, and their tokens and stats back, with the per-step control all-gather
-(`splitmoe.comm.control.StepSync`):
+``1..A-1``, then the expert ranks), so one server fronts a multi-node job. The server on rank 0
+picks an attention rank for each request; every rank, in whatever process or host, talks to it
+directly over ZeroMQ (`splitmoe.engine.transport`: it learns the server's address from the
+job's rendezvous store):
 
 ```
 torchrun --nnodes 2 --nproc-per-node 4 ... -m splitmoe.serve --model CKPT --attention-ranks 2
@@ -26,6 +26,7 @@ exits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -36,8 +37,9 @@ import uvicorn
 from splitmoe.chat import ChatTemplate
 from splitmoe.comm.distributed import shutdown_groups
 from splitmoe.config import add_engine_args, engine_args, engine_config
+from splitmoe.engine.channel import RankChannel
+from splitmoe.engine.procs import LaunchedJob
 from splitmoe.launch import detect_env, rendezvous
-from splitmoe.llm import LaunchedJob, RemoteChannel
 from splitmoe.models.loader import CheckpointReader
 from splitmoe.runtime import available_cores, run_rank
 from splitmoe.server.app import ServerState, build_app
@@ -149,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             # --frontend-cores says how many the ranks leave it (none by default: that served
             # more tokens where measured; docs/serving.md has the figures).
             ranks = env.local_world_size if launched else config.parallel.world_size
-            options["threads_per_rank"] = rank_threads(cores, args.frontend_cores, ranks)
-            config = engine_config(args.model, **options)
+            threads = rank_threads(cores, args.frontend_cores, ranks)
+            config = dataclasses.replace(config, threads_per_rank=threads)
         CheckpointReader(args.model)
         tokenizer = Tokenizer.from_checkpoint(args.model)
         if args.chat_template is not None:
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     state = ServerState(
-        engine=AsyncEngine(args.model, options, metrics, job, warmup=not args.no_warmup),
+        engine=AsyncEngine(config, tokenizer, metrics, job, warmup=not args.no_warmup),
         config=config,
         tokenizer=tokenizer,
         chat_template=chat_template,
@@ -239,9 +241,9 @@ def _api_keys(args) -> tuple[str, ...]:
 
 
 def _work(config, env, init_method: str) -> int:
-    """A launched job's rank other than 0, until rank 0's server closes: its requests, commands
-    and answers travel with the step sync, relayed by rank 0 (see `RemoteChannel`)."""
-    channel = RemoteChannel(env.rank, takes_requests=env.rank < config.parallel.attention_ranks)
+    """A launched job's rank other than 0, until rank 0's server closes: connected to that
+    server directly (its address and token come through the job's rendezvous store)."""
+    channel = RankChannel(env.rank, takes_requests=env.rank < config.parallel.attention_ranks)
     try:
         run_rank(config, env.rank, init_method, channel, env.local_rank, env.local_world_size)
     except Exception as e:

@@ -203,6 +203,12 @@ class AttentionWorker:
         self._batch = ScheduledBatch()
         self._step_record: StepRecord | None = None
 
+    def rebind(self, topo, transport: Transport, balance) -> int:
+        """After the job lost ranks (fault tolerance): dispatch through the rebuilt world's
+        ``transport`` and ``balance``; reads no weights (returns 0)."""
+        self.experts = RemoteExperts(transport, self.timeline, balance.balancer)
+        return 0
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work

@@ -147,7 +147,7 @@ def test_rank_killed_with_transfers_in_flight_fails_the_job(tmp_path, shared_mem
         shared_memory=shared_memory,
         timeout_s=60,
     )
-    pids = [p.pid for p in llm._procs]
+    pids = list(llm.rank_pids)
     stop, served, failure = threading.Event(), threading.Event(), []
 
     def serve() -> None:
