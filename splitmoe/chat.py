@@ -317,7 +317,11 @@ def _tool_calls_for_template(i: int, tool_calls) -> list:
         elif isinstance(args, str):
             try:
                 function["arguments"] = json.loads(args)
-            except json.JSONDecodeError:
+            except RecursionError:  # (nested past the interpreter's limit: found in linear time)
+                raise ChatTemplateError(
+                    f"message {i}: a tool call's 'arguments' nests too deeply"
+                ) from None
+            except ValueError:  # (JSONDecodeError, or an integer of more than 4300 digits)
                 raise ChatTemplateError(
                     f"message {i}: a tool call's 'arguments' is not JSON text: {args[:80]!r}"
                 ) from None

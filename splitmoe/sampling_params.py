@@ -11,6 +11,9 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
 
 from splitmoe.kv_transfer import KVTransferParams
 
@@ -188,6 +191,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @cached_property
+    def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logit_bias`` as token ids (int64 ``[K]``) and biases (float32 ``[K]``), CPU
+        tensors built on first use (on the rank; not a field: neither compared nor sent) and
+        kept: the sampler adds every row's biases in one operation per step
+        (`sampler.add_logit_bias`), no list built per row and step."""
+        ids = torch.tensor([t for t, _ in self.logit_bias], dtype=torch.int64)
+        biases = torch.tensor([b for _, b in self.logit_bias], dtype=torch.float32)
+        return ids, biases
+
     @property
     def filters(self) -> bool:
         """Whether a sampled row's support is cut (``min_p``, ``top_k``, ``top_p``)."""
@@ -209,6 +222,7 @@ class SamplingParams:
         fields in it are recomputed, not taken)."""
         fields = {name for name, f in cls.__dataclass_fields__.items() if f.init}
         derived = set(cls.__dataclass_fields__) - fields
+        derived |= {n for n, v in vars(cls).items() if isinstance(v, cached_property)}
         unknown = set(d) - fields - derived
         if unknown:
             raise ValueError(

@@ -31,8 +31,11 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from splitmoe.chat import ChatTemplate
 from splitmoe.comm.distributed import shutdown_groups
@@ -51,6 +54,13 @@ from splitmoe.tokenizer import Tokenizer
 
 logger = logging.getLogger("splitmoe")
 
+# Sequences that may wait beyond the running batch: a queue that drains in a few batches at
+# the defaults (256 sequences an attention rank), and bounds the front end's memory for them.
+DEFAULT_MAX_QUEUED = 1024
+# The largest request head (request line and headers) h11 buffers: more is a 400 (h11's own
+# default; an OpenAI client's headers are well under 1 KB)
+MAX_HEADER_BYTES = 16 * 1024
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
@@ -60,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument(
-        "--served-model-name", default=None, help="the model's name in the API (default: --model)"
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: the --model directory's name; requests may "
+        "also name the --model value)",
     )
     ap.add_argument(
         "--api-key",
@@ -90,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--max-queued-requests",
         type=int,
-        default=None,
-        help="requests that may wait beyond the running batch before new ones get 503 "
-        "(default: no limit)",
+        default=DEFAULT_MAX_QUEUED,
+        help="sequences that may wait beyond the running batch (max-num-seqs x attention "
+        "ranks) before new requests get a 503 with Retry-After",
     )
     ap.add_argument(
         "--shutdown-timeout",
@@ -137,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--attention-ranks {options['attention_ranks']} exceeds the {env.launcher} "
                 f"world size {env.world_size}; start at least that many processes"
             )
-        if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        if args.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 0")
         if args.frontend_cores < 0:
             raise ValueError(f"--frontend-cores {args.frontend_cores} must be >= 0")
@@ -175,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         if env.rank != 0:
             return _work(config, env, init_method)
         job = LaunchedJob(init_method, env.local_rank, env.local_world_size)
-    name = args.served_model_name or args.model
+    # (never a path of this host in a response: the directory's name, the path accepted too)
+    name = args.served_model_name or Path(args.model).resolve().name or "model"
+    alias = None if args.served_model_name else args.model
     metrics = ServerMetrics(name)
     state = ServerState(
         engine=AsyncEngine(config, tokenizer, metrics, job, warmup=not args.no_warmup),
@@ -183,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=tokenizer,
         chat_template=chat_template,
         served_model_name=name,
+        model_alias=alias,
         api_keys=api_keys,
         max_queued_requests=args.max_queued_requests,
         metrics=metrics,
@@ -196,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             log_level="info" if args.verbose else "warning",
             timeout_graceful_shutdown=args.shutdown_timeout,
+            http=header_deadline_protocol(limits.header_read_timeout),
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
     )
     print(
@@ -213,6 +231,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"splitmoe.serve: error: {state.engine.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, with a deadline on each request's head: a connection that has
+    not sent a whole request line and headers ``timeout_s`` after it opened, or after its last
+    response ended, is closed. (uvicorn has none: a client sending a header byte every few
+    seconds held a connection for ever; its keep-alive timeout stops at the first byte.) The
+    body's own deadline is `splitmoe.server.http.BodyLimit`'s."""
+
+    class HeaderDeadline(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._head_timer = None
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._head_timer is not None and self.conn.their_state is not h11.IDLE:
+                self._head_timer.cancel()  # (the head is in: the request runs)
+                self._head_timer = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm()  # (a kept-alive connection: the next head has its deadline too)
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(timeout_s, self._head_late)
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
 
 
 def rank_threads(cores: int, frontend_cores: int, ranks: int) -> int:

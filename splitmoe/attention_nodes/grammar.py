@@ -2,12 +2,15 @@
 
 The flow of one request with a schema:
 
-1. the front door calls `check_json_schema` (no tokenizer needed): a bad schema is a 400 there,
-   and what travels on is the schema's canonical JSON text (``response_format``
-   ``{"type": "json_object"}`` travels as `JSON_OBJECT_SCHEMA`);
+1. the front door checks the schema (`check_json_schema`, no tokenizer needed; the server runs
+   it in a process of its own, within a time budget: `splitmoe.server.schema_check`): a bad
+   schema is a 400 there, and what travels on is the schema's canonical JSON text
+   (``response_format`` ``{"type": "json_object"}`` travels as `JSON_OBJECT_SCHEMA`);
 2. the attention rank that owns the request makes a `GrammarState` with
    ``backend.state(schema)`` (`GrammarBackend`: one per rank, built from the checkpoint's
-   ``tokenizer.json``; compiled grammars cached by schema text);
+   ``tokenizer.json``; compiled grammars cached by schema text) on a thread beside its step
+   loop: the request is scheduled once its grammar is ready, the others step meanwhile
+   (xgrammar releases the GIL while it converts and compiles);
 3. every step, before sampling, `apply_grammar_masks` sets to -inf each token a row's grammar
    does not allow now; after sampling, ``state.accept(token)`` advances the grammar;
 4. the request stops when its state is `GrammarState.terminated` (the JSON is complete and only
@@ -32,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,6 +54,9 @@ JSON_OBJECT_SCHEMA = '{"type":"object"}'
 # two levels of JSON here ("properties", then the property's schema).
 MAX_SCHEMA_DEPTH = 64  # levels of JSON nesting in the schema document
 MAX_SCHEMA_CHARS = 128 * 1024  # of its canonical text
+
+# Schema texts `check_json_schema` remembers as accepted (each at most MAX_SCHEMA_CHARS).
+CHECKED_SCHEMAS = 64
 
 # Compiled grammars kept per rank (least recently used evicted first). A compiled grammar's
 # size grows with the vocabulary (its token-mask cache); both bounds hold at once.
@@ -92,7 +99,52 @@ def check_json_schema(schema: str | dict) -> str:
     Raises ValueError naming the problem: not JSON, not a JSON object, nested deeper than
     `MAX_SCHEMA_DEPTH`, longer than `MAX_SCHEMA_CHARS`, or a schema xgrammar cannot turn into a
     grammar (unknown type, dangling ``$ref``, ``minItems`` > ``maxItems``, a bad ``pattern``...).
+    The last step can take long (xgrammar's conversion of a ``pattern`` grows with the square of
+    a repetition count: ``[ab]{10000}`` takes seconds): the server bounds it in time.
     """
+    text = canonical_schema(schema)
+    if not _ACCEPTED.known(text):
+        convert_schema(text)
+        _ACCEPTED.add(text)
+    return text
+
+
+class _AcceptedSchemas:
+    """The canonical texts this process knows to convert (least recently used out, at most
+    `CHECKED_SCHEMAS`): a request's ``n`` sequences, or a client's repeated schema, convert
+    once. The server's own checker adds those it accepted (`remember_accepted_schema`)."""
+
+    def __init__(self, entries: int):
+        self._texts: OrderedDict[str, None] = OrderedDict()
+        self._entries = entries
+        self._lock = threading.Lock()  # (front-end threads check at once)
+
+    def known(self, text: str) -> bool:
+        with self._lock:
+            if text in self._texts:
+                self._texts.move_to_end(text)
+                return True
+            return False
+
+    def add(self, text: str) -> None:
+        with self._lock:
+            self._texts[text] = None
+            while len(self._texts) > self._entries:
+                self._texts.popitem(last=False)
+
+
+_ACCEPTED = _AcceptedSchemas(CHECKED_SCHEMAS)
+
+
+def remember_accepted_schema(text: str) -> None:
+    """Records a canonical schema text that `convert_schema` accepted elsewhere (the server's
+    checker process): `check_json_schema` in this process takes it without converting it."""
+    _ACCEPTED.add(text)
+
+
+def canonical_schema(schema: str | dict) -> str:
+    """The checks of `check_json_schema` that need no xgrammar (quick: linear in the schema's
+    size): its canonical text, or ValueError."""
     if isinstance(schema, str):
         try:
             value = json.loads(schema)
@@ -114,11 +166,15 @@ def check_json_schema(schema: str | dict) -> str:
         raise ValueError(f"schema is not valid JSON: {e}") from None
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"schema is {len(text)} characters long; the limit is {MAX_SCHEMA_CHARS}")
+    return text
+
+
+def convert_schema(text: str) -> xgrammar.Grammar:
+    """xgrammar's grammar of a canonical schema text; ValueError if it has none."""
     try:
-        _xgr().Grammar.from_json_schema(text, any_whitespace=False)
+        return _xgr().Grammar.from_json_schema(text, any_whitespace=False)
     except Exception as e:  # xgrammar raises RuntimeError and its own error types
         raise ValueError(f"unsupported JSON schema: {_xgr_message(e)}") from None
-    return text
 
 
 def _tokenizer_info(
@@ -198,6 +254,7 @@ class GrammarBackend:
         *,
         max_entries: int = GRAMMAR_CACHE_ENTRIES,
         max_bytes: int = GRAMMAR_CACHE_BYTES,
+        compile_threads: int | None = None,
     ):
         if max_entries < 1 or max_bytes < 1:
             raise ValueError(f"cache bounds must be >= 1, got {max_entries} entries, {max_bytes} B")
@@ -205,11 +262,12 @@ class GrammarBackend:
         self.vocab_size = tokenizer_info.vocab_size
         self.stop_token_ids = tuple(tokenizer_info.stop_token_ids)
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        # The rank waits for a compile (it runs in the step loop), so the cores it may run on
-        # are idle meanwhile; xgrammar's own cache is off, ours bounds memory.
-        threads = max(1, min(8, len(os.sched_getaffinity(0))))
+        # ``compile_threads``: xgrammar's threads per compile (None: one per core, up to 8).
+        # xgrammar's own cache is off, ours bounds memory.
+        if compile_threads is None:
+            compile_threads = min(8, len(os.sched_getaffinity(0)))
         self._compiler = xgr.GrammarCompiler(
-            tokenizer_info, max_threads=threads, cache_enabled=False
+            tokenizer_info, max_threads=max(1, compile_threads), cache_enabled=False
         )
         self._cache: OrderedDict[str, xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
@@ -252,9 +310,9 @@ class GrammarBackend:
         if compiled is not None:
             self._cache.move_to_end(schema)
             return compiled
-        text = check_json_schema(schema)
+        converted = convert_schema(canonical_schema(schema))
         try:
-            compiled = self._compiler.compile_json_schema(text, any_whitespace=False)
+            compiled = self._compiler.compile_grammar(converted)
         except Exception as e:
             raise ValueError(f"unsupported JSON schema: {_xgr_message(e)}") from None
         self._cache[schema] = compiled

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +32,7 @@ from splitmoe.metrics import StepRecord
 from splitmoe.models.loader import load_attention_weights
 from splitmoe.outputs import RequestMetrics, request_error
 from splitmoe.scheduler.block_manager import BlockManager
-from splitmoe.scheduler.request import RequestSpec
+from splitmoe.scheduler.request import Request, RequestSpec
 from splitmoe.scheduler.scheduler import ScheduledBatch, Scheduler
 from splitmoe.scheduler.window_blocks import SlidingWindowBlocks
 from splitmoe.timeline import Timeline
@@ -196,9 +199,14 @@ class AttentionWorker:
         # their first sampling, where the step reports them (request id -> error)
         self._arrival_faults: dict[int, str] = {}
         # structured output: each such request's grammar state; the backend (the tokenizer's
-        # vocabulary for xgrammar) is built when the first such request arrives
+        # vocabulary for xgrammar) is built when the first such request arrives. Both are made
+        # on a thread beside the step loop (seconds for a large vocabulary or an intricate
+        # schema, which every running request used to wait through): meanwhile the request
+        # stays out of the scheduler's queue, in `_compiling` (`_admit_compiled`).
         self.grammars: dict[int, GrammarState] = {}
         self._grammar_backend: GrammarBackend | None = None
+        self._grammar_thread: ThreadPoolExecutor | None = None
+        self._compiling: dict[int, tuple[Request, Future]] = {}
         self._model_cfg = m  # (the grammar backend reads its tokenizer and vocabulary)
         self._batch = ScheduledBatch()
         self._step_record: StepRecord | None = None
@@ -211,7 +219,7 @@ class AttentionWorker:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._compiling)
 
     @property
     def kv_releases(self) -> int:
@@ -221,8 +229,12 @@ class AttentionWorker:
 
     @property
     def only_transfers(self) -> bool:
-        """Its only work is KV being read from a prefill instance (`Scheduler.only_transfers`)."""
-        return self.scheduler.only_transfers
+        """Its only work waits on another thread: KV being read from a prefill instance
+        (`Scheduler.only_transfers`) or grammars being compiled (the loop polls, not spins)."""
+        s = self.scheduler
+        if self._compiling and not (s.waiting or s.running):
+            return True
+        return s.only_transfers
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -235,7 +247,7 @@ class AttentionWorker:
             "prefix_caching": self.blocks.enable_prefix_caching,
             **self._window_stats(),
             "running": len(s.running),
-            "waiting": len(s.waiting),
+            "waiting": len(s.waiting) + len(self._compiling),
             "kv_pulling": len(s.pulling),
             "preemptions": s.num_preemptions,
             "prefix_cached_blocks": self.blocks.num_cached,
@@ -269,7 +281,7 @@ class AttentionWorker:
         """Queues a request; a request that cannot be admitted fails alone: its update
         (``"error"``) is returned to be sent at once."""
         try:
-            self.scheduler.add(spec)
+            req = self.scheduler.add(spec)
         except Exception as e:
             error = _fault(self.rank, spec.request_id, "admission", e)
             t = spec.arrival_time
@@ -281,26 +293,48 @@ class AttentionWorker:
             self._arrival_faults[spec.request_id] = _fault(self.rank, spec.request_id, "seed", e)
             gen = None
         self.generators[spec.request_id] = gen
-        schema = spec.params.json_schema
-        if schema is not None and spec.request_id not in self._arrival_faults:
-            try:
-                state = self._grammars().state(schema)
-                for token in spec.output_token_ids:  # (resumed: the grammar is that far)
-                    state.accept(token)
-                self.grammars[spec.request_id] = state
-            except Exception as e:
-                self._arrival_faults[spec.request_id] = _fault(
-                    self.rank, spec.request_id, "grammar", e
+        if spec.params.json_schema is not None and spec.request_id not in self._arrival_faults:
+            # out of the queue until its grammar is compiled (`add` appended it last)
+            waiting = self.scheduler.waiting
+            if waiting and waiting[-1] is req:
+                waiting.pop()
+            else:
+                waiting.remove(req)
+            if self._grammar_thread is None:
+                self._grammar_thread = ThreadPoolExecutor(
+                    1, thread_name_prefix="grammar", initializer=_lower_priority
                 )
+            future = self._grammar_thread.submit(self._grammar_of, spec)
+            self._compiling[spec.request_id] = (req, future)
         return None
 
-    def _grammars(self) -> GrammarBackend:
+    def _grammar_of(self, spec: RequestSpec) -> GrammarState:
+        """(On the grammar thread: the backend and its cache are only touched there.) The
+        request's grammar state, past the tokens it generated already (a resumed request)."""
         if self._grammar_backend is None:
             m = self._model_cfg
+            # (one xgrammar thread on a CPU rank: its cores run the steps meanwhile)
+            threads = 1 if self.device.type == "cpu" else None
             self._grammar_backend = GrammarBackend.from_checkpoint(
-                m.path, m.vocab_size, tuple(m.eos_token_ids)
+                m.path, m.vocab_size, tuple(m.eos_token_ids), compile_threads=threads
             )
-        return self._grammar_backend
+        state = self._grammar_backend.state(spec.params.json_schema)
+        for token in spec.output_token_ids:
+            state.accept(token)
+        return state
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the queue; one whose grammar failed joins it
+        too and fails at its first sampling, alone (as any fault on arrival)."""
+        for rid, (req, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                self.grammars[rid] = future.result()
+            except Exception as e:
+                self._arrival_faults[rid] = _fault(self.rank, rid, "grammar", e)
+            self.scheduler.waiting.append(req)
 
     def abort(self, request_ids: list[int]) -> list[RequestUpdate]:
         """Drops these requests at once, blocks freed; an update (``"abort"``) for each that was
@@ -308,6 +342,9 @@ class AttentionWorker:
         updates = []
         for rid in request_ids:
             req = self.scheduler.abort(rid)
+            if rid in self._compiling:  # (never scheduled: it holds no blocks)
+                req, future = self._compiling.pop(rid)
+                future.cancel()
             if req is not None:
                 self.generators.pop(rid, None)
                 self._arrival_faults.pop(rid, None)
@@ -317,6 +354,8 @@ class AttentionWorker:
 
     def plan(self) -> int:
         """Schedules this step; returns how many tokens it computes (0: only takes part)."""
+        if self._compiling:
+            self._admit_compiled()
         self._batch = self.scheduler.schedule()
         # (recorded here, before the sync, where a rank waits anyway: not between the sync and
         # the forward, which the expert ranks wait on)
@@ -551,6 +590,16 @@ class AttentionWorker:
         self.generators.pop(req.request_id, None)
         self.grammars.pop(req.request_id, None)
         return RequestUpdate(req.request_id, [], "error", req.metrics(), error=error)
+
+
+def _lower_priority() -> None:
+    """The calling thread yields its core to the step's threads (nice 10: Linux schedules
+    threads alone). On a CPU rank a compile that takes a core from the step's thread pool
+    stalls every barrier of the pool; the request waiting for the grammar can wait longer."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # (not Linux: the scheduler decides)
+        pass
 
 
 def _fault(rank: int, request_id: int, stage: str, error: Exception) -> str:

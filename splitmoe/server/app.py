@@ -4,11 +4,15 @@
 Every request is checked completely at the door (its body's size, its JSON against the pydantic
 schema of `splitmoe.server.protocol`, the limits, the prompt against the context, the model
 name, the queue) before the engine sees it, so a bad request is a 4xx in OpenAI's error shape
-that names the field, and costs the ranks nothing. Every response carries an ``X-Request-Id``;
-a 5xx says what failed in one line and gives that id, and the traceback goes to the server log
-under it: a client never sees a traceback, a path or rank internals. A fault while serving one
-request (its sampling, its stop strings, its detokenizing) fails that request alone. A client
-that disconnects, streaming or not, aborts its sequences: their KV blocks are freed on their
+that names the field, and costs the ranks nothing. Nothing a client sends holds the event loop:
+a body must arrive within ``--request-read-timeout`` (408), a ``response_format`` schema is
+judged once, in a process of its own, within ``--schema-check-timeout``
+(`splitmoe.server.schema_check`), and tokenizing, templates, the per-sequence checks and
+tool-call parsing run on worker threads. Every response carries an ``X-Request-Id``; a 5xx says
+what failed in one line and gives that id, and the traceback goes to the server log under it: a
+client never sees a traceback, a path or rank internals. A fault while serving one request (its
+sampling, its stop strings, its detokenizing) fails that request alone. A client that
+disconnects, streaming or not, aborts its sequences: their KV blocks are freed on their
 attention ranks at once.
 """
 
@@ -28,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from splitmoe.attention_nodes.grammar import JSON_OBJECT_SCHEMA, check_json_schema
+from splitmoe.attention_nodes.grammar import JSON_OBJECT_SCHEMA
 from splitmoe.chat import ChatTemplate, ChatTemplateError
 from splitmoe.config import EngineConfig
 from splitmoe.inputs import check_request
@@ -55,6 +59,7 @@ from splitmoe.server.protocol import (
     usage,
     validation_error,
 )
+from splitmoe.server.schema_check import SchemaBusy, SchemaChecker
 from splitmoe.server.tool_parsers import ToolCallStream, ToolParser
 from splitmoe.tokenizer import Tokenizer
 
@@ -62,12 +67,20 @@ logger = logging.getLogger("splitmoe")
 
 _DEFAULT_MAX_TOKENS = 16  # (OpenAI's completions default)
 _DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request checks that its client is there
+_QUEUE_RETRY_AFTER_S = 1  # Retry-After of a 503 for a full queue (a step frees sequences)
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
+        self.status, self.kind, self.param, self.headers = status, kind, param, headers
 
 
 class RequestFailed(Exception):
@@ -87,6 +100,8 @@ class ServerState:
     metrics: ServerMetrics
     limits: Limits = Limits()
     tool_parser: ToolParser | None = None
+    schemas: SchemaChecker | None = None  # (None: one is made from the limits)
+    model_alias: str | None = None  # a name requests may use besides served_model_name
     inflight: int = 0  # sequences accepted and not finished (event-loop thread only)
     kv: KVGate = field(init=False)  # (prefill-decode: the router's secret, this instance's id)
 
@@ -149,27 +164,37 @@ class _RequestContext:
 
 
 def build_app(state: ServerState) -> FastAPI:
+    if state.schemas is None:
+        state.schemas = SchemaChecker(state.limits.schema_check_timeout)
+    schemas = state.schemas
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine.start()
-        # (the first schema check imports xgrammar, ~1 s: here, off the event loop, rather than
-        # in the first structured request's handler, which would stall every client meanwhile)
-        warm = asyncio.get_running_loop().run_in_executor(
-            None, check_json_schema, JSON_OBJECT_SCHEMA
-        )
+        # (the schema checker's process imports xgrammar, seconds: from now on, rather than
+        # in the first structured request's time)
+        warm = asyncio.create_task(_start_quietly(schemas))
         yield
-        await warm
+        warm.cancel()
+        await schemas.close()
         await asyncio.get_running_loop().run_in_executor(None, state.engine.stop)
 
     app = FastAPI(title="splitmoe", lifespan=lifespan)
     app.state.server = state
 
-    app.add_middleware(BodyLimit, limit=state.limits.max_request_bytes)
+    app.add_middleware(
+        BodyLimit,
+        limit=state.limits.max_request_bytes,
+        read_timeout=state.limits.request_read_timeout,
+    )
     app.add_middleware(_RequestContext, state=state)  # (added last: the outermost)
 
-    def _json_error(request: Request, message, kind, status, param=None) -> JSONResponse:
+    def _json_error(
+        request: Request, message, kind, status, param=None, headers=None
+    ) -> JSONResponse:
         rid = getattr(request.state, "request_id", None)
-        return JSONResponse(error_body(message, kind, status, param, rid), status_code=status)
+        body = error_body(message, kind, status, param, rid)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette(request: Request, exc: StarletteHTTPException):
@@ -187,7 +212,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def _error(request: Request, exc: Exception):
         status, kind = _status_of(exc)
-        return _json_error(request, str(exc), kind, status, getattr(exc, "param", None))
+        param, headers = getattr(exc, "param", None), _headers_of(exc)
+        return _json_error(request, str(exc), kind, status, param, headers)
 
     for kind in _CLIENT_ERRORS:
         app.add_exception_handler(kind, _error)
@@ -232,7 +258,7 @@ def build_app(state: ServerState) -> FastAPI:
                     "object": "model",
                     "created": now(),
                     "owned_by": "splitmoe",
-                    "root": state.config.model.path,
+                    "root": state.served_model_name,  # (as vLLM: never a path of this host)
                     "max_model_len": state.config.max_model_len,
                 }
             ],
@@ -242,7 +268,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request, body: CompletionRequest):
         _check_model(body.model, state)
         await _check_kv(request, body, state)
-        s = sampling(body, state.limits, _DEFAULT_MAX_TOKENS, _json_schema(body))
+        s = sampling(body, state.limits, _DEFAULT_MAX_TOKENS, await _json_schema(body, schemas))
         texts = prompts_of(body, state.limits)
         # (tokenizing up to --max-request-bytes of text takes a while: off the event loop)
         prompts = await asyncio.to_thread(lambda: [_tokens(p, state) for p in texts])
@@ -255,7 +281,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         _check_model(body.model, state)
         await _check_kv(request, body, state)
-        s = sampling(body, state.limits, _default_chat_max(state), _json_schema(body))
+        schema = await _json_schema(body, schemas)
+        s = sampling(body, state.limits, _default_chat_max(state), schema)
         if state.chat_template is None or state.tokenizer is None:
             raise BadRequest(
                 f"the model {state.served_model_name!r} has no chat template (no 'chat_template' "
@@ -311,7 +338,7 @@ def _internal_error(rid: str) -> RequestFailed:
 
 
 def _check_model(model: str | None, state: ServerState) -> None:
-    if model is not None and model != state.served_model_name:
+    if model is not None and model not in (state.served_model_name, state.model_alias):
         raise HTTPError(
             404,
             f"the model {model!r} does not exist; this server serves "
@@ -328,17 +355,24 @@ async def _check_kv(request: Request, body, state: ServerState) -> None:
             raise HTTPError(403, state.kv.refusal(), "permission_error", "kv_transfer_params")
 
 
-def _json_schema(body: CompletionRequest | ChatCompletionRequest) -> str | None:
-    """The grammar a ``response_format`` asks for, checked (a 400 for a schema it cannot be)."""
+async def _json_schema(
+    body: CompletionRequest | ChatCompletionRequest, schemas: SchemaChecker
+) -> str | None:
+    """The grammar a ``response_format`` asks for, checked (a 400 for a schema it cannot be, or
+    one too slow to convert; a 503 when the checks are busy)."""
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
         return JSON_OBJECT_SCHEMA
+    return await schemas.check(fmt.json_schema.schema_)
+
+
+async def _start_quietly(schemas: SchemaChecker) -> None:
     try:
-        return check_json_schema(fmt.json_schema.schema_)
-    except ValueError as e:
-        raise BadRequest(f"'response_format.json_schema.schema': {e}", "response_format") from None
+        await schemas.start()
+    except Exception as e:  # (the first structured request will say what is wrong)
+        logger.warning("the JSON schema checker did not start: %s", e)
 
 
 def _default_chat_max(state: ServerState) -> int:
@@ -395,17 +429,8 @@ async def _generate(
     kv = s.params[0].kv_transfer_params
     if kv is not None and kv.do_remote_decode:  # (a prefill instance: see `server.kv`)
         return await _prefill(request, state, prompts, s, chat)
-    seqs, params = [], []
-    for i, p in enumerate(prompts):
-        for sp in s.params:
-            try:
-                if chat and not s.max_tokens_given:  # (the rest of the context, or KV pool)
-                    sp = replace(sp, max_tokens=max(1, state.context_for_chat - len(p)))
-                check_request(i, p, sp, state.config)
-            except ValueError as e:
-                raise BadRequest(str(e), param_of(str(e))) from None
-            seqs.append(p)
-            params.append(sp)
+    # (linear in the prompts' tokens, and a schema's first check converts it: off the loop)
+    seqs, params = await asyncio.to_thread(_sequences, state, prompts, s, chat)
     _check_queue(state, len(seqs))
     job = Job(seqs, params, s.stream, asyncio.get_running_loop())
     state.engine.submit(job)
@@ -420,7 +445,27 @@ async def _generate(
         state.inflight -= len(seqs)
     if outputs is None:  # (the client left)
         return Response(status_code=499)
-    return reply.whole(outputs)
+    # (tool-call parsing and logprobs formatting are linear in the output, which can be long:
+    # off the event loop)
+    return await asyncio.to_thread(reply.whole, outputs)
+
+
+def _sequences(
+    state: ServerState, prompts: list[list[int]], s: Sampling, chat: bool
+) -> tuple[list[list[int]], list]:
+    """Each prompt ``n`` times with its params, every pair checked (`check_request`)."""
+    seqs, params = [], []
+    for i, p in enumerate(prompts):
+        for sp in s.params:
+            try:
+                if chat and not s.max_tokens_given:  # (the rest of the context, or KV pool)
+                    sp = replace(sp, max_tokens=max(1, state.context_for_chat - len(p)))
+                check_request(i, p, sp, state.config)
+            except ValueError as e:
+                raise BadRequest(str(e), param_of(str(e))) from None
+            seqs.append(p)
+            params.append(sp)
+    return seqs, params
 
 
 def _check_queue(state: ServerState, sequences: int) -> None:
@@ -429,9 +474,10 @@ def _check_queue(state: ServerState, sequences: int) -> None:
         if queued > state.max_queued_requests:
             raise HTTPError(
                 503,
-                f"the queue is full ({state.max_queued_requests} requests wait already); "
-                "retry later",
+                f"the queue is full ({state.max_queued_requests} sequences may wait, "
+                "--max-queued-requests); retry later",
                 "service_unavailable",
+                headers={"Retry-After": str(_QUEUE_RETRY_AFTER_S)},
             )
 
 
@@ -641,8 +687,13 @@ class _Reply:
                     offsets[d.index] += len(d.text)
                     reason = finish_reason(d.finish_reason)
                     text, extra = d.text, {}
-                    if calls is not None:
+                    if calls is not None and reason is None:  # (amortized O(1) a character)
                         text, extra, reason = _tool_delta(calls[d.index], text, reason)
+                    elif calls is not None:  # (the whole text parsed: off the event loop)
+                        call = calls[d.index]
+                        text, extra, reason = await asyncio.to_thread(
+                            _tool_delta, call, text, reason
+                        )
                     parts.append(
                         self._chunk(
                             [self._choice(d.index, text, reason, logprobs, d.token_ids, **extra)]
@@ -695,7 +746,7 @@ def _tool_delta(calls: ToolCallStream, text: str, reason):
 
 def _status_of(err: Exception) -> tuple[int, str]:
     """The HTTP status and OpenAI error type of one of `_CLIENT_ERRORS` (a 500 for others)."""
-    if isinstance(err, EngineError):
+    if isinstance(err, (EngineError, SchemaBusy)):
         return 503, "service_unavailable"
     if isinstance(err, HTTPError):
         return err.status, err.kind
@@ -704,6 +755,12 @@ def _status_of(err: Exception) -> tuple[int, str]:
     return 500, "internal_error"
 
 
+def _headers_of(err: Exception) -> dict[str, str] | None:
+    if isinstance(err, SchemaBusy):
+        return {"Retry-After": str(err.retry_after)}
+    return err.headers if isinstance(err, HTTPError) else None
+
+
 # what a handler raises to answer with an error of OpenAI's shape (whole, or as a stream's
 # error event)
-_CLIENT_ERRORS = (HTTPError, BadRequest, EngineError, RequestFailed)
+_CLIENT_ERRORS = (HTTPError, BadRequest, EngineError, RequestFailed, SchemaBusy)

@@ -10,6 +10,7 @@ words pydantic's errors the same way.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -31,6 +33,11 @@ from splitmoe.sampling_params import SamplingParams
 MAX_TOP_LOGPROBS = 20  # (OpenAI's limit for chat; 5 for completions, allowed up to this here)
 MAX_N = 128  # completions per prompt
 MAX_SEED = 2**64 - 1
+# Levels of nesting in a request's free-form JSON (a tool's parameters, chat_template_kwargs,
+# a tool call's arguments): deeper is a 400. Python's recursion limit (~1000) is what deeper
+# values hit on their way through templates and json.dumps (a 500); real tool schemas nest a
+# few levels (OpenAI's structured outputs allow 10 levels of objects).
+MAX_JSON_DEPTH = 64
 
 
 class BadRequest(ValueError):
@@ -51,25 +58,39 @@ def error_body(
     return {"error": err}
 
 
-def _limit(default: int, doc: str):
+def _limit(default: float, doc: str):
     return field(default=default, metadata={"help": doc})
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for: over a limit is a 400 (413 for the body) that names the
-    limit, before any rank sees the request. Each field is a server flag (``--max-n``, ...;
-    `add_args`)."""
+    """What one request may ask for, and how long it may take to send: over a limit is a 400
+    (413 for the body, 408 for a body too slow) that names the limit, before any rank sees the
+    request. Each field is a server flag (``--max-n``, ...; `add_args`)."""
 
     max_request_bytes: int = _limit(16 << 20, "largest request body; a larger one is a 413")
     max_prompts_per_request: int = _limit(256, "prompts one /v1/completions request may batch")
     max_n: int = _limit(MAX_N, f"completions per prompt ('n', 'best_of'; at most {MAX_N})")
     max_stop_strings: int = _limit(16, "stop strings per request")
     max_stop_string_chars: int = _limit(256, "characters per stop string")
+    max_logit_bias: int = _limit(300, "entries in a request's 'logit_bias' (OpenAI's limit)")
+    schema_check_timeout: float = _limit(
+        5.0,
+        "seconds a response_format JSON schema may take to turn into a grammar; a slower one "
+        "is a 400",
+    )
+    request_read_timeout: float = _limit(
+        60.0, "seconds a client has to send a request's body once its headers came; then a 408"
+    )
+    header_read_timeout: float = _limit(
+        20.0,
+        "seconds a connection has to send a request's headers (from its opening, or from the "
+        "end of its last response); then it is closed",
+    )
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
-            if getattr(self, name) < 1:
+            if not getattr(self, name) >= 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_n > MAX_N:
             raise ValueError(f"--max-n must be <= {MAX_N}")
@@ -79,7 +100,8 @@ class Limits:
         """One ``--flag`` per field, with its default and help."""
         for f in fields(Limits):
             flag = "--" + f.name.replace("_", "-")
-            parser.add_argument(flag, type=int, default=f.default, help=f.metadata["help"])
+            kind = type(f.default)
+            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
 
     @classmethod
     def from_args(cls, args) -> Limits:
@@ -95,7 +117,42 @@ def _integral(v):
     return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**63 else v
 
 
+def json_depth(value: object) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion, in time linear
+    in its size."""
+    depth, level = 0, [value]
+    while level:
+        nested = [v for v in level if isinstance(v, (dict, list))]
+        if not nested:
+            break
+        depth += 1
+        level = [c for v in nested for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def _shallow(value):
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def _json_text(text: str) -> str:
+    """A tool call's ``arguments``: empty, or JSON text nested at most `MAX_JSON_DEPTH` levels
+    (the chat template reads it as an object; 100,000 levels were a RecursionError, a 500)."""
+    if not text:
+        return text
+    try:
+        value = json.loads(text)
+    except RecursionError:  # (past the interpreter's limit: found in linear time)
+        raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # (JSONDecodeError, or an integer of more than 4300 digits)
+        raise ValueError(f"is not JSON text ({e})") from None
+    _shallow(value)
+    return text
+
+
 Int = Annotated[int, BeforeValidator(_integral)]
+FreeJSON = Annotated[dict[str, Any], AfterValidator(_shallow)]  # (any JSON object, bounded)
 Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 TokenId = Annotated[Int, Field(ge=0)]
@@ -181,7 +238,7 @@ class TextPart(BaseModel):
 class FunctionCall(BaseModel):
     model_config = _Strict
     name: str
-    arguments: str
+    arguments: Annotated[str, AfterValidator(_json_text)]
 
 
 class ToolCall(BaseModel):
@@ -205,7 +262,7 @@ class FunctionDef(BaseModel):
     model_config = _Strict
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: FreeJSON | None = None
     strict: bool | None = None
 
 
@@ -226,7 +283,7 @@ class ChatCompletionRequest(_Sampling):
     # vLLM's chat extensions
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: FreeJSON | None = None
 
 
 _WHAT = {  # fields whose type is a union: one message for all of pydantic's per-branch errors
@@ -374,11 +431,20 @@ def sampling(
             )
     bias = None
     if req.logit_bias:
+        if len(req.logit_bias) > limits.max_logit_bias:
+            raise BadRequest(
+                f"'logit_bias' has {len(req.logit_bias)} entries; at most "
+                f"{limits.max_logit_bias} are allowed (--max-logit-bias)",
+                "logit_bias",
+            )
         bias = {}
         for key, value in req.logit_bias.items():
-            if not key.isdigit():
+            # (ASCII digits only, and few: int() takes "²" for a digit and refuses more than
+            # 4300 of them, both a ValueError that was a 500)
+            if not (key.isascii() and key.isdigit() and len(key) <= 19):
+                shown = key if len(key) <= 24 else key[:21] + "..."
                 raise BadRequest(
-                    f"'logit_bias' keys must be token ids (decimal strings); got {key!r}",
+                    f"'logit_bias' keys must be token ids (decimal strings); got {shown!r}",
                     "logit_bias",
                 )
             bias[int(key)] = value

@@ -12,11 +12,19 @@ never raises on model output. Parsers, by the name vLLM gives them:
 
 Streaming: ``ToolCallStream`` passes content through as it comes and holds text back from the
 first place a call may start; at the end it parses what it held.
+
+Model output is as hostile as a client's body (a prompt can make a model write anything): every
+parser here is linear in its input (tags found with ``str.find`` from where the last one ended,
+never a regex of lazy groups that backtracks over unclosed tags: the glm45 regex took 5 s on
+10 KB of ``<arg_key>k</arg_key><arg_value>`` repeated, and grew with the cube), a stream's work
+per chunk is amortized constant, and the JSON read is strict (no NaN, no number past float's
+range; nesting past the interpreter's recursion limit is not a call).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -90,17 +98,43 @@ class ToolParser:
         return len(text)
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (math.inf, -math.inf):
+        raise ValueError(f"{text} is past float's range")
+    return value
+
+
+def _loads(text: str):
+    """Strict JSON out of model output: ValueError (JSONDecodeError, an integer of more than
+    4300 digits, NaN or a number past float's range) or RecursionError (nesting past the
+    interpreter's limit, found in time linear in the text) when it is not."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+
+
+def _dumps(value) -> str | None:
+    """JSON text of a value `_loads` gave (None where it cannot be written back)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        return None
+
+
 def _arguments_text(arguments) -> str | None:
     """Arguments as JSON text of an object; a string holding one is accepted (small models
     write it so); anything else is not a call."""
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = _loads(arguments)
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
-    return json.dumps(arguments, ensure_ascii=False)
+    return _dumps(arguments)
 
 
 class HermesToolParser(ToolParser):
@@ -110,8 +144,8 @@ class HermesToolParser(ToolParser):
 
     def parse_call(self, body: str, tools: list[dict] | None) -> tuple[str, str] | None:
         try:
-            call = json.loads(body)
-        except (json.JSONDecodeError, RecursionError):
+            call = _loads(body)
+        except (ValueError, RecursionError):
             return None
         if not isinstance(call, dict):
             return None
@@ -130,30 +164,59 @@ class Glm45ToolParser(ToolParser):
     name = "glm45"
     start = "<tool_call>"
     end = "</tool_call>"
-    _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
     def parse_call(self, body: str, tools: list[dict] | None) -> tuple[str, str] | None:
-        at = body.find("<arg_key>")
+        at = body.find(_KEY_OPEN)
         name = (body if at == -1 else body[:at]).strip()
         if not name or "<" in name or "\n" in name:
+            return None
+        pairs = [] if at == -1 else _arg_pairs(body, at)
+        if pairs is None:  # (something besides key/value pairs)
             return None
         # The template writes string values as they are and others as JSON: a value declared a
         # string stays text; any other is JSON when it reads as JSON (numbers, lists, objects)
         strings = _string_params(tools, name)
         arguments = {}
-        rest = "" if at == -1 else body[at:]
-        for m in self._ARG.finditer(rest):
-            key, value = m.group(1).strip(), m.group(2)
+        for key, value in pairs:
             if key in strings:
                 arguments[key] = value
                 continue
             try:
-                arguments[key] = json.loads(value)
-            except (json.JSONDecodeError, RecursionError):
+                arguments[key] = _loads(value)
+            except (ValueError, RecursionError):
                 arguments[key] = value
-        if self._ARG.sub("", rest).strip():  # (something besides key/value pairs)
+        text = _dumps(arguments)
+        return None if text is None else (name, text)
+
+
+_KEY_OPEN, _KEY_CLOSE = "<arg_key>", "</arg_key>"
+_VALUE_OPEN, _VALUE_CLOSE = "<arg_value>", "</arg_value>"
+_SPACE = re.compile(r"\s*")
+
+
+def _arg_pairs(body: str, pos: int) -> list[tuple[str, str]] | None:
+    """The ``<arg_key>K</arg_key> <arg_value>V</arg_value>`` pairs of ``body`` from ``pos``
+    on, with only whitespace around them; None when anything else is there or a tag is not
+    closed. One pass: each tag is looked for once, from where the one before it ended."""
+    pairs = []
+    while True:
+        pos = _SPACE.match(body, pos).end()
+        if pos == len(body):
+            return pairs
+        if not body.startswith(_KEY_OPEN, pos):
             return None
-        return name, json.dumps(arguments, ensure_ascii=False)
+        key_end = body.find(_KEY_CLOSE, pos + len(_KEY_OPEN))
+        if key_end == -1:
+            return None
+        key = body[pos + len(_KEY_OPEN) : key_end].strip()
+        pos = _SPACE.match(body, key_end + len(_KEY_CLOSE)).end()
+        if not body.startswith(_VALUE_OPEN, pos):
+            return None
+        value_end = body.find(_VALUE_CLOSE, pos + len(_VALUE_OPEN))
+        if value_end == -1:
+            return None
+        pairs.append((key, body[pos + len(_VALUE_OPEN) : value_end]))
+        pos = value_end + len(_VALUE_CLOSE)
 
 
 def _string_params(tools: list[dict] | None, name: str) -> set[str]:
@@ -191,26 +254,40 @@ class ToolCallStream:
     can go to the client now; ``finish()`` returns the rest: the content not yet sent (None
     when there is none) and the tool calls. Content sent plus content returned by ``finish``
     is ``parser.parse(text).content`` whenever that content starts with the text before the
-    first call (always, unless the text before it is only whitespace)."""
+    first call (always, unless the text before it is only whitespace).
+
+    ``feed`` looks only at the delta and the few characters held before it (less than
+    ``parser.start``), and keeps the deltas in a list: a stream of n characters costs O(n) in
+    all, however small its chunks (searching and growing the whole text at every chunk was
+    quadratic)."""
 
     def __init__(self, parser: ToolParser, tools: list[dict] | None = None):
         self.parser = parser
         self.tools = tools
-        self.text = ""
+        self._parts: list[str] = []
+        self._tail = ""  # text after what was sent: a possible beginning of ``parser.start``
+        self._holding = False  # a call started: everything from there waits for `finish`
         self.sent = 0  # characters of text already given out as content
 
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
     def feed(self, delta: str) -> str:
-        self.text += delta
-        until = self.parser.hold_from(self.text)
-        if until <= self.sent:
+        self._parts.append(delta)
+        if self._holding:
             return ""
-        out = self.text[self.sent : until]
-        self.sent = until
-        return out
+        tail = self._tail + delta
+        until = self.parser.hold_from(tail)
+        self._tail = tail[until:]
+        self._holding = self._tail.startswith(self.parser.start)
+        self.sent += until
+        return tail[:until]
 
     def finish(self) -> ToolCallResult:
-        result = self.parser.parse(self.text, self.tools)
-        sent = self.text[: self.sent]
+        text = self.text
+        result = self.parser.parse(text, self.tools)
+        sent = text[: self.sent]
         content = result.content or ""
         rest = content[len(sent) :] if content.startswith(sent) else content
         return ToolCallResult(rest or None, result.tool_calls)
