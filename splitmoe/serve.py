@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import h11
@@ -39,7 +40,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from splitmoe.chat import ChatTemplate
 from splitmoe.comm.distributed import shutdown_groups
-from splitmoe.config import add_engine_args, engine_args, engine_config
+from splitmoe.config import EngineConfig, add_engine_args, engine_args, engine_config
 from splitmoe.engine.channel import RankChannel
 from splitmoe.engine.procs import LaunchedJob
 from splitmoe.launch import detect_env, rendezvous
@@ -132,78 +133,102 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@dataclass
+class _Prepared:
+    """What the server is built of, every part checked before any rank starts."""
+
+    config: EngineConfig
+    tokenizer: Tokenizer | None
+    chat_template: ChatTemplate | None
+    tool_parser: object
+    limits: Limits
+    api_keys: tuple[str, ...]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="[server] %(levelname)s %(message)s",
     )
-    options = engine_args(args)
     env = detect_env()
-    launched = env.launcher != "single"
-    if launched:
-        options["expert_ranks"] = env.world_size - options.get("attention_ranks", 1)
-    cores = len(available_cores())
     try:
-        if launched and options["expert_ranks"] < 0:
-            raise ValueError(
-                f"--attention-ranks {options['attention_ranks']} exceeds the {env.launcher} "
-                f"world size {env.world_size}; start at least that many processes"
-            )
-        if args.max_queued_requests < 0:
-            raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 0")
-        if args.frontend_cores < 0:
-            raise ValueError(f"--frontend-cores {args.frontend_cores} must be >= 0")
-        if not 0 < args.port < 65536:
-            raise ValueError(f"--port {args.port} must be in 1..65535")
-        config = engine_config(args.model, **options)
-        if config.device_type == "cpu" and "threads_per_rank" not in options:
-            # The server process works too (HTTP, detokenizing): a thread of a rank's pool that
-            # loses its core to it stalls the pool's every barrier, while a core left to it
-            # idles between requests. Which serves more depends on the machine and the load:
-            # --frontend-cores says how many the ranks leave it (none by default: that served
-            # more tokens where measured; docs/serving.md has the figures).
-            ranks = env.local_world_size if launched else config.parallel.world_size
-            threads = rank_threads(cores, args.frontend_cores, ranks)
-            config = dataclasses.replace(config, threads_per_rank=threads)
-        CheckpointReader(args.model)
-        tokenizer = Tokenizer.from_checkpoint(args.model)
-        if args.chat_template is not None:
-            chat_template = ChatTemplate.from_file(args.chat_template, args.model)
-        else:
-            chat_template = ChatTemplate.from_checkpoint(args.model)
-        tool_parser = (
-            None if args.tool_call_parser is None else get_tool_parser(args.tool_call_parser)
-        )
-        limits = Limits.from_args(args)
-        api_keys = _api_keys(args)
-        if launched and env.world_size < 2:
-            raise ValueError("started by a launcher with one process: run it directly instead")
+        ready = _prepare(args, env)
     except (ValueError, TypeError, OSError, ImportError) as e:
         print(f"splitmoe.serve: error: {e}", file=sys.stderr)
         return 2
     job = None
-    if launched:
+    if env.launcher != "single":
         init_method = rendezvous(env)
         if env.rank != 0:
-            return _work(config, env, init_method)
+            return _work(ready.config, env, init_method)
         job = LaunchedJob(init_method, env.local_rank, env.local_world_size)
+    return _serve(args, ready, job)
+
+
+def _prepare(args, env) -> _Prepared:
+    """The engine config (built once) and the server's parts; a ValueError (or OSError,
+    ImportError) names what is wrong."""
+    options = engine_args(args)
+    launched = env.launcher != "single"
+    if launched:
+        options["expert_ranks"] = env.world_size - options.get("attention_ranks", 1)
+        if options["expert_ranks"] < 0:
+            raise ValueError(
+                f"--attention-ranks {options['attention_ranks']} exceeds the {env.launcher} "
+                f"world size {env.world_size}; start at least that many processes"
+            )
+        if env.world_size < 2:
+            raise ValueError("started by a launcher with one process: run it directly instead")
+    if args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 0")
+    if args.frontend_cores < 0:
+        raise ValueError(f"--frontend-cores {args.frontend_cores} must be >= 0")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port {args.port} must be in 1..65535")
+    config = engine_config(args.model, **options)
+    if config.device_type == "cpu" and "threads_per_rank" not in options:
+        # The server process works too (HTTP, detokenizing): a thread of a rank's pool that
+        # loses its core to it stalls the pool's every barrier, while a core left to it idles
+        # between requests. --frontend-cores says how many the ranks leave it (none by
+        # default: that served more tokens where measured; docs/serving.md has the figures).
+        ranks = env.local_world_size if launched else config.parallel.world_size
+        threads = rank_threads(len(available_cores()), args.frontend_cores, ranks)
+        config = dataclasses.replace(config, threads_per_rank=threads)
+    CheckpointReader(args.model)
+    if args.chat_template is not None:
+        chat_template = ChatTemplate.from_file(args.chat_template, args.model)
+    else:
+        chat_template = ChatTemplate.from_checkpoint(args.model)
+    parser = args.tool_call_parser
+    return _Prepared(
+        config,
+        Tokenizer.from_checkpoint(args.model),
+        chat_template,
+        None if parser is None else get_tool_parser(parser),
+        Limits.from_args(args),
+        _api_keys(args),
+    )
+
+
+def _serve(args, ready: _Prepared, job: LaunchedJob | None) -> int:
+    """Serves until SIGTERM (or Ctrl-C) has drained it; 1 if the engine failed."""
+    config, limits = ready.config, ready.limits
     # (never a path of this host in a response: the directory's name, the path accepted too)
     name = args.served_model_name or Path(args.model).resolve().name or "model"
-    alias = None if args.served_model_name else args.model
     metrics = ServerMetrics(name)
     state = ServerState(
-        engine=AsyncEngine(config, tokenizer, metrics, job, warmup=not args.no_warmup),
+        engine=AsyncEngine(config, ready.tokenizer, metrics, job, warmup=not args.no_warmup),
         config=config,
-        tokenizer=tokenizer,
-        chat_template=chat_template,
+        tokenizer=ready.tokenizer,
+        chat_template=ready.chat_template,
         served_model_name=name,
-        model_alias=alias,
-        api_keys=api_keys,
+        model_alias=None if args.served_model_name else args.model,
+        api_keys=ready.api_keys,
         max_queued_requests=args.max_queued_requests,
         metrics=metrics,
         limits=limits,
-        tool_parser=tool_parser,
+        tool_parser=ready.tool_parser,
     )
     server = uvicorn.Server(
         uvicorn.Config(

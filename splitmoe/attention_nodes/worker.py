@@ -145,32 +145,9 @@ class AttentionWorker:
             if transport is None
             else RemoteExperts(transport, self.timeline, balancer)
         )
-        block_size = cfg.cache.block_size
-        sched = cfg.scheduler
-        num_blocks = cfg.cache.resolve_num_blocks(
-            m, dtype, sched.max_num_seqs, cfg.max_model_len, sched.max_num_batched_tokens
-        )
+        block_size, sched = cfg.cache.block_size, cfg.scheduler
+        self.kv_cache, self.window_blocks, num_blocks = _kv_pools(cfg, device)
         n_sliding = len(m.sliding_layers)
-        self.kv_cache = PagedKVCache(
-            m.num_layers - n_sliding,
-            num_blocks,
-            block_size,
-            m.num_kv_heads,
-            m.kv_values_per_token if m.is_mla else m.head_dim,
-            dtype,
-            device,
-            latent=m.is_mla,
-        )
-        self.window_blocks = None  # the sliding-window layers' own KV group (window_blocks.py)
-        if n_sliding:
-            w_blocks = cfg.cache.window_pool_blocks(
-                m, sched.max_num_seqs, sched.max_num_batched_tokens
-            )
-            window_cache = PagedKVCache(
-                n_sliding, w_blocks, block_size, m.num_kv_heads, m.head_dim, dtype, device
-            )
-            self.kv_cache = GroupedKVCache(self.kv_cache, window_cache, m.sliding_layers)
-            self.window_blocks = SlidingWindowBlocks(w_blocks, block_size, m.sliding_window)
         # A cached prefix holds the full-attention layers' blocks only: the sliding-window
         # layers' blocks of its last window are freed as it runs, so models with such layers
         # (GPT-OSS) run without prefix caching.
@@ -613,3 +590,32 @@ def _fault(rank: int, request_id: int, stage: str, error: Exception) -> str:
         exc_info=error,
     )
     return request_error(stage, error)
+
+
+def _kv_pools(cfg: EngineConfig, device: torch.device):
+    """The rank's paged KV cache (MHA or MLA latent), with the sliding-window layers' own
+    group when the model has them (`window_blocks`), and its full pool's block count."""
+    m, dtype, sched = cfg.model, cfg.torch_dtype, cfg.scheduler
+    block_size = cfg.cache.block_size
+    num_blocks = cfg.cache.resolve_num_blocks(
+        m, dtype, sched.max_num_seqs, cfg.max_model_len, sched.max_num_batched_tokens
+    )
+    n_sliding = len(m.sliding_layers)
+    kv_cache = PagedKVCache(
+        m.num_layers - n_sliding,
+        num_blocks,
+        block_size,
+        m.num_kv_heads,
+        m.kv_values_per_token if m.is_mla else m.head_dim,
+        dtype,
+        device,
+        latent=m.is_mla,
+    )
+    if not n_sliding:
+        return kv_cache, None, num_blocks
+    w_blocks = cfg.cache.window_pool_blocks(m, sched.max_num_seqs, sched.max_num_batched_tokens)
+    window_cache = PagedKVCache(
+        n_sliding, w_blocks, block_size, m.num_kv_heads, m.head_dim, dtype, device
+    )
+    grouped = GroupedKVCache(kv_cache, window_cache, m.sliding_layers)
+    return grouped, SlidingWindowBlocks(w_blocks, block_size, m.sliding_window), num_blocks
