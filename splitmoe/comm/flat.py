@@ -10,7 +10,7 @@ import time
 import torch
 
 from splitmoe.comm.handles import UNKNOWN_LAYER, DispatchHandle, ExpertBatch
-from splitmoe.comm.shm import ShmLane
+from splitmoe.comm.shm_lane import ShmLane
 from splitmoe.comm.topology import Topology
 from splitmoe.comm.transport import Transport
 

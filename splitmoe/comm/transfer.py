@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from splitmoe.comm.distributed import Collective
-from splitmoe.comm.shm import ShmLane
+from splitmoe.comm.shm_lane import ShmLane
 
 
 class Transfer:
