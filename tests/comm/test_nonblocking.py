@@ -25,7 +25,7 @@ from splitmoe import LLM, RankFailure, SamplingParams
 from splitmoe.comm.local_job import run_ranks
 from splitmoe.comm.shm import ShmHub, host_shm_supported
 from splitmoe.comm.topology import Topology
-from splitmoe.comm.transport import _ThreadPoster
+from splitmoe.comm.transfer import _ThreadPoster
 from splitmoe.comm.transports import TRANSPORTS
 from splitmoe.config import ParallelConfig
 from splitmoe.kernels.fused_moe import fused_moe_ref
