@@ -151,7 +151,7 @@ def rate_value(text: str) -> float:
 def supported_options() -> tuple[set[str], set[str]]:
     """`LLM`'s engine options, and registered transports."""
     from splitmoe.comm.transports import TRANSPORTS
-    from splitmoe.config import engine_options
+    from splitmoe.options import engine_options
 
     return set(engine_options()), set(TRANSPORTS)
 

@@ -28,7 +28,7 @@ import sys
 import time
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.default_model import default_model_path
 
 

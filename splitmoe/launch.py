@@ -30,11 +30,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from splitmoe.comm.distributed import shutdown_groups
-from splitmoe.config import add_engine_args, engine_args, engine_config
 from splitmoe.engine.channel import Channel, Inbox
 from splitmoe.inputs import check_request
 from splitmoe.metrics import StepRecord, summarize
 from splitmoe.models.loader import CheckpointReader
+from splitmoe.options import add_engine_args, engine_args, engine_config
 from splitmoe.outputs import RequestOutput
 from splitmoe.runtime import run_rank
 from splitmoe.sampling_params import SamplingParams

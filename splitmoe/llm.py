@@ -18,13 +18,14 @@ from collections.abc import Iterator
 
 from tqdm import tqdm
 
-from splitmoe.config import EngineConfig, engine_config
+from splitmoe.config import EngineConfig
 from splitmoe.engine.client import EngineClient, RankFailure
 from splitmoe.engine.output import Detokenizer
 from splitmoe.engine.procs import LaunchedJob, check_not_bootstrapping
 from splitmoe.engine.warmup import warm_up
 from splitmoe.inputs import broadcast_params, check_request, normalize_prompts
 from splitmoe.metrics import ServingMetrics, StepRecord, summarize
+from splitmoe.options import engine_config
 from splitmoe.outputs import RequestOutput, StreamDelta
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.tokenizer import Tokenizer
@@ -35,7 +36,7 @@ __all__ = ["LLM", "LaunchedJob", "RankFailure"]
 class LLM:
     """Starts ``attention_ranks + expert_ranks`` rank processes and serves `generate` calls.
 
-    Options are those of the config dataclasses (`splitmoe.config.engine_options`: the same as
+    Options are those of the config dataclasses (`splitmoe.options.engine_options`: the same as
     the launcher's and the server's flags, each documented there); an unknown one is a
     TypeError. ``model``: an HF-format checkpoint directory (config.json + *.safetensors
     [+ tokenizer.json]), or an `EngineConfig` built already (then no options)."""

@@ -35,7 +35,7 @@ def model_dims(model: str) -> ModelDims:
     if not p.is_file() and (CONFIG_DIR / f"{model}.json").is_file():
         p = CONFIG_DIR / f"{model}.json"
     if p.is_file():
-        from splitmoe.config import ModelConfig
+        from splitmoe.models.config import ModelConfig
         from splitmoe.models.families import FAMILIES, family_for
 
         raw = json.loads(p.read_text())

@@ -40,11 +40,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from splitmoe.chat import ChatTemplate
 from splitmoe.comm.distributed import shutdown_groups
-from splitmoe.config import EngineConfig, add_engine_args, engine_args, engine_config
+from splitmoe.config import EngineConfig
 from splitmoe.engine.channel import RankChannel
 from splitmoe.engine.procs import LaunchedJob
 from splitmoe.launch import detect_env, rendezvous
 from splitmoe.models.loader import CheckpointReader
+from splitmoe.options import add_engine_args, engine_args, engine_config
 from splitmoe.runtime import available_cores, run_rank
 from splitmoe.server.app import ServerState, build_app
 from splitmoe.server.engine import AsyncEngine

@@ -21,10 +21,10 @@ import pytest
 from tiny_models import cpu_llm, prompt_ids
 
 from splitmoe import SamplingParams
-from splitmoe.config import engine_config
 from splitmoe.llm import RankFailure
 from splitmoe.memory import engine_memory
 from splitmoe.models.default_model import write_default_model
+from splitmoe.options import engine_config
 
 N_REQUESTS = 48
 MAX_TOKENS = 12

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from splitmoe.attention_nodes.compiled import CompiledPieces
 from splitmoe.attention_nodes.kv_cache import PagedKVCache
 from splitmoe.attention_nodes.mla import MlaWeights
-from splitmoe.config import ModelConfig
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.backends import AttentionBackend
 from splitmoe.kernels.linear import linear
 from splitmoe.kernels.quant import QuantizedWeight, cat_rows, held_bytes
 from splitmoe.models import routing
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.rope import rope_inv_freq, yarn_softmax_scale
 
 

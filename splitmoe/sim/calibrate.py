@@ -251,9 +251,9 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     from splitmoe.attention_nodes.kv_cache import PagedKVCache
     from splitmoe.attention_nodes.model import AttentionModel
     from splitmoe.attention_nodes.sampler import sample
-    from splitmoe.config import ModelConfig
     from splitmoe.expert_nodes.experts import LocalExperts
     from splitmoe.kernels.backends import attention_backend, moe_backend
+    from splitmoe.models.config import ModelConfig
     from splitmoe.models.loader import load_attention_weights
     from splitmoe.sampling_params import SamplingParams
     from splitmoe.sim.model import ModelShape
