@@ -32,6 +32,7 @@ from splitmoe.config import EngineConfig, ParallelConfig
 from splitmoe.eplb.placement import Placement
 from splitmoe.eplb.rebalance import ExpertBalance
 from splitmoe.expert_nodes.worker import ExpertWorker
+from splitmoe.kernels.settle import settle_cpu_kernels
 from splitmoe.memory import device_room, growth_fits
 from splitmoe.metrics import StepRecord
 from splitmoe.scheduler.micro_batches import MicroBatchChooser
@@ -376,6 +377,7 @@ def run_rank(
         )
     else:
         me.worker = ExpertWorker(topo, cfg, transport, device, balance.placement)
+    settle_cpu_kernels(cfg, me.worker, topo.describe())  # before anything is timed or served
     if balance is not None and par.balancer == "global":
         balance.calibrate(me.worker)
     me.control()

@@ -1,0 +1,94 @@
+"""A rank's kernel choices settled before it serves (`splitmoe.kernels.settle`): the classes
+it lists are the ones its model meets."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from splitmoe import SamplingParams
+from splitmoe.attention_nodes.worker import AttentionWorker
+from splitmoe.config import engine_config
+from splitmoe.expert_nodes.experts import LocalExperts
+from splitmoe.kernels.backends import moe_backend
+from splitmoe.kernels.cpu_choice import defaulted_classes, settle
+from splitmoe.kernels.settle import (
+    BUDGET_ENV,
+    DEFAULT_BUDGET_S,
+    Shapes,
+    model_trials,
+    settle_budget_s,
+    settle_cpu_kernels,
+)
+from splitmoe.scheduler.request import RequestSpec
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe"])
+def test_serving_meets_only_settled_classes(tiny_ckpt, tmp_path, monkeypatch, family):
+    """A colocated attention rank settled with no time limit then serves prompts of many
+    lengths and batches (prefill chunks, decode, a sliding window, MLA, a dense layer): no
+    call meets a class the settle step did not decide."""
+    monkeypatch.setenv("SPLITMOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(BUDGET_ENV, "none")
+    cfg = engine_config(
+        str(tiny_ckpt(family)), dtype="float32", device="cpu", max_num_seqs=6,
+        max_num_batched_tokens=48, block_size=4, max_model_len=96,
+    )  # fmt: skip
+    worker = AttentionWorker(cfg, None, torch.device("cpu"))
+    report = settle_cpu_kernels(cfg, worker)
+    assert report.left == [] and len(report.classes) > 10
+    before = set(defaulted_classes())
+    g = torch.Generator().manual_seed(0)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    rid = 0
+    for batch, prompt in [(1, 5), (6, 3), (3, 41), (2, 70)]:
+        for _ in range(batch):
+            rid += 1
+            ids = torch.randint(3, cfg.model.vocab_size, (prompt,), generator=g).tolist()
+            assert worker.add_request(RequestSpec(rid, ids, greedy, time.time())) is None
+        for step in range(300):  # (steps of one and of two micro-batches, alternately)
+            if not worker.has_work or not worker.plan():
+                break
+            worker.execute(1 + step % 2)
+    assert not worker.has_work
+    assert set(defaulted_classes()) - before == set()
+
+
+def test_an_expert_rank_meets_only_settled_classes(tiny_ckpt, tmp_path, monkeypatch):
+    """An expert rank's experts (a share of them) take tokens of every attention rank, each
+    with some of its slots elsewhere (-1): every call's class was settled."""
+    monkeypatch.setenv("SPLITMOE_CACHE_DIR", str(tmp_path))
+    cfg = engine_config(
+        str(tiny_ckpt("qwen3_moe")), dtype="float32", device="cpu", attention_ranks=2,
+        expert_ranks=2, max_num_batched_tokens=24,
+    )  # fmt: skip
+    m, cpu = cfg.model, torch.device("cpu")
+    held = list(range(0, m.num_experts, 2))
+    experts = LocalExperts(m, held, torch.float32, cpu, moe_backend("torch", cpu))
+    shapes = Shapes.of(cfg, expert_rank=True)
+    assert shapes.expert_tokens == 48 and not shapes.all_slots_local
+    assert settle(model_trials(shapes, torch.float32, None, experts)).left == []
+    before = set(defaulted_classes())
+    g = torch.Generator().manual_seed(1)
+    for tokens in (1, 2, 5, 9, 17, 30, 48):
+        ids = torch.randint(-len(held), len(held), (tokens, m.top_k), generator=g)
+        ids = ids.clamp(min=-1).to(torch.int32)  # (about half the slots elsewhere)
+        w = torch.rand(tokens, m.top_k, generator=g)
+        for layer in experts.layer_experts:
+            experts.compute(layer, torch.randn(tokens, m.hidden_size, generator=g), ids, w)
+    assert set(defaulted_classes()) - before == set()
+
+
+def test_the_budget_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(BUDGET_ENV, raising=False)
+    assert settle_budget_s() == DEFAULT_BUDGET_S
+    monkeypatch.setenv(BUDGET_ENV, "0.5")
+    assert settle_budget_s() == 0.5
+    monkeypatch.setenv(BUDGET_ENV, "none")
+    assert settle_budget_s() is None
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv(BUDGET_ENV, bad)
+        with pytest.raises(ValueError, match=BUDGET_ENV):
+            settle_budget_s()
