@@ -57,6 +57,7 @@ the shape classes (`pow2_bucket`, `half_octave_bucket`, `class_middles`) and the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -68,7 +69,7 @@ import statistics
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,44 @@ class ChoiceFile:
                 raise
         except OSError as e:
             self._warn("is unwritable", e)
+
+    def refresh(self) -> None:
+        """Forgets what was read: the next lookup reads the file again (another process may
+        have added decisions since)."""
+        self._entries = None
+
+    @contextlib.contextmanager
+    def turn(
+        self, deadline: float | None = None, timer: Callable[[], float] = time.perf_counter
+    ) -> Iterator[bool]:
+        """This machine's turn to measure: an exclusive ``flock`` on a file beside this one,
+        so that processes sharing the file (the ranks of one host) measure one after another,
+        not slowing each other's timings down, and each finds what those before it decided
+        (`refresh`). Waits until ``deadline`` (on ``timer``'s clock; None: as long as it
+        takes); yields whether it got the turn (False: the deadline came first, or no lock can
+        be made here). Closing the file, or the process ending, gives the turn back."""
+        try:
+            import fcntl
+
+            lock = self.path.with_name(self.path.name + ".lock")
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except (ImportError, OSError):
+            yield False
+            return
+        try:
+            got = False
+            while not got:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    got = True
+                except OSError:
+                    if deadline is not None and timer() >= deadline:
+                        break
+                    time.sleep(0.01)
+            yield got
+        finally:
+            os.close(fd)
 
 
 # The file every `KernelChoice` shares unless given another.
@@ -537,6 +576,18 @@ class SettleReport:
                 chosen, why = d.choice, f"{ms} ({d.source}{gone})"
             lines.append(f"{c.op:<18}{dt:<10}{shape:<40}{chosen:<12}{why}")
         return "\n".join(lines)
+
+
+def unsettled(trials: list[Trial]) -> list[Trial]:
+    """The ``trials`` with something to choose whose class has no kept decision that covers
+    their candidates (memory, then the file): what `settle` would measure."""
+    out = []
+    for trial in trials:
+        if len(trial.names) > 1:
+            got = trial.choice.decision(trial.shape, trial.dtype)
+            if got is None or not got.covers(trial.names):
+                out.append(trial)
+    return out
 
 
 def settle(

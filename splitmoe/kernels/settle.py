@@ -7,9 +7,11 @@ attention at every class of rows and keys) and settles them (`cpu_choice.settle`
 activations and the rank's own weights, within a time budget: `DEFAULT_BUDGET_S`, or
 ``$SPLITMOE_KERNEL_SETTLE_S`` (seconds; ``none`` for no limit). Classes already in the cache
 file cost a lookup, so each start measures what the last ones left, smallest calls first (the
-decode steps most of serving is made of); a class left over runs its op's default kernel, the
-reference (`KernelChoice.run`), for the life of the process, and is counted in the rank's log
-line. ``splitmoe tune-cpu`` (`splitmoe.kernels.tune`) measures them all, longer, ahead of time.
+decode steps most of serving is made of); the ranks of a host measure one after another
+(`ChoiceFile.turn`), so that their timings do not slow each other down and identical ranks
+measure once. A class left over runs its op's default kernel, the reference
+(`KernelChoice.run`), for the life of the process, and is counted in the rank's log line.
+``splitmoe tune-cpu`` (`splitmoe.kernels.tune`) measures them all, longer, ahead of time.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from splitmoe.kernels.cpu_choice import SettleReport, Trial, last_level_cache_bytes, settle
+from splitmoe.kernels.cpu_choice import (
+    DEFAULT_FILE,
+    SettleReport,
+    Trial,
+    last_level_cache_bytes,
+    settle,
+    unsettled,
+)
 from splitmoe.kernels.fused_moe import moe_trials, per_expert_linear_trials
 from splitmoe.kernels.linear import linear_trials
 from splitmoe.kernels.paged_attention import decode_attention_trials
@@ -153,9 +162,11 @@ def _decode_trials(model, shapes: Shapes, dtype: torch.dtype) -> list[Trial]:
 
 def settle_cpu_kernels(cfg, worker, who: str = "") -> SettleReport | None:
     """Settles the kernel choices of a CPU rank whose ``worker`` (an `AttentionWorker` or an
-    `ExpertWorker`) has loaded its weights (`model_trials` at `Shapes.of` ``cfg``), within
-    `settle_budget_s`, and logs what it did (``who``: the rank, for the log line). Nothing on
-    other devices (None)."""
+    `ExpertWorker`) has loaded its weights (`model_trials` at `Shapes.of` ``cfg``), done within
+    `settle_budget_s` of its call, and logs what it did (``who``: the rank, for the log line).
+    Where some class is not in the cache file, the rank measures in its turn (`ChoiceFile.turn`:
+    the ranks of a host one after another, each finding what those before it decided; the wait
+    counts in the budget). Nothing on other devices (None)."""
     if cfg.device_type != "cpu":
         return None
     # (imported here: the workers import the kernels)
@@ -163,22 +174,29 @@ def settle_cpu_kernels(cfg, worker, who: str = "") -> SettleReport | None:
     from splitmoe.expert_nodes.experts import LocalExperts
 
     t0 = time.perf_counter()
+    budget = settle_budget_s()
+    deadline = None if budget is None else t0 + budget
     attention = isinstance(worker, AttentionWorker)
     experts = worker.experts if isinstance(worker.experts, LocalExperts) else None
     shapes = Shapes.of(cfg, expert_rank=not attention)
     trials = model_trials(shapes, cfg.torch_dtype, worker.model if attention else None, experts)
-    report = settle(trials, settle_budget_s())
+    if unsettled(trials):
+        with DEFAULT_FILE.turn(deadline):
+            DEFAULT_FILE.refresh()  # (what the ranks before this one decided)
+            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            report = settle(trials, left)
+    else:
+        report = settle(trials, budget)  # (every class in the file: lookups)
     seconds = time.perf_counter() - t0
     prefix = f"{who}: " if who else ""
     if report.left:
         logger.warning(
-            "%skernel choices: %s; %.2f s with the lists. The %d left run their op's default "
-            "kernel until a later start measures them (or run `splitmoe tune-cpu`): %s",
+            "%skernel choices: %s; %.2f s in all. The %d left run their op's default kernel "
+            "until a later start measures them (or run `splitmoe tune-cpu`): %s",
             prefix, report.summary(), seconds, len(report.left),
             ", ".join(f"{c.op} {c.shape}" for c in report.left[:8])
             + (", ..." if len(report.left) > 8 else ""),
         )  # fmt: skip
     else:
-        logger.info("%skernel choices: %s; %.2f s with the lists", prefix, report.summary(),
-                    seconds)  # fmt: skip
+        logger.info("%skernel choices: %s; %.2f s in all", prefix, report.summary(), seconds)
     return report

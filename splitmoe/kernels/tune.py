@@ -113,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
             model, experts, shapes = _rank_pieces(cfg, rank)
             t0 = time.perf_counter()
             trials = model_trials(shapes, cfg.torch_dtype, model, experts)
-            report = settle(
-                trials, None, fresh=not args.keep, per_class_s=args.per_class_s,
-                max_rounds=args.max_rounds,
-            )  # fmt: skip
+            with DEFAULT_FILE.turn():  # (not while a rank of this host measures)
+                DEFAULT_FILE.refresh()
+                report = settle(
+                    trials, None, fresh=not args.keep, per_class_s=args.per_class_s,
+                    max_rounds=args.max_rounds,
+                )  # fmt: skip
             total += time.perf_counter() - t0
             rank_threads = torch.get_num_threads()
         finally:

@@ -457,3 +457,18 @@ def test_class_middles():
     assert class_middles(pairs, half_octave_bucket) == {
         4: 4, 8: 8, 12: 12, 16: 16, 24: 24, 32: 32
     }  # fmt: skip
+
+
+def test_one_process_measures_at_a_time(tmp_path):
+    """`ChoiceFile.turn`: while one holder has the machine's turn another waits, until its
+    deadline at most; once the turn is given back the next one gets it."""
+    import time
+
+    first, second = ChoiceFile(tmp_path / "c.json"), ChoiceFile(tmp_path / "c.json")
+    with first.turn() as got:
+        assert got
+        t = time.perf_counter()
+        with second.turn(t + 0.05) as waited:
+            assert not waited and time.perf_counter() - t >= 0.05
+    with second.turn(time.perf_counter() + 1.0) as got:
+        assert got

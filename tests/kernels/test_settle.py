@@ -13,7 +13,7 @@ from splitmoe.attention_nodes.worker import AttentionWorker
 from splitmoe.config import engine_config
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.kernels.backends import moe_backend
-from splitmoe.kernels.cpu_choice import defaulted_classes, settle
+from splitmoe.kernels.cpu_choice import DEFAULT_FILE, defaulted_classes, settle
 from splitmoe.kernels.settle import (
     BUDGET_ENV,
     DEFAULT_BUDGET_S,
@@ -79,6 +79,27 @@ def test_an_expert_rank_meets_only_settled_classes(tiny_ckpt, tmp_path, monkeypa
         for layer in experts.layer_experts:
             experts.compute(layer, torch.randn(tokens, m.hidden_size, generator=g), ids, w)
     assert set(defaulted_classes()) - before == set()
+
+
+def test_a_rank_is_settled_within_its_budget(tiny_ckpt, tmp_path, monkeypatch):
+    """The settle step of a rank ends within its budget, its wait for the machine's turn
+    included: with another process measuring all along, it measures nothing, and every class
+    runs its default."""
+    monkeypatch.setenv("SPLITMOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(BUDGET_ENV, "0.3")
+    cfg = engine_config(str(tiny_ckpt("qwen3_moe")), dtype="float32", device="cpu",
+                        max_num_seqs=4, max_num_batched_tokens=32)  # fmt: skip
+    worker = AttentionWorker(cfg, None, torch.device("cpu"))
+    with type(DEFAULT_FILE)(DEFAULT_FILE.path).turn() as busy:  # (another rank's turn)
+        assert busy
+        t = time.perf_counter()
+        report = settle_cpu_kernels(cfg, worker)
+        assert time.perf_counter() - t < 0.3 + 0.5  # (a loaded host's scheduling: slack)
+    assert len(report.left) == len(report.classes) > 0
+    monkeypatch.setenv(BUDGET_ENV, "1.0")  # its turn now: it measures, within 1 s
+    t = time.perf_counter()
+    report = settle_cpu_kernels(cfg, worker)
+    assert time.perf_counter() - t < 1.0 + 0.5 and len(report.left) < len(report.classes)
 
 
 def test_the_budget_comes_from_the_environment(monkeypatch):
