@@ -5,18 +5,20 @@ meet (`model_trials`: the dense projections of its layers and LM head at every r
 the step's token budget, the routed experts at every class of (token, expert) pairs, the decode
 attention at every class of rows and keys) and settles them (`cpu_choice.settle`) on made-up
 activations and the rank's own weights, within a time budget: `DEFAULT_BUDGET_S`, or
-``$SPLITMOE_KERNEL_SETTLE_S`` (seconds; ``none`` for no limit). Classes already in the cache
-file cost a lookup, so each start measures what the last ones left, smallest calls first (the
-decode steps most of serving is made of); the ranks of a host measure one after another
-(`ChoiceFile.turn`), so that their timings do not slow each other down and identical ranks
-measure once. A class left over runs its op's default kernel, the reference
-(`KernelChoice.run`), for the life of the process, and is counted in the rank's log line.
-``splitmoe tune-cpu`` (`splitmoe.kernels.tune`) measures them all, longer, ahead of time.
+``$SPLITMOE_KERNEL_SETTLE_S`` (seconds; ``none`` for no limit), and half the job's
+``timeout_s`` at most (the ranks done first wait for the others in a collective). Classes
+already in the cache file cost a lookup, so each start measures what the last ones left,
+smallest calls first (the decode steps most of serving is made of); the ranks of a host
+measure one after another (`ChoiceFile.turn`), so that their timings do not slow each other
+down and identical ranks measure once. A class left over runs its op's default kernel, the
+reference (`KernelChoice.run`), for the life of the process, and is named in the rank's log
+line. ``splitmoe tune-cpu`` (`splitmoe.kernels.tune`) measures them all, longer, ahead of time.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -163,7 +165,8 @@ def _decode_trials(model, shapes: Shapes, dtype: torch.dtype) -> list[Trial]:
 def settle_cpu_kernels(cfg, worker, who: str = "") -> SettleReport | None:
     """Settles the kernel choices of a CPU rank whose ``worker`` (an `AttentionWorker` or an
     `ExpertWorker`) has loaded its weights (`model_trials` at `Shapes.of` ``cfg``), done within
-    `settle_budget_s` of its call, and logs what it did (``who``: the rank, for the log line).
+    `settle_budget_s` of its call and half the job's ``timeout_s`` (the ranks done before it
+    wait for it in a collective), and logs what it did (``who``: the rank, for the log line).
     Where some class is not in the cache file, the rank measures in its turn (`ChoiceFile.turn`:
     the ranks of a host one after another, each finding what those before it decided; the wait
     counts in the budget). Nothing on other devices (None)."""
@@ -174,8 +177,9 @@ def settle_cpu_kernels(cfg, worker, who: str = "") -> SettleReport | None:
     from splitmoe.expert_nodes.experts import LocalExperts
 
     t0 = time.perf_counter()
-    budget = settle_budget_s()
-    deadline = None if budget is None else t0 + budget
+    # (ranks done first wait for this one in a collective: half its timeout at most)
+    budget = min(settle_budget_s() or math.inf, cfg.parallel.timeout_s / 2)
+    deadline = t0 + budget
     attention = isinstance(worker, AttentionWorker)
     experts = worker.experts if isinstance(worker.experts, LocalExperts) else None
     shapes = Shapes.of(cfg, expert_rank=not attention)
@@ -183,8 +187,7 @@ def settle_cpu_kernels(cfg, worker, who: str = "") -> SettleReport | None:
     if unsettled(trials):
         with DEFAULT_FILE.turn(deadline):
             DEFAULT_FILE.refresh()  # (what the ranks before this one decided)
-            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-            report = settle(trials, left)
+            report = settle(trials, max(0.0, deadline - time.perf_counter()))
     else:
         report = settle(trials, budget)  # (every class in the file: lookups)
     seconds = time.perf_counter() - t0

@@ -96,6 +96,15 @@ def test_a_rank_is_settled_within_its_budget(tiny_ckpt, tmp_path, monkeypatch):
         report = settle_cpu_kernels(cfg, worker)
         assert time.perf_counter() - t < 0.3 + 0.5  # (a loaded host's scheduling: slack)
     assert len(report.left) == len(report.classes) > 0
+    # however long a budget, half the job's timeout at most (the other ranks wait in a
+    # collective that would time out)
+    monkeypatch.setenv(BUDGET_ENV, "none")
+    short = engine_config(str(tiny_ckpt("qwen3_moe")), dtype="float32", device="cpu",
+                          max_num_seqs=4, max_num_batched_tokens=32, timeout_s=0.6)  # fmt: skip
+    with type(DEFAULT_FILE)(DEFAULT_FILE.path).turn():
+        t = time.perf_counter()
+        assert len(settle_cpu_kernels(short, worker).left) == len(report.classes)
+        assert time.perf_counter() - t < 0.3 + 0.5
     monkeypatch.setenv(BUDGET_ENV, "1.0")  # its turn now: it measures, within 1 s
     t = time.perf_counter()
     report = settle_cpu_kernels(cfg, worker)
