@@ -1,6 +1,6 @@
 """The ``splitmoe`` console script: ``splitmoe serve ...`` (the OpenAI-compatible server),
 ``splitmoe launch ...`` (batch generation under torchrun or mpirun) and ``splitmoe tune-cpu ...``
-(the CPU kernel choices measured ahead of time, `splitmoe.kernels.tune`)."""
+(the CPU kernel choices measured ahead of time, `splitmoe.tune_cpu`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 _COMMANDS = {
     "serve": "splitmoe.serve",
     "launch": "splitmoe.launch",
-    "tune-cpu": "splitmoe.kernels.tune",
+    "tune-cpu": "splitmoe.tune_cpu",
 }
 
 

@@ -377,7 +377,7 @@ def run_rank(
         )
     else:
         me.worker = ExpertWorker(topo, cfg, transport, device, balance.placement)
-    settle_cpu_kernels(cfg, me.worker, topo.describe())  # before anything is timed or served
+    settle_cpu_kernels(cfg, me.worker, topo)  # before anything is timed or served
     if balance is not None and par.balancer == "global":
         balance.calibrate(me.worker)
     me.control()

@@ -38,7 +38,7 @@ sources, thread count, dtype, op and shape class (`choice_key`): a later process
 machine measures nothing; a new version of a kernel is measured again. Each rank
 decides on its own. The file is written atomically (a temporary file renamed over it); a
 corrupt or unwritable file is ignored with one warning. Delete it to measure again, or run
-``splitmoe tune-cpu`` (`splitmoe.kernels.tune`), which measures every class again, longer.
+``splitmoe tune-cpu`` (`splitmoe.tune_cpu`), which measures every class again, longer.
 
 The candidates must compute the same math. In float32 they agree to rounding, not bit for bit
 (a GEMM's summation order differs between MKL's and oneDNN's kernels and between operand

@@ -12,7 +12,7 @@ smallest calls first (the decode steps most of serving is made of); the ranks of
 measure one after another (`ChoiceFile.turn`), so that their timings do not slow each other
 down and identical ranks measure once. A class left over runs its op's default kernel, the
 reference (`KernelChoice.run`), for the life of the process, and is named in the rank's log
-line. ``splitmoe tune-cpu`` (`splitmoe.kernels.tune`) measures them all, longer, ahead of time.
+line. ``splitmoe tune-cpu`` (`splitmoe.tune_cpu`) measures them all, longer, ahead of time.
 """
 
 from __future__ import annotations
@@ -162,28 +162,27 @@ def _decode_trials(model, shapes: Shapes, dtype: torch.dtype) -> list[Trial]:
     return trials
 
 
-def settle_cpu_kernels(cfg, worker, who: str = "") -> SettleReport | None:
-    """Settles the kernel choices of a CPU rank whose ``worker`` (an `AttentionWorker` or an
-    `ExpertWorker`) has loaded its weights (`model_trials` at `Shapes.of` ``cfg``), done within
-    `settle_budget_s` of its call and half the job's ``timeout_s`` (the ranks done before it
-    wait for it in a collective), and logs what it did (``who``: the rank, for the log line).
-    Where some class is not in the cache file, the rank measures in its turn (`ChoiceFile.turn`:
-    the ranks of a host one after another, each finding what those before it decided; the wait
-    counts in the budget). Nothing on other devices (None)."""
+def settle_cpu_kernels(cfg, worker, topo) -> SettleReport | None:
+    """Settles the kernel choices of a CPU rank whose ``worker`` has loaded its weights
+    (`model_trials` at `Shapes.of` ``cfg``: an attention rank's ``worker.model``, and its
+    ``worker.experts`` where ``topo`` is colocated; an expert rank's ``worker.experts``), done
+    within `settle_budget_s` of its call and half the job's ``timeout_s`` (the ranks done
+    before it wait for it in a collective), and logs what it did. Where some class is not in
+    the cache file, the rank measures in its turn (`ChoiceFile.turn`: the ranks of a host one
+    after another, each finding what those before it decided; the wait counts in the budget).
+    Nothing on other devices (None). ``cfg``: the `EngineConfig`; ``topo``: the `Topology`."""
     if cfg.device_type != "cpu":
         return None
-    # (imported here: the workers import the kernels)
-    from splitmoe.attention_nodes.worker import AttentionWorker
-    from splitmoe.expert_nodes.experts import LocalExperts
-
     t0 = time.perf_counter()
+    asked = settle_budget_s()
     # (ranks done first wait for this one in a collective: half its timeout at most)
-    budget = min(settle_budget_s() or math.inf, cfg.parallel.timeout_s / 2)
+    budget = min(math.inf if asked is None else asked, cfg.parallel.timeout_s / 2)
     deadline = t0 + budget
-    attention = isinstance(worker, AttentionWorker)
-    experts = worker.experts if isinstance(worker.experts, LocalExperts) else None
+    attention = topo.is_attention
+    model = worker.model if attention else None
+    experts = worker.experts if topo.colocated or not attention else None
     shapes = Shapes.of(cfg, expert_rank=not attention)
-    trials = model_trials(shapes, cfg.torch_dtype, worker.model if attention else None, experts)
+    trials = model_trials(shapes, cfg.torch_dtype, model, experts)
     if unsettled(trials):
         with DEFAULT_FILE.turn(deadline):
             DEFAULT_FILE.refresh()  # (what the ranks before this one decided)
@@ -191,7 +190,7 @@ def settle_cpu_kernels(cfg, worker, who: str = "") -> SettleReport | None:
     else:
         report = settle(trials, budget)  # (every class in the file: lookups)
     seconds = time.perf_counter() - t0
-    prefix = f"{who}: " if who else ""
+    prefix = f"{topo.describe()}: "
     if report.left:
         logger.warning(
             "%skernel choices: %s; %.2f s in all. The %d left run their op's default kernel "

@@ -11,6 +11,7 @@ import torch
 
 from splitmoe import SamplingParams
 from splitmoe.attention_nodes.worker import AttentionWorker
+from splitmoe.comm.topology import Topology
 from splitmoe.config import engine_config
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.kernels.backends import moe_backend
@@ -26,6 +27,10 @@ from splitmoe.kernels.settle import (
 from splitmoe.scheduler.request import RequestSpec
 
 
+def _rank0(cfg) -> Topology:
+    return Topology.build(0, cfg.parallel, cfg.model.num_experts)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe"])
 def test_serving_meets_only_settled_classes(tiny_ckpt, tmp_path, monkeypatch, family):
     """A colocated attention rank settled with no time limit then serves prompts of many
@@ -38,7 +43,7 @@ def test_serving_meets_only_settled_classes(tiny_ckpt, tmp_path, monkeypatch, fa
         max_num_batched_tokens=48, block_size=4, max_model_len=96,
     )  # fmt: skip
     worker = AttentionWorker(cfg, None, torch.device("cpu"))
-    report = settle_cpu_kernels(cfg, worker)
+    report = settle_cpu_kernels(cfg, worker, _rank0(cfg))
     assert report.left == [] and len(report.classes) > 10
     before = set(defaulted_classes())
     g = torch.Generator().manual_seed(0)
@@ -97,7 +102,7 @@ def test_a_rank_is_settled_within_its_budget(tiny_ckpt, tmp_path, monkeypatch):
     with type(DEFAULT_FILE)(DEFAULT_FILE.path).turn() as busy:  # (another rank's turn)
         assert busy
         t = time.perf_counter()
-        report = settle_cpu_kernels(cfg, worker)
+        report = settle_cpu_kernels(cfg, worker, _rank0(cfg))
         assert time.perf_counter() - t < 0.3 + 0.5  # (a loaded host's scheduling: slack)
         assert len(report.left) == todo
         # however long a budget, half the job's timeout at most (the other ranks wait in a
@@ -105,11 +110,11 @@ def test_a_rank_is_settled_within_its_budget(tiny_ckpt, tmp_path, monkeypatch):
         monkeypatch.setenv(BUDGET_ENV, "none")
         short = replace(cfg, parallel=replace(cfg.parallel, timeout_s=0.6))
         t = time.perf_counter()
-        assert len(settle_cpu_kernels(short, worker).left) == todo
+        assert len(settle_cpu_kernels(short, worker, _rank0(short)).left) == todo
         assert time.perf_counter() - t < 0.3 + 0.5
     monkeypatch.setenv(BUDGET_ENV, "1.0")  # its turn now: it measures, within 1 s
     t = time.perf_counter()
-    report = settle_cpu_kernels(cfg, worker)
+    report = settle_cpu_kernels(cfg, worker, _rank0(cfg))
     assert time.perf_counter() - t < 1.0 + 0.5 and len(report.left) < todo
 
 

@@ -1,4 +1,4 @@
-"""``splitmoe tune-cpu`` (`splitmoe.kernels.tune`): every CPU kernel class of a job, measured
+"""``splitmoe tune-cpu`` (`splitmoe.tune_cpu`): every CPU kernel class of a job, measured
 ahead of time and written to the cache file."""
 
 from __future__ import annotations

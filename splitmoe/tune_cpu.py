@@ -20,16 +20,22 @@ import time
 
 import torch
 
+from splitmoe.attention_nodes.model import AttentionModel
+from splitmoe.comm.topology import Topology
 from splitmoe.config import EngineConfig, add_engine_args, engine_args, engine_config
+from splitmoe.eplb.placement import Placement
+from splitmoe.expert_nodes.experts import LocalExperts
+from splitmoe.kernels.backends import attention_backend, moe_backend
 from splitmoe.kernels.cpu_choice import DEFAULT_FILE, settle
 from splitmoe.kernels.settle import Shapes, model_trials
+from splitmoe.models.default_model import resolve_model
+from splitmoe.models.loader import load_attention_weights
+from splitmoe.runtime import keep_freed_memory, rank_openmp_env, set_threads
 
 
 def rank_kinds(cfg: EngineConfig) -> list[int]:
     """One rank of each kind whose kernel classes differ: attention rank 0, and the first
     expert rank of each distinct count of slots per layer (`Placement.initial`)."""
-    from splitmoe.eplb.placement import Placement
-
     par, m = cfg.parallel, cfg.model
     ranks = [0]
     if par.expert_ranks:
@@ -47,12 +53,6 @@ def rank_kinds(cfg: EngineConfig) -> list[int]:
 def _rank_pieces(cfg: EngineConfig, rank: int):
     """``(model, experts, shapes)`` of rank ``rank``: its `AttentionModel` (attention ranks) and
     `LocalExperts` (expert ranks, and colocated attention ranks), as the rank loads them."""
-    from splitmoe.attention_nodes.model import AttentionModel
-    from splitmoe.eplb.placement import Placement
-    from splitmoe.expert_nodes.experts import LocalExperts
-    from splitmoe.kernels.backends import attention_backend, moe_backend
-    from splitmoe.models.loader import load_attention_weights
-
     par, m, dtype, cpu = cfg.parallel, cfg.model, cfg.torch_dtype, torch.device("cpu")
     model = experts = None
     if rank < par.attention_ranks:
@@ -88,20 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_engine_args(ap, exclude=("device",))
     args = ap.parse_args(argv)
-    from splitmoe.models.default_model import resolve_model
-    from splitmoe.runtime import keep_freed_memory, rank_openmp_env, set_threads
-
     cfg = engine_config(resolve_model(args.model), device="cpu", **engine_args(args))
     # (OpenMP reads its environment when it loads: a rank's is set before it starts, so this
     # process starts again with it)
     omp = rank_openmp_env(cfg, cfg.parallel.world_size)
     if any(os.environ.get(k) != v for k, v in omp.items()):
         again = sys.argv[1:] if argv is None else argv
-        cmd = [sys.executable, "-m", "splitmoe.kernels.tune", *again]
+        cmd = [sys.executable, "-m", "splitmoe.tune_cpu", *again]
         return subprocess.run(cmd, env={**os.environ, **omp}).returncode
     keep_freed_memory()  # (as a rank: freed temporaries are reused, not faulted in again)
-    from splitmoe.comm.topology import Topology
-
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     threads = torch.get_num_threads()
     print(f"cpu kernel choices for {cfg.model.path} ({cfg.torch_dtype}), file {DEFAULT_FILE.path}")
