@@ -407,7 +407,8 @@ class KernelChoice:
         (default `max_rounds`); the lowest median time wins. Only calls that kept their cores
         count as timings (see the module doc). ``deadline`` (on `timer`'s clock): past it
         the class is decided on what it has if each candidate has `rounds` timings, else it
-        is left undecided (None: its calls run the default)."""
+        is left undecided (None: its calls run the default); so it is as soon as the calls so
+        far tell that those timings would end past it, leaving the time to cheaper classes."""
         variants = [variants] if isinstance(variants, Mapping) else list(variants)
         names = list(variants[0])
         mem_key = (shape, dtype, torch.get_num_threads())
@@ -421,14 +422,16 @@ class KernelChoice:
         def late() -> bool:
             return deadline is not None and self.timer() >= deadline
 
-        outputs, errors = {}, {}
+        outputs, errors, first = {}, {}, {}
         for name in names:
             if late():
                 return None
+            t = self.timer()
             try:
                 outputs[name] = variants[0][name]()
             except Exception as e:  # (e.g. oneDNN without a kernel for the dtype on this CPU)
                 errors[name] = e
+            first[name] = self.timer() - t
         if not outputs:  # (every kernel refuses the call: the caller's problem, not theirs)
             raise next(iter(errors.values()))
         for name, e in errors.items():
@@ -447,6 +450,14 @@ class KernelChoice:
         def clean(n: str) -> list[float]:  # a candidate's times of calls that kept their cores
             return [s for s, ok in times[n] if ok]
 
+        def hopeless() -> bool:  # `rounds` timings of each cannot be had before the deadline
+            need = 0.0
+            for n in times:
+                short = self.rounds - len(clean(n))
+                if short > 0:
+                    need += short * statistics.median([s for s, _ in times[n]] or [first[n]])
+            return self.timer() + need > deadline
+
         calls = 0
         while True:
             rounds = min(len(clean(n)) for n in times)
@@ -459,6 +470,8 @@ class KernelChoice:
                 if rounds >= self.rounds:
                     break  # (decided on the timings it has)
                 return None
+            if deadline is not None and rounds < self.rounds and hopeless():
+                return None  # (its time goes to the next classes: a later start decides it)
             # the candidate with the fewest clean timings (and that has not used up its calls)
             open_ = [n for n in times if len(times[n]) < max_rounds] or list(times)
             name = min(open_, key=lambda n: (len(clean(n)), len(times[n])))

@@ -472,3 +472,27 @@ def test_one_process_measures_at_a_time(tmp_path):
             assert not waited and time.perf_counter() - t >= 0.05
     with second.turn(time.perf_counter() + 1.0) as got:
         assert got
+
+
+def test_a_class_too_slow_for_the_budget_leaves_it_to_the_next(tmp_path):
+    """A class whose timings would end past the deadline gives up as soon as its calls tell,
+    and the classes after it get the time (a slow class does not stall every start)."""
+    clock = FakeClock({"ref": 0.0, "fast": 0.0})
+    choice = _chooser(tmp_path, clock)
+
+    def build(scale):
+        def call(cost):
+            def run():
+                clock.now += cost * scale
+                clock.cpu_s += cost * scale * torch.get_num_threads()
+                return torch.ones(3)
+
+            return run
+
+        return lambda: [{"ref": call(3e-3), "fast": call(1e-3)}]
+
+    slow = Trial(choice, (1,), torch.float32, ("ref", "fast"), build(100.0), 1)
+    cheap = [Trial(choice, (n,), torch.float32, ("ref", "fast"), build(1.0), n) for n in (2, 4)]
+    report = settle([slow, *cheap], 1.0, timer=clock)
+    assert [c.shape for c in report.left] == [(1,)]  # (0.4 s of warm-up, then it gave up)
+    assert report.count("timed") == 2 and report.seconds < 0.45
