@@ -14,9 +14,9 @@ def test_first_request_equals_the_hundredth_without_a_kernel_cache(
     tiny_ckpt, tmp_path, monkeypatch, expert_ranks
 ):
     """On a machine with no cache file of kernel choices (an empty `SPLITMOE_CACHE_DIR`), a
-    request run 100 times gives the same token ids and the same logprobs, to the bit, each time:
-    while candidates were timed on the first requests, float32 outputs moved by ~1e-6 with the
-    kernel on trial."""
+    request run 100 times gives the same token ids and the same logprobs, to the bit, each time
+    (when candidates were timed on the first requests, the second one's first logprob differed
+    from the first's in the seventh digit: the candidates round apart in float32)."""
     monkeypatch.setenv("SPLITMOE_CACHE_DIR", str(tmp_path / "empty"))
     ckpt = tiny_ckpt("qwen3_moe")
     prompt = prompt_ids(11, seed=5)

@@ -37,10 +37,10 @@ def test_serving_meets_only_settled_classes(tiny_ckpt, tmp_path, monkeypatch, fa
     lengths and batches (prefill chunks, decode, a sliding window, MLA, a dense layer): no
     call meets a class the settle step did not decide."""
     monkeypatch.setenv("SPLITMOE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv(BUDGET_ENV, "none")
+    monkeypatch.setenv(BUDGET_ENV, "none")  # (and timeout_s: no cap however loaded the host)
     cfg = engine_config(
         str(tiny_ckpt(family)), dtype="float32", device="cpu", max_num_seqs=6,
-        max_num_batched_tokens=48, block_size=4, max_model_len=96,
+        max_num_batched_tokens=48, block_size=4, max_model_len=96, timeout_s=600,
     )  # fmt: skip
     worker = AttentionWorker(cfg, None, torch.device("cpu"))
     report = settle_cpu_kernels(cfg, worker, _rank0(cfg))
