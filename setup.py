@@ -25,12 +25,15 @@ setup(
         "matplotlib",
         "pydantic>=2.7",
         "xgrammar>=0.1.25",  # structured output (response_format, SamplingParams.json_schema)
+        "msgspec>=0.18",  # the engine's typed messages (splitmoe.engine.protocol)
+        "pyzmq>=25",  # the engine's control plane (splitmoe.engine.transport)
         "tiktoken>=0.7",  # tokenizers released as tiktoken files (Kimi-K2)
     ],
     entry_points={"console_scripts": ["splitmoe=splitmoe.cli:main"]},
     extras_require={
         "test": [
             "pytest>=7",
+            "pytest-xdist>=3",
             "transformers>=4.51",
             "triton>=3.0",
             "ruff",

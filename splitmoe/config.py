@@ -482,6 +482,12 @@ class EngineConfig:
         "graphs; False: both where the device has them (graphs on CUDA only); default: "
         "decided per device (see docs/kernels.md)",
     )
+    kernel_settle_s: float | None = option(
+        5.0,
+        "seconds a CPU rank spends at most at start-up measuring its kernel choices (half "
+        "timeout_s at most; what is left runs the reference kernel until a later start or "
+        "`splitmoe tune-cpu` measures it)",
+    )
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -497,6 +503,9 @@ class EngineConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be an integer >= 0")
+        settle = self.kernel_settle_s
+        if settle is not None and (isinstance(settle, bool) or not settle >= 0):
+            raise ValueError(f"kernel_settle_s={settle!r} must be None or seconds >= 0")
         for name in ("attention_backend", "moe_backend"):
             value = getattr(self, name)
             if value == "cpu":

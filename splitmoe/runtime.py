@@ -27,6 +27,7 @@ from splitmoe.host import (  # noqa: F401 (the host helpers' older home)
     rank_openmp_env,
     set_threads,
 )
+from splitmoe.kernels.settle import settle_cpu_kernels
 
 logger = logging.getLogger("splitmoe")
 
@@ -80,6 +81,7 @@ def run_rank(
         )
     else:
         me.worker = ExpertWorker(topo, cfg, transport, device, balance.placement)
+    settle_cpu_kernels(cfg, me.worker, topo)  # before anything is timed or served
     if balance is not None and par.balancer == "global":
         balance.calibrate(me.worker)
     me.control()

@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="answer /health as soon as the ranks are up, without first running made-up "
         "requests at every batch size and prompt chunk (`LLM.warm_up`): the first clients' "
-        "steps then settle the kernel choices that a fresh machine measures",
+        "steps then pay for each shape's first call",
     )
     ap.add_argument("-v", "--verbose", action="store_true")
     add_engine_args(ap)

@@ -11,9 +11,10 @@ from splitmoe.sampling_params import SamplingParams
 
 def warm_up(llm, decode_steps: int = 16, prefill_repeats: int = 3) -> dict:
     """Runs made-up requests through the engine at the shapes serving will meet, so that
-    what is settled by measurement on the first calls of a shape class (on CPU the kernel
-    choices of `splitmoe.kernels.cpu_choice`, which time every candidate in place) is
-    settled now rather than in the first clients' steps. Like vLLM's start-up warm-up.
+    what a shape's first call pays for (oneDNN building its kernel for a row count, CUDA
+    graphs, allocator growth) is paid now rather than in the first clients' steps. Like vLLM's
+    start-up warm-up. (Kernel choices are settled before a rank reports ready, never here:
+    `splitmoe.kernels.settle`.)
 
     Each attention rank decodes ``b`` requests for ``decode_steps`` steps at every power
     of two ``b`` up to ``max_num_seqs`` and at three quarters of each (the MoE layouts'

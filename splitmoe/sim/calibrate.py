@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from splitmoe.kernels.cpu_choice import classes_on_trial, half_octave_bucket, pow2_bucket
+from splitmoe.kernels.cpu_choice import half_octave_bucket, pow2_bucket, settle
 from splitmoe.sim.hardware import CURVES, HardwareProfile, Overheads
 
 ROOFLINE_CPU = HardwareProfile(
@@ -39,10 +39,6 @@ ROOFLINE_CPU = HardwareProfile(
     weight_bytes=4,
     cores=float(os.cpu_count() or 1),
 )
-
-
-# calls of a timed function at most before its kernel choices must have settled
-SETTLE_CALLS = 300
 
 
 # The runtime's CPU kernel choices hold per size class (`pow2_bucket` of rows for the
@@ -85,20 +81,10 @@ def expert_timed_tokens(top_k: int) -> tuple[int, ...]:
     return tuple(sorted(set(expert_grid_tokens(top_k) + EXPERT_PREFILL_TOKENS)))
 
 
-def _settle(fn) -> None:
-    """Calls ``fn`` until the CPU kernel choices its shapes meet have settled
-    (`classes_on_trial`; at most `SETTLE_CALLS`): while a class is on trial its calls run the
-    other candidates too, and the runtime runs only the kept one."""
-    fn()
-    for _ in range(SETTLE_CALLS):
-        if not classes_on_trial():
-            break
-        fn()
-
-
 def _median_time(fn, repeats: int = 7, inner: int = 1) -> float:
-    """Median seconds of ``fn`` over ``repeats`` (of ``inner`` calls each), once settled."""
-    _settle(fn)
+    """Median seconds of ``fn`` over ``repeats`` (of ``inner`` calls each), after one untimed
+    call."""
+    fn()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -117,9 +103,10 @@ def _interleaved_medians(points: dict, rounds: int = 9) -> dict:
     called twice and the second call kept: the first call after another size's pays for what
     that one left in the caches (the experts of 1 token a layer, AVX-512 EPYC: 0.51 ms first,
     0.44 second and in a forward of decode steps), where an engine's steps of one size follow
-    each other."""
+    each other. (The CPU kernel choices of the points' shapes are settled before, as a rank
+    settles them before serving: `measure_components`.)"""
     for fn in points.values():
-        _settle(fn)
+        fn()  # (one-off costs: allocations, oneDNN building its kernels)
     times: dict = {key: [] for key in points}
     for _ in range(rounds):
         for key, fn in points.items():
@@ -338,11 +325,19 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     batches = ATTENTION_GRID_SEQS
     grid_tokens = expert_grid_tokens(k)
     pre_b = [1, 4, 8]
+    moe_tokens = expert_timed_tokens(k)
+    # the runtime's kernel choices for every shape timed here, settled first as a rank settles
+    # them before serving (no time limit): what runs below is what a rank would run
+    from splitmoe.kernels.settle import Shapes, model_trials
+
+    most = max(max(batches), 16 * max(pre_b))  # rows of a step: decode rows, prompt chunks
+    shapes = Shapes(seqs=max(batches), tokens=most, context=context, block_size=16,
+                    expert_tokens=max(moe_tokens))  # fmt: skip
+    settle(model_trials(shapes, torch.float32, model, experts))
     points = {("decode", b): attn_point(b, context, 1) for b in batches}
     points.update({("prefill", b): attn_point(b, 16, 16) for b in pre_b})
     points.update({("head", b): head_point(b) for b in batches})
     active = {}
-    moe_tokens = expert_timed_tokens(k)
     for tokens in moe_tokens:
         points["moe", tokens], active[tokens] = moe_point(tokens)
     with torch.inference_mode():
