@@ -32,6 +32,8 @@ from splitmoe.tokenizer import Tokenizer
 
 __all__ = ["LLM", "LaunchedJob", "RankFailure"]
 
+RankFailure.__module__ = __name__  # (its public home: tracebacks and pickles name it so)
+
 
 class LLM:
     """Starts ``attention_ranks + expert_ranks`` rank processes and serves `generate` calls.
