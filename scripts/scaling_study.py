@@ -77,8 +77,8 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from splitmoe import LLM, SamplingParams  # noqa: E402
-from splitmoe.config import ModelConfig  # noqa: E402
 from splitmoe.metrics import summarize  # noqa: E402
+from splitmoe.models.config import ModelConfig  # noqa: E402
 from splitmoe.models.default_model import default_model_path, realistic_model_path  # noqa: E402
 from splitmoe.sim.calibrate import CALIBRATION_DTYPE, decode_step_time  # noqa: E402
 

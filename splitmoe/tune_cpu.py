@@ -22,7 +22,7 @@ import torch
 
 from splitmoe.attention_nodes.model import AttentionModel
 from splitmoe.comm.topology import Topology
-from splitmoe.config import EngineConfig, add_engine_args, engine_args, engine_config
+from splitmoe.config import EngineConfig
 from splitmoe.eplb.placement import Placement
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.kernels.backends import attention_backend, moe_backend
@@ -30,6 +30,7 @@ from splitmoe.kernels.cpu_choice import DEFAULT_FILE, settle
 from splitmoe.kernels.settle import Shapes, model_trials
 from splitmoe.models.default_model import resolve_model
 from splitmoe.models.loader import load_attention_weights
+from splitmoe.options import add_engine_args, engine_args, engine_config
 from splitmoe.runtime import keep_freed_memory, rank_openmp_env, set_threads
 
 

@@ -9,9 +9,9 @@ import torch
 
 from splitmoe.attention_nodes.worker import AttentionWorker
 from splitmoe.cli import main as cli_main
-from splitmoe.config import engine_config
 from splitmoe.kernels.cpu_choice import CACHE_FILE_NAME
 from splitmoe.kernels.settle import Shapes, model_trials
+from splitmoe.options import engine_config
 
 
 def test_tune_cpu_writes_the_file(tiny_ckpt, tmp_path, monkeypatch, capsys):

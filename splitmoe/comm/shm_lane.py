@@ -14,16 +14,12 @@ import mmap
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from splitmoe.comm.shm_ring import HEADER, Ring
-from splitmoe.comm.shm_wait import check_wait, futex_wake
-
-if TYPE_CHECKING:
-    from splitmoe.comm.shm import ShmHub
+from splitmoe.comm.shm_wait import HubView, check_wait, futex_wake
 
 SHM_DIR = "/dev/shm"
 
@@ -42,7 +38,7 @@ class ShmLane:
     """The collectives of one group over shared memory (see the module doc): the same calls,
     arguments and results as ``torch.distributed`` on that group, for CPU tensors."""
 
-    def __init__(self, hub: ShmHub, lane_id: int, ranks: list[int], capacity: int, spin_s: float):
+    def __init__(self, hub: HubView, lane_id: int, ranks: list[int], capacity: int, spin_s: float):
         self.hub = hub
         self.spin_s = spin_s  # (see `ShmHub.lane`)
         self.ranks = ranks

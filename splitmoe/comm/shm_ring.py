@@ -10,14 +10,10 @@ its staging first (the progress rule: what `Ring.drain_into` moved there while i
 from __future__ import annotations
 
 import mmap
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from splitmoe.comm.shm_wait import SPIN, Waiter, futex_wake, low32
-
-if TYPE_CHECKING:
-    from splitmoe.comm.shm_lane import ShmLane
+from splitmoe.comm.shm_wait import SPIN, LaneView, Waiter, futex_wake, low32
 
 HEADER = 128  # write position at +0, read position at +64, "attached" flag at +96
 
@@ -58,7 +54,7 @@ class Ring:
             self.pos[13] = 0
             futex_wake(self.rpos_addr)
 
-    def write(self, src: np.ndarray, lane: ShmLane, rank: int) -> None:
+    def write(self, src: np.ndarray, lane: LaneView, rank: int) -> None:
         """Appends the bytes of ``src`` (uint8, 1-D) to the ring (the source's side; numpy
         views: a slice assignment costs a fraction of a torch ``copy_`` on small messages)."""
         cap, total, done = self.capacity, src.size, 0
@@ -86,7 +82,7 @@ class Ring:
             done += n
             waiter = None  # the peer made room: the timeout counts from now
 
-    def read(self, out: np.ndarray, staged: bytearray, lane: ShmLane, rank: int) -> None:
+    def read(self, out: np.ndarray, staged: bytearray, lane: LaneView, rank: int) -> None:
         """Fills ``out`` (uint8, 1-D) with the next bytes (the owner's side): first those in
         ``staged``, then the ring's."""
         cap, total, done = self.capacity, out.size, 0

@@ -12,11 +12,30 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from splitmoe.comm.shm import ShmHub
-    from splitmoe.comm.shm_lane import ShmLane
+
+class HubView(Protocol):
+    """What a wait reads of its host's shared-memory hub (`shm.ShmHub`): a protocol, so that
+    this module, below the hub's, imports nothing of it."""
+
+    rank: int
+    pids: list[int]
+    timeout_s: float
+    watch_all: bool
+
+    def check_peers(self, where: str) -> None: ...
+
+    def progress(self) -> None: ...
+
+
+class LaneView(Protocol):
+    """What a wait reads of its lane (`shm_lane.ShmLane`)."""
+
+    hub: HubView
+    spin_s: float
+    name: str
+
 
 SPIN = 64  # polls (~20 us) before a waiting rank goes to sleep on a futex
 SLEEP_S = (0.001, 0.01)  # futex sleeps: the first 10 ms of a wait, then
@@ -62,7 +81,7 @@ def process_alive(pid: int) -> bool:
     return state not in ("Z", "X", "x")
 
 
-def check_wait(hub: ShmHub, rank: int, deadline: float, what: str, lane: str) -> None:
+def check_wait(hub: HubView, rank: int, deadline: float, what: str, lane: str) -> None:
     """Raises RuntimeError if rank ``rank`` (or, with the hub's ``watch_all``, any rank of this
     host) has exited, TimeoutError if ``deadline`` (`time.monotonic`) has passed. ``what``: what
     this rank waits for the rank to do; ``lane``: the lane's name."""
@@ -91,7 +110,7 @@ class Waiter:
 
     __slots__ = ("lane", "rank", "what", "polls", "start", "next_check")
 
-    def __init__(self, lane: ShmLane, rank: int, what: str):
+    def __init__(self, lane: LaneView, rank: int, what: str):
         self.lane, self.rank, self.what = lane, rank, what
         self.polls = 0
         self.start = 0.0

@@ -12,7 +12,6 @@ import torch
 from splitmoe import SamplingParams
 from splitmoe.attention_nodes.worker import AttentionWorker
 from splitmoe.comm.topology import Topology
-from splitmoe.config import engine_config
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.kernels.backends import moe_backend
 from splitmoe.kernels.cpu_choice import DEFAULT_FILE, defaulted_classes, settle, unsettled
@@ -21,6 +20,7 @@ from splitmoe.kernels.settle import (
     model_trials,
     settle_cpu_kernels,
 )
+from splitmoe.options import engine_config
 from splitmoe.scheduler.request import RequestSpec
 
 
