@@ -116,6 +116,10 @@ class RankEvicted(RuntimeError):
     exit rather than rejoin; the survivors already go on without it."""
 
 
+# How long a survivor waits for the others' check-ins after its own, in timeouts
+WINDOW = 1.5
+
+
 def agree_membership(
     store: dist.Store,
     epoch: int,
@@ -130,22 +134,25 @@ def agree_membership(
 
     Every survivor checks in under recovery ``epoch``'s prefix with the ranks it saw exit
     (``gone``), then waits until every rank that no survivor saw exit has checked in, or until
-    ``timeout_s`` has passed since its own check-in: a rank silent that long (exited, stopped,
-    hung, or on a host gone quiet) is left out. Then it proposes the ranks that checked in,
-    less those any of them saw exit, with one compare-and-set of the membership key: the first
-    proposal stands, and every survivor adopts the stored one (a survivor still waiting adopts
-    it as soon as it appears). No rank leads, so no rank's silence (rank 0's included) can
-    stall the others; the store is a single server, so the compare-and-set has one winner.
+    `WINDOW` times ``timeout_s`` has passed since its own check-in: a rank silent that long
+    (exited, stopped, hung, or on a host gone quiet) is left out. Then it proposes the ranks
+    that checked in, less those any of them saw exit, with one compare-and-set of the membership
+    key: the first proposal stands, and every survivor adopts the stored one (a survivor still
+    waiting adopts it as soon as it appears). No rank leads, so no rank's silence (rank 0's
+    included) can stall the others; the store is a single server, so the compare-and-set has one
+    winner.
 
-    The window is the same bound the survivors' own detection has: each leaves its step within
-    ``timeout_s`` of its last progress, and after a failure every survivor stops progressing
-    within a layer of the others, so they all check in within ``timeout_s`` of the first one.
-    A rank that checks in after the membership was set (a frozen one woken late) finds itself
-    left out and raises `RankEvicted`."""
+    The window covers the survivors' own detection: each leaves its step within ``timeout_s`` of
+    its last progress, but a survivor blocked in a send over gloo counts from the send's start,
+    which came before the failure, while a peer on the lost rank's host sees its process exit at
+    once: the last survivors check in up to about ``timeout_s`` after the first, and the window
+    (1.5 ``timeout_s``) leaves them a margin (with exactly ``timeout_s`` a survivor was left out
+    now and then, over gloo). A rank that checks in after the membership was set (a frozen one
+    woken late) finds itself left out and raises `RankEvicted`."""
     prefix = f"splitmoe-membership-{epoch}/"
     key = f"{prefix}members"
     store.set(f"{prefix}here/{rank}", ",".join(map(str, gone)))
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + WINDOW * timeout_s
     seen: dict[int, set[int]] = {}
     while not store.check([key]):
         for r in range(world_size):

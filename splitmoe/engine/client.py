@@ -64,7 +64,7 @@ class RankFailure(RuntimeError):
 
 def recovery_bound_s(timeout_s: float) -> float:
     """How long a fault-tolerant job's survivors may take to go on without a lost rank: up to
-    ``timeout_s`` to notice one that stopped answering, up to another to agree without it
+    ``timeout_s`` to notice one that stopped answering, up to 1.5 more to agree without it
     (`agree_membership`), then rebuild, read weights and replay; past it the front end gives
     up on them."""
     return 3 * timeout_s + 10
