@@ -27,8 +27,8 @@ class FlatTransport(Transport):
         self._attention_ranks = list(range(topo.num_attention))
         # Where the lanes are shared memory, the partial sums go from expert to attention ranks
         # as frames straight on the rings (`send_back`, `combine`), without the general
-        # collective's bookkeeping (~25 us a layer and micro-batch on the attention rank, ~10 on
-        # the expert rank, paid twice as often with two micro-batches).
+        # collective's bookkeeping (tens of microseconds a layer on either side, paid once per
+        # micro-batch).
         self._frames: ShmLane | None = None
         lanes = (self.lanes["dispatch"], self.lanes["combine"])
         if self.device.type == "cpu" and all(isinstance(lane, ShmLane) for lane in lanes):

@@ -1,10 +1,11 @@
 """Collectives over shared memory, for the ranks of a group that share one host.
 
-Over loopback TCP, gloo takes ~200 us per ``all_to_all_single`` even for a few bytes (2-core
-x86 host, torch 2.13), about ten times the cost of the data it moves at decode batch sizes, and
-every MoE layer needs two to three of them per micro-batch. Ranks on one host can instead write
-into each other's memory, which is what NVLink buffers are to GPU ranks (DeepEP's intra-node
-kernels work the same way): a round trip through shared memory costs ~13 us here.
+Over loopback TCP, gloo pays a fixed cost of the order of a hundred microseconds per
+``all_to_all_single`` even for a few bytes, many times the cost of the data it moves at decode
+batch sizes, and every MoE layer needs two to three of them per micro-batch. Ranks on one host
+can instead write into each other's memory, which is what NVLink buffers are to GPU ranks
+(DeepEP's intra-node kernels work the same way): a round trip through shared memory costs about
+a tenth of gloo's, as it crosses no socket.
 
 Layout: a group (a *lane*, `ShmLane`) gives each member an inbox, a file in ``/dev/shm`` holding
 one single-producer single-consumer byte ring per source member. A ring has a monotonic write
@@ -19,15 +20,15 @@ Sends never wait for the receiver unless its ring is full, so `all_to_all_single
 ``async_op=True`` (sends only) returns once the bytes are copied. A rank that must wait (ring
 full, or data not there yet) moves whatever has arrived in all its rings into private staging
 buffers while it waits, so two ranks sending each other more than a ring holds cannot deadlock
-(the progress rule of MPI implementations). Waiting spins ~20 us, then sleeps on a futex on
+(the progress rule of MPI implementations). Waiting spins briefly, then sleeps on a futex on
 the position the peer will move (a send always wakes its ring's futex; a reader wakes a writer
-that sleeps on a full ring), so a waiting rank leaves its core to the ranks doing the work: on
-this 2-core VM, with ranks sharing cores, a spinning waiter slowed the expert rank's compute by
-~1.3x. A rank that has cores of its own (the runtime pinned it: ``spin_s``, `OWN_CORE_SPIN_S`)
-keeps polling for up to ``spin_s`` before it sleeps, as MPI's busy polling does: waking a
-sleeping process costs on the order of 100 us in this VM, twice per layer when attention and
-experts take turns. A peer whose process has exited, or that sent nothing for ``timeout``, ends
-the wait with an error naming it.
+that sleeps on a full ring), so a waiting rank leaves its core to the ranks doing the work:
+where ranks share cores, a spinning waiter takes cycles from the rank that computes. A rank that
+has cores of its own (the runtime pinned it: ``spin_s``, `OWN_CORE_SPIN_S`) keeps polling for up
+to ``spin_s`` before it sleeps, as MPI's busy polling does: waking a sleeping process can cost
+on the order of 100 us in a VM, twice per layer when attention and experts take turns. A peer
+whose process has exited, or that sent nothing for ``timeout``, ends the wait with an error
+naming it.
 
 The files are unlinked as soon as every member has mapped them, so nothing is left in
 ``/dev/shm`` however the job ends. Ordering relies on x86's total store order (data bytes are
@@ -55,13 +56,13 @@ from splitmoe.comm.shm_wait import process_alive
 DATA_CAPACITY = 4 << 20  # bytes per ring on data lanes: several decode-step messages
 CONTROL_CAPACITY = 4 << 10  # bytes per ring on control lanes (a few int64 per step)
 COUNTS_CAPACITY = 256 << 10  # per-expert counts of every (layer, micro-batch) of a step
-# How long a rank with cores of its own polls before it sleeps. 1+1 ranks on 2 cores, batch 32,
-# 10-14 alternated rounds against 0: m=1 decoded 1.02-1.35x and m=2 1.0-1.24x as fast (batch 128:
-# 1.09x both); the gain is the cost of waking a vCPU, which grows with the host's load.
+# How long a rank with cores of its own polls before it sleeps: a peer's answer within a layer
+# then finds it awake, which saves the cost of waking a vCPU (a cost that grows with the host's
+# load), with one micro-batch or two.
 OWN_CORE_SPIN_S = 0.005
-# The control lane's cap: a step-boundary wait longer than this sleeps (one wake-up per step; at
-# batch 32 the expert rank's waited 0.3-1 ms), so an idle job's expert rank polls ~4% of its
-# core rather than ~7% at the full 5 ms.
+# The control lane's cap: a step-boundary wait longer than this sleeps (one wake-up per step; a
+# decode step's boundary wait is of the order of a millisecond), so an idle job's expert rank
+# polls less of its core than at the full `OWN_CORE_SPIN_S`.
 CONTROL_SPIN_S = 0.002
 
 

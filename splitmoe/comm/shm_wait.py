@@ -1,7 +1,7 @@
 """How a rank waits on a shared-memory lane (`splitmoe.comm.shm`): it polls, then sleeps on a
 futex on the position its peer will move, and checks now and then that the peer still lives.
 
-A waiting rank spins `SPIN` polls (~20 us), then sleeps on the futex word of that position (its
+A waiting rank spins `SPIN` polls, then sleeps on the futex word of that position (its
 low 32 bits, `low32`), so that it leaves its core to the ranks doing the work; the peer's store
 and `futex_wake` end the sleep at once. A rank that has cores of its own polls on for its lane's
 ``spin_s`` first. Every `LIVENESS_S` a long wait checks that the peer's process exists
@@ -37,7 +37,7 @@ class LaneView(Protocol):
     name: str
 
 
-SPIN = 64  # polls (~20 us) before a waiting rank goes to sleep on a futex
+SPIN = 64  # polls (tens of microseconds) before a waiting rank sleeps on a futex
 SLEEP_S = (0.001, 0.01)  # futex sleeps: the first 10 ms of a wait, then
 LIVENESS_S = 0.5  # how often a long wait checks that the peer's process still exists
 _SYS_FUTEX = 202  # x86-64

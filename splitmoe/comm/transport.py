@@ -121,7 +121,7 @@ class Transport(ABC):
         }
         self._sends: list[Transfer] = []  # `send_back`s not yet waited for (`flush`)
         # what the receiving side of an all-to-all sends: made once, not per layer and
-        # micro-batch (~1 us each)
+        # micro-batch
         self._zeros = [0] * topo.world_size
         self._no_rows = torch.empty(0, self.row_bytes, dtype=torch.uint8, device=comm_device)
         self._no_sums = torch.empty(0, hidden_size, dtype=dtype)
@@ -216,8 +216,8 @@ class Transport(ABC):
 
     def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`pack`'s inverse: ``x [N, H]``, ``ids [N, k]`` int32, ``w [N, k]`` float32. On CPU
-        they are views into ``rows`` (row stride ``row_bytes``; three copies cost ~10 us a
-        message, as much as the rest of receiving it), on other devices contiguous copies."""
+        they are views into ``rows`` (row stride ``row_bytes``; three copies would cost as much
+        as the rest of receiving a message), on other devices contiguous copies."""
         hb, k = self.hidden_size * self.elem, self.top_k
         if rows.device.type == "cpu" and self.row_bytes % 4 == 0 and hb % 4 == 0:
             words = rows.view(torch.int32)  # [N, row_bytes / 4]
@@ -270,9 +270,9 @@ class Transport(ABC):
     def _route_numpy(
         self, slots: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """`route` on CPU tensors, the same steps in numpy: on arrays this small each numpy call
-        costs ~1 µs against ~5 µs for torch's, and routing runs once per layer and micro-batch
-        (~75 -> ~20 µs at 64 tokens x top-4)."""
+        """`route` on CPU tensors, the same steps in numpy: on arrays this small a call's fixed
+        cost dominates, numpy's is a fraction of torch's, and routing runs once per layer and
+        micro-batch."""
         s = slots.numpy()
         T, E = s.shape[0], self.topo.num_expert
         dest = self._slot_rank_np[s]  # [T, k]
