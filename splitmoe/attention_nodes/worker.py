@@ -117,7 +117,7 @@ class AttentionWorker:
         # structured output: each such request's grammar state; the backend (the tokenizer's
         # vocabulary for xgrammar) is built when the first such request arrives. Both are made
         # on a thread beside the step loop (seconds for a large vocabulary or an intricate
-        # schema, which every running request used to wait through): meanwhile the request
+        # schema, which would otherwise stall every running request): meanwhile the request
         # stays out of the scheduler's queue, in `_compiling` (`_admit_compiled`).
         self.grammars: dict[int, GrammarState] = {}
         self._grammar_backend: GrammarBackend | None = None
@@ -351,8 +351,8 @@ class AttentionWorker:
         )
 
     def _tensor(self, values: list[int], dtype: type) -> torch.Tensor:
-        """A list of ints as a 1-D tensor on this rank's device (via numpy: ~3x faster than
-        ``torch.tensor`` on a list)."""
+        """A list of ints as a 1-D tensor on this rank's device (via numpy, which converts a
+        list faster than ``torch.tensor`` does)."""
         return torch.from_numpy(np.array(values, dtype=dtype)).to(self.device)
 
     def _record(self, batch: ScheduledBatch) -> StepRecord | None:
