@@ -22,14 +22,14 @@ MoE GEMMs, SDPA), the one every other candidate is checked against and the one t
 everywhere. It never times anything, so a class's outputs are the same from its first call on.
 
 A call during which the process lost a core is not judged by its time: a thread descheduled
-for a scheduler tick (4 ms at 250 Hz) makes a 0.3 ms GEMM look 30 ms, and a choice made of such
-timings once kept a 90x slower GEMM in the file for good. Such a call is one during which the
-process's count of involuntary context switches moved (`getrusage`) *and* its threads ran for
-less than all but half a thread's share of the call (CPU time against ``threads x wall``): a
-preemption of a few microseconds, which most multi-millisecond calls see, does not count. Only
-calls that kept their cores count as timings. A candidate that got none in
-`KernelChoice.max_rounds` calls (cores that stay contended: ranks sharing them) is judged on the
-others, and that decision is kept in memory only.
+for a scheduler tick (4 ms at 250 Hz) makes a sub-millisecond GEMM look ten times slower or
+more, and a choice made of such timings would keep a much slower GEMM in the file for good.
+Such a call is one during which the process's count of involuntary context switches moved
+(`getrusage`) *and* its threads ran for less than all but half a thread's share of the call (CPU
+time against ``threads x wall``): a preemption of a few microseconds, which most multi-millisecond
+calls see, does not count. Only calls that kept their cores count as timings. A candidate that got
+none in `KernelChoice.max_rounds` calls (cores that stay contended: ranks sharing them) is judged on
+the others, and that decision is kept in memory only.
 
 Decisions are kept in memory and in a JSON file shared by all ops and processes,
 ``$SPLITMOE_CACHE_DIR/cpu_kernels-4.json`` (default ``~/.cache/splitmoe/``; the variable moves the
@@ -78,11 +78,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# (version 4: the MoE layouts' classes are half an octave wide (`half_octave_bucket`); version
-# 3's octaves kept, for 129-256 pairs, a layout timed near 256 that took 1.3-1.5x the best one
-# at 132-192. Version 3: version 2 compared each candidate's fastest call, and on a fresh
-# AVX-512 host kept a MoE layout 1.5x slower in a step than the one later timings prefer;
-# version 1 counted the times of preempted calls)
+# (the number changes with what a decision means, so that a file of older decisions is not
+# read: here the MoE layouts' classes are half an octave wide (`half_octave_bucket`), and a
+# decision is the lowest median over calls that kept their cores)
 CACHE_FILE_NAME = "cpu_kernels-4.json"
 
 
@@ -304,8 +302,8 @@ class KernelChoice:
         On a shared machine a thread that loses its core stalls a multi-threaded GEMM for a
         scheduler tick (4 ms at 250 Hz), longer than a decode-sized kernel: calls that lost
         a core are left out, and the median of the rest is robust to the few that a stall or
-        a lucky cache state moved, where a best of 3 taken under load picked a 2.6x slower
-        MoE layout;
+        a lucky cache state moved, where a best of a few taken under load can pick a much
+        slower MoE layout;
     timer: seconds, ``time.perf_counter`` (tests pass a fake clock);
     switches: the process's involuntary context switches so far (`involuntary_switches`),
     cpu_timer: the process's CPU seconds so far (``time.process_time``, all threads): with
@@ -657,8 +655,8 @@ def pow2_bucket(n: int) -> int:
 def half_octave_bucket(n: int) -> int:
     """``n`` rounded up to a power of two or to three quarters of one (1, 2, 3, 4, 6, 8, 12,
     16, ...; 0 stays 0): the size part of a shape class whose candidates' costs cross within an
-    octave (the MoE layouts: at a few hundred pairs a layer one layout can take 1.5x another's
-    time half an octave away)."""
+    octave (the MoE layouts: at a few hundred pairs a layer, which layout is faster can change
+    within an octave)."""
     top = pow2_bucket(n)
     return top * 3 // 4 if n > 2 and n <= top * 3 // 4 else top
 
@@ -666,8 +664,7 @@ def half_octave_bucket(n: int) -> int:
 def class_middles(counts, bucket: Callable[[int], int] = pow2_bucket) -> dict[int, int]:
     """Each class ``bucket(n)`` of the positive ``counts`` -> the middle count of those in it:
     the size a settle step times the class at (its top is the worst case of the class, not its
-    typical one; a class of pairs half an octave wide was once decided near its top for the
-    whole of it)."""
+    typical one, and a kernel chosen there need not be the faster for the rest of it)."""
     members: dict[int, list[int]] = {}
     for n in sorted(set(counts)):
         if n > 0:

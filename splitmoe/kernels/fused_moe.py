@@ -493,10 +493,9 @@ def _cuda_ms(fn, iters: int = 5) -> float:
 def _capturable(fn) -> bool:
     """Whether ``fn()`` captures in a CUDA graph: no host synchronisation or pageable copy
     inside. ``torch._grouped_mm`` copies between host and device in some dtypes and on some
-    GPUs (float32 on an H200 with torch 2.11), and capturing the experts of the realistic preset
-    in bfloat16 failed there until it was kept out where it does not capture. Ranks replaying
-    their experts from graphs (`splitmoe.expert_nodes.graphs`) run the kernels an eager call
-    picks, so a path that cannot be captured is not picked at all."""
+    GPUs (float32 on an H200 with torch 2.11), so it is kept out where it does not capture.
+    Ranks replaying their experts from graphs (`splitmoe.expert_nodes.graphs`) run the kernels
+    an eager call picks, so a path that cannot be captured is not picked at all."""
     if torch.cuda.is_current_stream_capturing():
         return False
     graph = torch.cuda.CUDAGraph()

@@ -62,9 +62,8 @@ def _gather_keys(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``blocks`` as ``[B, num_kv_heads, length, head_dim]``: one ``index_select``
     of whole blocks each on the pool (as fast as one of every token's slot, with 1/block_size
-    as many indices). The copy is about half of decode attention's time on CPU (batch 32,
-    context 96, 8/2 heads of 64: 94 of 220 us per layer on two threads), and SDPA reading the
-    pool through the block table instead would need a kernel of its own."""
+    as many indices). The copy is a large part of decode attention's time on CPU, and SDPA
+    reading the pool through the block table instead would need a kernel of its own."""
     nkv, d = k_cache.shape[-2:]
     k = k_cache.index_select(0, blocks).view(-1, length, nkv, d)
     v = v_cache.index_select(0, blocks).view(-1, length, nkv, d)
@@ -240,9 +239,8 @@ def _batched_prefill(
     sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of every prompt chunk of a step in one SDPA call (see `PrefillPlan`), GQA by
-    SDPA's head groups (``enable_gqa``): as fast as folding a group's heads into the query rows
-    (32 chunks of 64 tokens, 8/2 heads of 64: 4.2 / 2.7 ms per layer on 1 / 2 threads), with a
-    mask ``g`` times smaller."""
+    SDPA's head groups (``enable_gqa``): as fast as folding a group's heads into the query rows,
+    with a mask ``g`` times smaller."""
     T, nh, d = q.shape
     Bp, Q, L = plan.mask.shape[0], plan.queries, plan.length
     k, v = _gather_keys(k_cache, v_cache, plan.blocks, L)  # [Bp, nkv, L, d]
@@ -305,8 +303,8 @@ def paged_attention_ref(
 # Decode rows gather at most this many bytes of K (as many of V) at a time. The whole batch at
 # once gathers every context of the layer: at batch 32, context 2048 (8/2 heads of 64), 34 MB
 # each, fresh memory past glibc's 32 MB mmap threshold, page-faulted on every layer, and read
-# back by SDPA from DRAM: 23 ms per layer on 2 threads, 4.3 in chunks of 4 MB (which stay in
-# cache between the gather and SDPA); at context 512, 1.32 -> 1.08 ms.
+# back by SDPA from DRAM; chunks of 4 MB come from glibc's heap and stay in cache between the
+# gather and SDPA, several times faster at long contexts.
 DECODE_GATHER_BYTES = 4 << 20
 
 
@@ -427,7 +425,7 @@ def _decode_sdpa(
 ) -> torch.Tensor:
     """`_decode_rows` by torch: each chunk of rows' blocks gathered into one tensor (at most
     `DECODE_GATHER_BYTES` of K), then SDPA's CPU path (softmax in float32 for float32 inputs)
-    with an additive mask (~1.6x faster than a boolean one at decode batch 32)."""
+    with an additive mask (`_additive_mask`: faster than a boolean one in this path)."""
     Bd, nkv, _, d = qd.shape
     L = plan.length
     nblk = L // k_cache.shape[1]
@@ -442,8 +440,8 @@ def _decode_sdpa(
         sink = sinks.view(1, nkv, g, 1)  # a GQA group's heads are the query rows here
         if qd.is_cpu:
             # SDPA's CPU kernel with its log-sum-exp: o * Z / (Z + e^sink) = o / (1 + e^(sink -
-            # lse)), no copy of K/V (appending the zero key doubled the decode time: batch 32,
-            # context 2048, 8/2 heads of 64, 2 threads: 24 -> 50 ms, this way 25)
+            # lse)), no copy of K/V (appending a zero key for the sink copies K/V, which about
+            # doubles decode attention's time)
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qd[s:e], k, v, 0.0, False, attn_mask=mask, scale=scale
             )  # [b, nkv, g, d], [b, nkv, g]
