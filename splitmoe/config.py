@@ -128,7 +128,8 @@ class ParallelConfig:
     rebalance_interval: int | None = option(
         None, "recompute the expert placement from observed load every N steps (default: never)"
     )
-    # ~15 us a round trip against ~200 us for gloo over loopback TCP (data plane on the CPU)
+    # a round trip an order of magnitude cheaper than gloo's over loopback TCP (data plane on the
+    # CPU: `splitmoe.comm.shm`)
     shared_memory: bool = option(
         True,
         "ranks on one host exchange through shared memory rather than torch.distributed "
@@ -241,8 +242,8 @@ class ParallelConfig:
         choice to measurements (`splitmoe.scheduler.micro_batches.MicroBatchChooser`).
         Automatic is 1 with nothing to overlap: colocated, a single token on every attention
         rank, or ranks that share their GPUs (``shared_gpu``: several ranks per device,
-        exchanging through the host, so attention and expert kernels take turns on one device;
-        one H100, 1+1, default model: m=2 decoded 0.70-0.84x as fast as m=1 at batch 32-256)."""
+        exchanging through the host, so attention and expert kernels take turns on one device:
+        a second micro-batch then overlaps nothing and only adds its own overhead)."""
         if self.micro_batches not in (None, "auto"):
             return self.micro_batches
         # (a micro-batch samples as soon as it is done: with two, a failure in the second would
@@ -531,9 +532,9 @@ class EngineConfig:
     @property
     def compile_model(self) -> bool:
         """Whether the attention ranks compile their per-layer compute: only where
-        ``enforce_eager=False`` asks. (The default: on CPU, compiling measured no faster than
-        eager on the realistic preset; on CUDA, until a GPU session checks it against the
-        oracles; see docs/kernels.md.)"""
+        ``enforce_eager=False`` asks. (The default: on CPU, compiling is no faster than eager
+        on the realistic preset; on CUDA, it is not yet checked against the oracles; see
+        docs/kernels.md.)"""
         return self.enforce_eager is False
 
     @property

@@ -27,20 +27,19 @@ def set_threads(cfg: EngineConfig, topo: Topology) -> bool:
 
 
 # How long an idle OpenMP worker of a rank with cores of its own spins before it sleeps, in
-# libgomp's spin iterations (`rank_openmp_env`): ~2.5 s at ~25 ns each on x86. A bound on what
-# an idle rank burns, not a tuned speed: the longer the spin, the faster (libgomp's default,
-# ~10 ms, sleeps between the parallel regions of one decode step), up to spinning forever.
+# libgomp's spin iterations (`rank_openmp_env`): seconds on x86. A bound on what an idle rank burns,
+# not a tuned speed: the longer the spin, the faster (libgomp's default, ~10 ms, sleeps between the
+# parallel regions of one decode step), up to spinning forever.
 RANK_OMP_SPINCOUNT = 100_000_000
 
 
 def rank_openmp_env(cfg: EngineConfig, local_ranks: int) -> dict[str, str]:
-    """Environment for rank processes this host starts (before they load OpenMP): where each
-    rank gets cores of its own and several threads, its OpenMP workers keep spinning between
-    the parallel regions of a step instead of sleeping after libgomp's default ~10 ms and
-    paying a wake-up per region (colocated realistic preset, batch 32, float32, 2 threads on a
-    2-core AMD EPYC: 575 decode tok/s with the default, 726 with this bound, 796 spinning
-    forever, 291 never spinning). Nothing where ranks share cores (a spinning worker would
-    take a core from another rank) or where the user set the OpenMP wait policy."""
+    """Environment for rank processes this host starts (before they load OpenMP): where each rank
+    gets cores of its own and several threads, its OpenMP workers keep spinning between the parallel
+    regions of a step instead of sleeping after libgomp's default ~10 ms and paying a wake-up per
+    region, which costs a colocated CPU decode step a large part of its speed. Nothing where ranks
+    share cores (a spinning worker would take a core from another rank) or where the user set the
+    OpenMP wait policy."""
     if cfg.device_type != "cpu" or not cfg.pin_cores:
         return {}
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
@@ -80,7 +79,7 @@ def keep_freed_memory() -> bool:
     """Asks glibc to serve blocks up to 32 MB from its heap and to keep freed memory rather than
     return it to the OS. By default every block over 128 KB is a fresh mmap, so each step's large
     temporaries (prefill activations, gathered KV) fault their pages in again, which is slow in a
-    VM: a 32 x 32-token prefill step took 50-80 ms, 34-39 ms with this (CPU, default model).
+    VM: the page faults can take a CPU prefill step a third of its time or more.
     The price is that a rank keeps its peak heap. False where it does not apply (not glibc)."""
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -192,7 +192,8 @@ def _prepare(args, env) -> _Prepared:
         # The server process works too (HTTP, detokenizing): a thread of a rank's pool that
         # loses its core to it stalls the pool's every barrier, while a core left to it idles
         # between requests. --frontend-cores says how many the ranks leave it (none by
-        # default: that served more tokens where measured; docs/serving.md has the figures).
+        # default: the ranks serve more tokens with every core than with one left to the
+        # server; docs/serving.md has the figures).
         ranks = env.local_world_size if launched else config.parallel.world_size
         threads = rank_threads(len(available_cores()), args.frontend_cores, ranks)
         config = dataclasses.replace(config, threads_per_rank=threads)

@@ -32,8 +32,8 @@ from splitmoe.scheduler.micro_batches import MicroBatchChooser
 # How long an idle attention rank blocks on its channel before the next sync: the heartbeat that
 # keeps the idle expert ranks' collective timeouts from firing. The front end wakes every
 # attention rank as soon as it has work for any of them (and for queries and closing), so this
-# bounds only how often an idle job wakes up: 5 ms made an idle `LLM` cost its host ~2 x 200
-# process wake-ups a second, and slowed whatever else ran there.
+# bounds only how often an idle job wakes up: a poll of a few milliseconds would cost an idle
+# `LLM`'s host hundreds of process wake-ups a second and slow whatever else runs there.
 IDLE_POLL_S = 0.1
 
 # A rank publishes its counters (`rank_counters`) on its own, the front end keeps the latest

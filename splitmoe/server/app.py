@@ -198,7 +198,7 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics():
         # the counters the ranks published last: no command to the engine thread, no wait on a
-        # rank (asking them waited for their next step and paused token delivery meanwhile)
+        # rank (asking them would wait for their next step and pause token delivery meanwhile)
         engine = state.engine
         if engine.state == "ready":
             llm = engine.llm

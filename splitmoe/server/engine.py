@@ -6,8 +6,8 @@ router), so exactly one thread calls it: `AsyncEngine`'s. Handlers never block o
 put on a command queue and the thread is woken (`LLM.wake` ends a `poll` at once); progress comes
 back in one `call_soon_threadsafe` per job and step. While no live job streams, the thread polls
 with ``every_step=False`` and the ranks wake it only when a request finishes, as
-`LLM.generate` does: waking the front end after every step cost ranks that share its cores
-~10% of their decode speed.
+`LLM.generate` does: waking the front end after every step takes the cores it shares with
+ranks away from their decode.
 """
 
 from __future__ import annotations
