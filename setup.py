@@ -25,7 +25,8 @@ setup(
         "matplotlib",
         "pydantic>=2.7",
         "xgrammar>=0.1.25",  # structured output (response_format, SamplingParams.json_schema)
-        "msgspec>=0.18",  # typed messages (the KV agents' side channel)
+        "msgspec>=0.18",  # typed messages (the engine protocol, the KV agents' side channel)
+        "pyzmq>=25",  # the engine's control plane (splitmoe.engine.transport)
         "httpx>=0.27",  # the prefill-decode router's client (python -m splitmoe.router)
         "tiktoken>=0.7",  # tokenizers released as tiktoken files (Kimi-K2)
     ],
@@ -33,6 +34,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=7",
+            "pytest-xdist>=3",
             "transformers>=4.51",
             "triton>=3.0",
             "ruff",

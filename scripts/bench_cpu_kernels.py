@@ -13,12 +13,13 @@ Routed experts: `fused_moe` (``"torch"``, on CPU `fused_moe_cpu`) against `fused
 each GEMM layout `fused_moe_cpu` chooses among (one oneDNN / MKL GEMM per expert, W-left grouped,
 x-left grouped) forced, for a decode or prefill step of N tokens: ms per step through all of
 the preset's layers, each layer its own weights, as in a model step (the realistic preset's
-288 MB of experts stream from memory; the default model's stay in cache). Each row says which
-layout the shape got and why: each layout's best per-layer time over the first calls, timed in
-place (``timed``), or those an earlier process stored in the cache file of kernel choices
-(``cache file``; `splitmoe.kernels.cpu_choice`). Dense projections: which of oneDNN / MKL
-`linear` chose for each of the preset's weights at each row count, and the timings that
-decided it. Decode
+288 MB of experts stream from memory; the default model's stay in cache). Each shape class is
+settled first, as a rank settles it before serving (`splitmoe.kernels.cpu_choice.settle` of
+`fused_moe.moe_trials`, `linear.linear_trials`). Each row says which layout the shape got and
+why: each layout's median per-layer time as the settle step measured it (``timed``), or as an
+earlier process stored it in the cache file of kernel choices (``cache file``). Dense
+projections: which of oneDNN / MKL `linear` chose for each of the preset's weights at each row
+count, and the timings that decided it. Decode
 attention: the torch path of `paged_attention` over a paged cache with scattered blocks against
 dense SDPA on contiguous K/V (the same math without the paging gather), us per layer. Each
 figure is the median of interleaved rounds, each round warmed up by an untimed call; memory is
@@ -39,10 +40,10 @@ import torch.nn.functional as F
 import splitmoe.kernels.fused_moe as fm
 from splitmoe.config import cpu_native_bf16
 from splitmoe.kernels.attention_metadata import AttentionMetadata
-from splitmoe.kernels.cpu_choice import Decision, pow2_bucket
+from splitmoe.kernels.cpu_choice import Decision, settle
 from splitmoe.kernels.fused_moe import fused_moe, fused_moe_ref
-from splitmoe.kernels.linear import CPU_LINEAR, linear
-from splitmoe.kernels.paged_attention import paged_attention
+from splitmoe.kernels.linear import linear, linear_decision, linear_trials
+from splitmoe.kernels.paged_attention import decode_attention_trials, paged_attention
 from splitmoe.models.default_model import PRESETS
 from splitmoe.runtime import keep_freed_memory
 
@@ -78,7 +79,7 @@ def moe_weights(cfg: dict, dtype: torch.dtype, seed: int = 0):
 def why(decision: Decision | None) -> str:
     """``name (source: candidate ms, ...)``: a choice and the timings that decided it."""
     if decision is None:
-        return "still on trial (too few calls yet)"
+        return "not settled (runs the default)"
     ms = ", ".join(f"{n} {t:.3f}" for n, t in sorted(decision.ms.items(), key=lambda i: i[1]))
     return f"{decision.choice} ({decision.source}: {ms} ms)"
 
@@ -92,13 +93,14 @@ def moe_row(name: str, cfg: dict, layers, N: int, rounds: int) -> str:
     w = torch.rand(N, k, generator=g).softmax(-1)
     err = (fused_moe(x, w13, w2, ids, w, "torch") - fused_moe_ref(x, w13, w2, ids, w)).abs().max()
     rows = N * k / len(ids.unique())
+    settle(fm.moe_trials(layers, {}, [N * k], k, k, w13.dtype))  # (as a rank before serving)
 
     def step(fn):
         return lambda: [fn(x, w13, w2, ids, w) for w13, w2 in layers]
 
     fns = {"torch": step(lambda *a: fused_moe(*a, "torch")), "ref": step(fused_moe_ref)}
     fns.update({p: step(lambda *a, p=p: fm.fused_moe_cpu(*a, path=p)) for p in PATHS})
-    t = timed(fns, rounds)  # the "torch" calls time the layouts as a model step would
+    t = timed(fns, rounds)  # ("torch": the layout the settle step kept)
     decision = fm.cpu_moe_decision(x, w13, ids)
     cells = "".join(f"{t[n] * 1e3:>11.2f}" for n in ("torch", "ref", *PATHS))
     speedup = t["ref"] / t["torch"]
@@ -110,7 +112,7 @@ def bench_moe(args, dtype: torch.dtype) -> None:
     print(
         f"{'preset':<10}{'tokens':>6}{'rows':>7}{'torch':>11}{'ref':>11}"
         + "".join(f"{p:>11}" for p in PATHS)
-        + f"{'speedup':>9}{'max err':>9}  chosen layout (why: best ms per layer)"
+        + f"{'speedup':>9}{'max err':>9}  chosen layout (why: median ms per layer)"
     )
     tokens = [1, 32] if args.smoke else [1, 8, 32, 64, 128, 512, 2048]
     for name in args.presets:
@@ -142,12 +144,9 @@ def bench_linear(args, dtype: torch.dtype) -> None:
             w = torch.randn(*shape, generator=g).to(dtype)
             for T in tokens:
                 x = torch.randn(T, shape[1], generator=g).to(dtype)
-                key = (pow2_bucket(T), *shape, False)
-                for _ in range(2 * CPU_LINEAR.max_rounds + 1):  # until decided
-                    if CPU_LINEAR.decision(key, x.dtype) is not None:
-                        break
-                    linear(x, w)
-                decision = CPU_LINEAR.decision(key, x.dtype)
+                settle(linear_trials([(w, None)], [T], dtype))  # (as a rank before serving)
+                linear(x, w)
+                decision = linear_decision(x, w)
                 label = f"[{shape[0]}, {shape[1]}]"
                 print(f"{name:<10}{wname:<8}{label:>12}{T:>6}  {why(decision)}")
 
@@ -203,6 +202,9 @@ def decode_row(name: str, cfg: dict, B: int, ctx: int, rounds: int, dtype: torch
             F.scaled_dot_product_attention(qg, k, v, scale=scale).view(-1, nh, d) for k, v in dense
         ]
 
+    # (the class's kernel settled first, as a rank settles it before serving)
+    block = pools[0][0].shape[1]
+    settle(decode_attention_trials(nkv, nh // nkv, d, q.dtype, block, [B], [ctx], 64 << 20))
     err = (paged()[0] - contiguous()[0]).abs().max().item()
     t = timed({"paged": paged, "dense": contiguous}, rounds)
     n = len(pools)

@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.config import ModelConfig, resolve_dtype
+from splitmoe.config import resolve_dtype
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.default_model import resolve_model
 
 

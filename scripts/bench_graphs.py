@@ -28,7 +28,7 @@ import torch
 from bench_generate import make_prompts, measure_splitmoe, median_run
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.default_model import resolve_model
 
 

@@ -42,8 +42,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import _one_http, pd_snapshot, pd_snapshot_after, pd_split, pd_table  # noqa: E402
 
-from splitmoe.config import ModelConfig  # noqa: E402
 from splitmoe.kv_transfer.auth import SECRET_ENV  # noqa: E402
+from splitmoe.models.config import ModelConfig  # noqa: E402
 from splitmoe.models.default_model import resolve_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ import time
 import torch
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.default_model import resolve_model
 
 

@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.config import ModelConfig
 from splitmoe.metrics import summarize
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.default_model import resolve_model
 from splitmoe.outputs import RequestMetrics, RequestOutput
 

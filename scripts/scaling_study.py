@@ -77,8 +77,8 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from splitmoe import LLM, SamplingParams  # noqa: E402
-from splitmoe.config import ModelConfig  # noqa: E402
 from splitmoe.metrics import summarize  # noqa: E402
+from splitmoe.models.config import ModelConfig  # noqa: E402
 from splitmoe.models.default_model import default_model_path, realistic_model_path  # noqa: E402
 from splitmoe.sim.calibrate import CALIBRATION_DTYPE, decode_step_time  # noqa: E402
 
@@ -151,7 +151,7 @@ def rate_value(text: str) -> float:
 def supported_options() -> tuple[set[str], set[str]]:
     """`LLM`'s engine options, and registered transports."""
     from splitmoe.comm.transports import TRANSPORTS
-    from splitmoe.config import engine_options
+    from splitmoe.options import engine_options
 
     return set(engine_options()), set(TRANSPORTS)
 
@@ -267,9 +267,9 @@ def _probe_buffers() -> tuple[torch.Tensor, torch.Tensor]:
 def host_probe() -> float:
     """This host's single-thread copy bandwidth now (GB/s, read + written; the best of 3
     copies of 64 MiB, ~15 ms): taken before each measured run, it says whether the machine
-    held still while the study ran. A VM's neighbours move it with nothing of ours running
-    (24-40 GB/s within 40 s on the 2-core AVX-512 EPYC), and a load average does not see
-    that. The decode steps of the realistic preset read their weights from memory."""
+    held still while the study ran. A VM's neighbours move it with nothing of ours running (by tens
+    of percent within a minute), and a load average does not see that. The decode steps of the
+    realistic preset read their weights from memory."""
     src, dst = _probe_buffers()
     best = math.inf
     for _ in range(3):
@@ -283,9 +283,9 @@ def wake_probe(trips: int = 200) -> float | None:
     """This host's wake-up round trip now (microseconds, the median of ``trips``): a byte sent
     to a forked process that sleeps waiting for it, and its answer, ~15-40 ms in all. A rank
     that shares the cores sleeps in each exchange and is woken by its peer's message, so the
-    topologies of more rank processes than cores pay this every layer; a VM's neighbours move
-    it (66 to 215 us within a minute on the 2-core AVX-512 EPYC) where the copy bandwidth
-    barely moves. None where processes cannot be forked."""
+    topologies of more rank processes than cores pay this every layer; a VM's neighbours move it (by
+    a factor of several within a minute) where the copy bandwidth barely moves. None where processes
+    cannot be forked."""
     if not hasattr(os, "fork"):
         return None
     ping, pong = os.pipe(), os.pipe()
@@ -561,8 +561,8 @@ def sweep(
                         )
                     )
                 # warm-up: a whole discarded run of each closed batch (or of the first point):
-                # a fresh process pays allocation and first-call costs at each new size (the
-                # first 16 x 16-token prefill of an instance took ~4 ms more than the next)
+                # a fresh process pays allocation and first-call costs at each new size (an
+                # instance's first prefill of a size is slower than the next)
                 for n, rate in [p for p in points if p[1] == math.inf] or points[:1]:
                     run_point(llms, topo, n, rate, args, rng)
                 for i, (n, rate) in enumerate(points):

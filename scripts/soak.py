@@ -28,7 +28,7 @@ import sys
 import time
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.default_model import default_model_path
 
 
@@ -122,7 +122,7 @@ def main() -> None:
                     finished[out.request_id] = out.token_ids
                     reasons[out.request_id] = out.finish_reason
             if args.kill is not None and killed_at is None and len(finished) >= kill_at:
-                os.kill(llm._procs[args.kill].pid, signal.SIGKILL)
+                os.kill(llm.rank_pids[args.kill], signal.SIGKILL)
                 killed_at = time.perf_counter()
                 print(f"killed rank {args.kill} after {len(finished)} finished requests")
         metrics = llm.metrics()

@@ -37,8 +37,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pd import Proc  # noqa: E402
 
-from splitmoe.config import ModelConfig  # noqa: E402
 from splitmoe.kv_transfer.auth import HEADER, SECRET_ENV, sign  # noqa: E402
+from splitmoe.models.config import ModelConfig  # noqa: E402
 from splitmoe.models.default_model import default_model_path  # noqa: E402
 
 

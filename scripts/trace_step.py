@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.default_model import resolve_model
 from splitmoe.timeline import KINDS, breakdown, chrome_trace
 

@@ -1,11 +1,16 @@
-"""The ``splitmoe`` console script: ``splitmoe serve ...`` (the OpenAI-compatible server) and
-``splitmoe launch ...`` (batch generation under torchrun or mpirun)."""
+"""The ``splitmoe`` console script: ``splitmoe serve ...`` (the OpenAI-compatible server),
+``splitmoe launch ...`` (batch generation under torchrun or mpirun) and ``splitmoe tune-cpu ...``
+(the CPU kernel choices measured ahead of time, `splitmoe.tune_cpu`)."""
 
 from __future__ import annotations
 
 import sys
 
-_COMMANDS = {"serve": "splitmoe.serve", "launch": "splitmoe.launch"}
+_COMMANDS = {
+    "serve": "splitmoe.serve",
+    "launch": "splitmoe.launch",
+    "tune-cpu": "splitmoe.tune_cpu",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

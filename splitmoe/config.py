@@ -1,32 +1,32 @@
 """Frozen configuration objects, each validated where it is built.
 
-A job is described by four small pieces: the model (`ModelConfig`, read from a checkpoint's
-``config.json``), how ranks are split (`ParallelConfig`), the paged KV cache (`CacheConfig`) and the
-request scheduler (`SchedulerConfig`). `EngineConfig` bundles them for the rank processes. Each
-role receives only the slices it needs.
+A job is described by small pieces: the model (`splitmoe.models.config.ModelConfig`, read from
+a checkpoint's ``config.json``), how ranks are split (`ParallelConfig`), the paged KV cache
+(`CacheConfig`), the request scheduler (`SchedulerConfig`) and the prefill-decode transfers
+(`KVTransferConfig`). `EngineConfig` bundles them for the rank processes. Each role receives only
+the slices it needs.
 
 This is the one place an engine option is declared (`option`: default and help): `LLM(**options)`
-goes through `engine_config`, and the launcher's flags come from `add_engine_args` (as vLLM
-builds its CLI from ``EngineArgs``), so a new option is one field here. Unknown options are an
-error.
+goes through `splitmoe.options.engine_config`, and the launchers' flags come from
+`splitmoe.options.add_engine_args` (as vLLM builds its CLI from ``EngineArgs``), so a new option is
+one field here. Unknown options are an error. This module imports nothing of the package above it
+(models, kernels, engine).
 """
 
 from __future__ import annotations
 
-import argparse
-import difflib
 import functools
-import json
 import math
 from collections.abc import Mapping
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from splitmoe.models.families import family_for
-from splitmoe.models.routing import check_routing
+if TYPE_CHECKING:  # (a type only: this module imports nothing above it)
+    from splitmoe.models.config import ModelConfig
+
 
 # attention_backend / moe_backend: "auto" is Triton on CUDA and PyTorch on CPU
 # (`splitmoe.kernels.backends`, which registers a backend under each other name)
@@ -93,150 +93,6 @@ def resolve_dtype(
     return _DTYPES[name]
 
 
-def kv_values_per_token(num_kv_heads: int, head_dim: int, kv_lora_rank: int = 0) -> int:
-    """Values one token holds in one layer's KV cache: under multi-head latent attention
-    (``kv_lora_rank`` > 0) the latent vector and the rotary key of ``head_dim``, else a key and
-    a value per KV head. The one rule the attention ranks allocate by and the simulator
-    (`splitmoe.sim.model`) sizes caches with."""
-    if kv_lora_rank:
-        return kv_lora_rank + head_dim
-    return 2 * num_kv_heads * head_dim
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shapes and family quirks of a supported MoE checkpoint (see `splitmoe.models.families`)."""
-
-    path: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    num_experts: int
-    top_k: int
-    moe_intermediate_size: int
-    norm_topk_prob: bool
-    moe_layers: tuple[int, ...]
-    dense_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0  # on MoE layers, on the attention rank
-    shared_expert_gate: bool = False  # a sigmoid gate [1, H] on the shared expert (Qwen2-MoE)
-    # Routing (see `splitmoe.models.routing`): scores, choice, weights
-    scoring_func: str = "softmax"  # "softmax" | "sigmoid"
-    router_bias: bool = False  # e_score_correction_bias [E], for choosing experts only
-    topk_method: str = "greedy"  # "greedy" | "group_limited_greedy" | "noaux_tc"
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    # RoPE (`splitmoe.models.rope`): "default" | "linear" | "yarn", its parameters as pairs
-    rope_type: str = "default"
-    rope_scaling: tuple[tuple[str, object], ...] = ()
-    # Multi-head latent attention (DeepSeek-V2/V3, `splitmoe.attention_nodes.mla`): set when
-    # kv_lora_rank > 0; head_dim is then qk_rope_head_dim (the rotary part, as HF sets it)
-    kv_lora_rank: int = 0
-    q_lora_rank: int | None = None
-    qk_nope_head_dim: int = 0
-    v_head_dim: int = 0
-    rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3)... rather than halves
-    attention_bias: bool = False  # MLA: biases on q_a_proj, kv_a_proj_with_mqa and o_proj
-    qkv_bias: bool = False
-    qk_norm: str = "none"  # "none" | "head" (Qwen3: per head) | "full" (OLMoE: whole projection)
-    clip_qkv: float | None = None
-    rotary_dim: int | None = None  # RoPE rotates the first rotary_dim dims of a head (None: all)
-    tie_word_embeddings: bool = False
-    eos_token_ids: tuple[int, ...] = ()
-    checkpoint_dtype: str = "float32"
-    # "fp8": block-quantized weights (float8 + weight_scale_inv per weight_block_size block),
-    # dequantized to the run dtype at load (`splitmoe.models.loader`); "mxfp4" (GPT-OSS's
-    # experts as *_blocks / *_scales, dequantized at load by `splitmoe.models.gpt_oss`)
-    quantization: str | None = None
-    weight_block_size: tuple[int, int] = (128, 128)
-    # GPT-OSS (`splitmoe.models.gpt_oss`): a learned per-head logit in every softmax's
-    # denominator, a window of ``sliding_window`` keys on ``sliding_layers`` (the rest attend to
-    # the whole context), a bias on o_proj, the router's logits and the experts, and the clamped
-    # SwiGLU (its top-k softmax routing is ``scoring_func="topk_softmax"``).
-    attention_sinks: bool = False
-    sliding_window: int = 0
-    sliding_layers: tuple[int, ...] = ()
-    o_bias: bool = False
-    router_logit_bias: bool = False
-    expert_bias: bool = False
-    swiglu_limit: float | None = None  # None: silu(gate) * up
-    swiglu_alpha: float = 1.702
-
-    def layer_window(self, layer: int) -> int | None:
-        """Keys layer ``layer`` attends to (None: the whole context)."""
-        return self.sliding_window if layer in self.sliding_layers else None
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads} in {self.path}/config.json"
-            )
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.top_k} must be between 1 and num_experts="
-                f"{self.num_experts} in {self.path}/config.json"
-            )
-        if self.qk_norm not in ("none", "head", "full"):
-            raise ValueError(f"qk_norm={self.qk_norm!r} must be 'none', 'head' or 'full'")
-        if self.rotary_dim is not None and not (
-            0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
-        ):
-            raise ValueError(
-                f"rotary dims {self.rotary_dim} (head_dim times partial_rotary_factor, or "
-                f"rotary_dim) must be even and within head_dim={self.head_dim} in "
-                f"{self.path}/config.json"
-            )
-        check_routing(self)
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def kv_values_per_token(self) -> int:
-        """Values one token holds in one layer's KV cache (`kv_values_per_token`)."""
-        return kv_values_per_token(self.num_kv_heads, self.head_dim, self.kv_lora_rank)
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """KV-cache bytes of one token over all layers, at ``dtype_bytes`` per value (what the
-        attention ranks allocate per token, and what the simulator sizes caches with)."""
-        return self.num_layers * self.kv_values_per_token * dtype_bytes
-
-    @property
-    def is_moe_layer(self) -> tuple[bool, ...]:
-        return tuple(i in set(self.moe_layers) for i in range(self.num_layers))
-
-    @classmethod
-    def from_hf(cls, path: str | Path) -> ModelConfig:
-        """Reads ``config.json`` of an HF-format checkpoint directory; errors name what is wrong."""
-        root = Path(path)
-        if not root.exists():
-            raise FileNotFoundError(
-                f"model directory {str(root)!r} does not exist; pass a checkpoint directory with "
-                "config.json and *.safetensors (`python -m splitmoe.models.default_model "
-                "--out DIR` writes a small one)"
-            )
-        if not root.is_dir():
-            raise NotADirectoryError(f"model path {str(root)!r} is a file; pass its directory")
-        cfg_file = root / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{str(root)!r} has no config.json: is it an HF checkpoint?")
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
-        family = family_for(raw.get("model_type"), cfg_file)
-        return cls(path=str(root), **family.parse_config(raw, cfg_file))
-
-
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the world is split: ranks ``0..A-1`` are attention ranks, ``A..A+E-1`` expert ranks."""
@@ -272,7 +128,8 @@ class ParallelConfig:
     rebalance_interval: int | None = option(
         None, "recompute the expert placement from observed load every N steps (default: never)"
     )
-    # ~15 us a round trip against ~200 us for gloo over loopback TCP (data plane on the CPU)
+    # a round trip an order of magnitude cheaper than gloo's over loopback TCP (data plane on the
+    # CPU: `splitmoe.comm.shm`)
     shared_memory: bool = option(
         True,
         "ranks on one host exchange through shared memory rather than torch.distributed "
@@ -385,8 +242,8 @@ class ParallelConfig:
         choice to measurements (`splitmoe.scheduler.micro_batches.MicroBatchChooser`).
         Automatic is 1 with nothing to overlap: colocated, a single token on every attention
         rank, or ranks that share their GPUs (``shared_gpu``: several ranks per device,
-        exchanging through the host, so attention and expert kernels take turns on one device;
-        one H100, 1+1, default model: m=2 decoded 0.70-0.84x as fast as m=1 at batch 32-256)."""
+        exchanging through the host, so attention and expert kernels take turns on one device:
+        a second micro-batch then overlaps nothing and only adds its own overhead)."""
         if self.micro_batches not in (None, "auto"):
             return self.micro_batches
         # (a micro-batch samples as soon as it is done: with two, a failure in the second would
@@ -626,6 +483,12 @@ class EngineConfig:
         "graphs; False: both where the device has them (graphs on CUDA only); default: "
         "decided per device (see docs/kernels.md)",
     )
+    kernel_settle_s: float | None = option(
+        5.0,
+        "seconds a CPU rank spends at most at start-up measuring its kernel choices (half "
+        "timeout_s at most; what is left runs the reference kernel until a later start or "
+        "`splitmoe tune-cpu` measures it)",
+    )
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -641,6 +504,9 @@ class EngineConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be an integer >= 0")
+        settle = self.kernel_settle_s
+        if settle is not None and (isinstance(settle, bool) or not settle >= 0):
+            raise ValueError(f"kernel_settle_s={settle!r} must be None or seconds >= 0")
         for name in ("attention_backend", "moe_backend"):
             value = getattr(self, name)
             if value == "cpu":
@@ -666,9 +532,9 @@ class EngineConfig:
     @property
     def compile_model(self) -> bool:
         """Whether the attention ranks compile their per-layer compute: only where
-        ``enforce_eager=False`` asks. (The default: on CPU, compiling measured no faster than
-        eager on the realistic preset; on CUDA, until a GPU session checks it against the
-        oracles; see docs/kernels.md.)"""
+        ``enforce_eager=False`` asks. (The default: on CPU, compiling is no faster than eager
+        on the realistic preset; on CUDA, it is not yet checked against the oracles; see
+        docs/kernels.md.)"""
         return self.enforce_eager is False
 
     @property
@@ -702,80 +568,3 @@ def check_fits(num_experts: int, num_ranks: int, redundant: int) -> None:
             f"expert rank, so at most {num_experts * (num_ranks - 1)} replicas fit on "
             f"{num_ranks} expert ranks; lower redundant_experts"
         )
-
-
-def _int_or_auto(text: str) -> int | str:
-    return text if text == "auto" else int(text)
-
-
-# ---- engine options: one declaration, for LLM(**options) and the launchers' flags ------------
-_SECTIONS = {
-    "parallel": ParallelConfig,
-    "cache": CacheConfig,
-    "scheduler": SchedulerConfig,
-    "kv_transfer": KVTransferConfig,
-}
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "int | str": _int_or_auto}
-_DEST = "engine:"  # the flags' namespace in a parser (a front end's own flags may share names)
-
-
-def engine_options() -> dict[str, Field]:
-    """Every engine option, name -> its config field (sections first, then `EngineConfig`'s)."""
-    out = {f.name: f for cls in _SECTIONS.values() for f in fields(cls)}
-    out.update((f.name, f) for f in fields(EngineConfig) if "help" in f.metadata)
-    return out
-
-
-def engine_config(model: str | Path | ModelConfig, **options) -> EngineConfig:
-    """The `EngineConfig` of a checkpoint and engine options (`engine_options`); an unknown
-    option is a TypeError that names the closest known ones."""
-    known = engine_options()
-    unknown = [name for name in options if name not in known]
-    if unknown:
-        hints = []
-        for name in unknown:
-            close = difflib.get_close_matches(name, known, n=2)
-            hints.append(f"{name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
-        raise TypeError(
-            f"unknown engine option {', '.join(hints)}; the options are: {', '.join(known)}"
-        )
-    if not isinstance(model, ModelConfig):
-        model = ModelConfig.from_hf(model)
-    sections = {
-        key: cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
-        for key, cls in _SECTIONS.items()
-    }
-    top = {f.name: options[f.name] for f in fields(EngineConfig) if f.name in options}
-    return EngineConfig(model=model, **sections, **top)
-
-
-def _flag(f: Field) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-
-
-def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """Adds a flag for every engine option but ``exclude`` to ``parser`` (read them back with
-    `engine_args`; an option left unset is absent there, so the config's default holds)."""
-    group = parser.add_argument_group("engine options")
-    for name, f in engine_options().items():
-        if name in exclude:
-            continue
-        kind = f.type.replace(" | None", "")
-        default = f.default if f.default is not MISSING else None
-        text = f.metadata["help"]
-        if "default" not in text and kind != "bool":
-            text += f" (default: {default})"
-        extra = {"help": text, "dest": _DEST + name}
-        if kind == "bool":
-            action = "store_false" if default else "store_true"
-            group.add_argument(_flag(f), action=action, default=argparse.SUPPRESS, **extra)
-            continue
-        if f.metadata.get("choices"):
-            extra["choices"] = f.metadata["choices"]
-        group.add_argument(_flag(f), type=_TYPES[kind], default=argparse.SUPPRESS, **extra)
-
-
-def engine_args(args: argparse.Namespace) -> dict:
-    """The engine options set on the command line (`add_engine_args`), as `engine_config`
-    takes them."""
-    return {k[len(_DEST) :]: v for k, v in vars(args).items() if k.startswith(_DEST)}

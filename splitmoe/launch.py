@@ -30,12 +30,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from splitmoe.comm.distributed import shutdown_groups
-from splitmoe.config import add_engine_args, engine_args, engine_config
+from splitmoe.engine.channel import Channel, Inbox
 from splitmoe.inputs import check_request
 from splitmoe.metrics import StepRecord, summarize
 from splitmoe.models.loader import CheckpointReader
+from splitmoe.options import add_engine_args, engine_args, engine_config
 from splitmoe.outputs import RequestOutput
-from splitmoe.runtime import Inbox, run_rank
+from splitmoe.runtime import run_rank
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.scheduler.request import RequestSpec
 from splitmoe.scheduler.router import LeastLoadRouter
@@ -167,7 +168,7 @@ def read_prompts(
     return out
 
 
-class _StaticChannel:
+class _StaticChannel(Channel):
     """An attention rank's share of the input file; collects its finished outputs."""
 
     closed = True
@@ -187,9 +188,6 @@ class _StaticChannel:
             s.arrival_time = now
         return Inbox(requests=specs)
 
-    def send_stats(self, stats):
-        pass
-
     def emit(self, updates, record):
         self.steps.append(record)
         for u in updates:
@@ -203,9 +201,6 @@ class _StaticChannel:
             if u.finish_reason is not None:
                 out.finish_reason = u.finish_reason
                 out.metrics = u.metrics
-
-    def ready(self, topo):
-        pass
 
 
 def build_parser() -> argparse.ArgumentParser:

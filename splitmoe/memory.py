@@ -55,7 +55,7 @@ def linear_bytes(rows: int, cols: int, fmt: str | None, dtype_bytes: float,
 @dataclass(frozen=True)
 class ModelDims:
     """What sizing a rank needs of a model: its linears as ``(rows, cols)`` and the counts of
-    the rest. Built from a runtime `splitmoe.config.ModelConfig` (`from_config`) or the
+    the rest. Built from a runtime `splitmoe.models.config.ModelConfig` (`from_config`) or the
     simulator's `splitmoe.sim.model.ModelShape` (its ``memory_dims``).
 
     attention_linears: one layer's attention projections as ``(canonical key, rows, cols)``; in
@@ -113,7 +113,7 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, cfg) -> ModelDims:
-        """From a `splitmoe.config.ModelConfig` (every family the runtime runs)."""
+        """From a `splitmoe.models.config.ModelConfig` (every family the runtime runs)."""
         H, hd = cfg.hidden_size, cfg.head_dim
         heads, kv = cfg.num_heads, cfg.num_kv_heads
         other = 2 * H * cfg.num_layers + H  # input / post-attention norms, final norm

@@ -35,7 +35,7 @@ def model_dims(model: str) -> ModelDims:
     if not p.is_file() and (CONFIG_DIR / f"{model}.json").is_file():
         p = CONFIG_DIR / f"{model}.json"
     if p.is_file():
-        from splitmoe.config import ModelConfig
+        from splitmoe.models.config import ModelConfig
         from splitmoe.models.families import FAMILIES, family_for
 
         raw = json.loads(p.read_text())
@@ -91,7 +91,7 @@ def propose(dims: ModelDims, gpus: int, gpu_memory_gb: float, **kw) -> MemoryTab
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m splitmoe.plan_memory",
         description="Each rank's memory for a model and a layout; exits 1 when it does not fit.",
@@ -134,8 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--redundant-experts", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap
 
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     given = (args.attention_ranks is not None, args.expert_ranks is not None)
     if given[0] != given[1] or (all(given) == (args.gpus is not None)):
         ap.error("give --attention-ranks and --expert-ranks, or --gpus for a proposal")

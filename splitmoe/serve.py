@@ -9,10 +9,10 @@ curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
 Every engine option of `splitmoe.config` is a flag (as for the launcher), checked before any rank
 starts. Under torchrun or mpirun, rank 0 serves: its attention rank 0 is a child process that
 joins the launcher's rendezvous, and every other process runs its rank (attention ranks
-``1..A-1``, then the expert ranks), so one server fronts a multi-node job. The router on rank 0
-picks an attention rank for each request; rank 0 relays requests, aborts and commands to the
-ranks in other processes, and their tokens and stats back, with the per-step control all-gather
-(`splitmoe.comm.control.StepSync`):
+``1..A-1``, then the expert ranks), so one server fronts a multi-node job. The server on rank 0
+picks an attention rank for each request; every rank, in whatever process or host, talks to it
+directly over ZeroMQ (`splitmoe.engine.transport`: it learns the server's address from the
+job's rendezvous store):
 
 ```
 torchrun --nnodes 2 --nproc-per-node 4 ... -m splitmoe.serve --model CKPT --attention-ranks 2
@@ -26,10 +26,12 @@ exits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import h11
@@ -38,10 +40,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from splitmoe.chat import ChatTemplate
 from splitmoe.comm.distributed import shutdown_groups
-from splitmoe.config import add_engine_args, engine_args, engine_config
+from splitmoe.config import EngineConfig
+from splitmoe.engine.channel import RankChannel
+from splitmoe.engine.procs import LaunchedJob
 from splitmoe.launch import detect_env, rendezvous
-from splitmoe.llm import LaunchedJob, RemoteChannel
 from splitmoe.models.loader import CheckpointReader
+from splitmoe.options import add_engine_args, engine_args, engine_config
 from splitmoe.runtime import available_cores, run_rank
 from splitmoe.server.app import ServerState, build_app
 from splitmoe.server.engine import AsyncEngine
@@ -123,11 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="answer /health as soon as the ranks are up, without first running made-up "
         "requests at every batch size and prompt chunk (`LLM.warm_up`): the first clients' "
-        "steps then settle the kernel choices that a fresh machine measures",
+        "steps then pay for each shape's first call",
     )
     ap.add_argument("-v", "--verbose", action="store_true")
     add_engine_args(ap)
     return ap
+
+
+@dataclass
+class _Prepared:
+    """What the server is built of, every part checked before any rank starts."""
+
+    config: EngineConfig
+    tokenizer: Tokenizer | None
+    chat_template: ChatTemplate | None
+    tool_parser: object
+    limits: Limits
+    api_keys: tuple[str, ...]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,72 +152,85 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="[server] %(levelname)s %(message)s",
     )
-    options = engine_args(args)
     env = detect_env()
-    launched = env.launcher != "single"
-    if launched:
-        options["expert_ranks"] = env.world_size - options.get("attention_ranks", 1)
-    cores = len(available_cores())
     try:
-        if launched and options["expert_ranks"] < 0:
-            raise ValueError(
-                f"--attention-ranks {options['attention_ranks']} exceeds the {env.launcher} "
-                f"world size {env.world_size}; start at least that many processes"
-            )
-        if args.max_queued_requests < 0:
-            raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 0")
-        if args.frontend_cores < 0:
-            raise ValueError(f"--frontend-cores {args.frontend_cores} must be >= 0")
-        if not 0 < args.port < 65536:
-            raise ValueError(f"--port {args.port} must be in 1..65535")
-        config = engine_config(args.model, **options)
-        if config.device_type == "cpu" and "threads_per_rank" not in options:
-            # The server process works too (HTTP, detokenizing): a thread of a rank's pool that
-            # loses its core to it stalls the pool's every barrier, while a core left to it
-            # idles between requests. Which serves more depends on the machine and the load:
-            # --frontend-cores says how many the ranks leave it (none by default: that served
-            # more tokens where measured; docs/serving.md has the figures).
-            ranks = env.local_world_size if launched else config.parallel.world_size
-            options["threads_per_rank"] = rank_threads(cores, args.frontend_cores, ranks)
-            config = engine_config(args.model, **options)
-        CheckpointReader(args.model)
-        tokenizer = Tokenizer.from_checkpoint(args.model)
-        if args.chat_template is not None:
-            chat_template = ChatTemplate.from_file(args.chat_template, args.model)
-        else:
-            chat_template = ChatTemplate.from_checkpoint(args.model)
-        tool_parser = (
-            None if args.tool_call_parser is None else get_tool_parser(args.tool_call_parser)
-        )
-        limits = Limits.from_args(args)
-        api_keys = _api_keys(args)
-        if launched and env.world_size < 2:
-            raise ValueError("started by a launcher with one process: run it directly instead")
+        ready = _prepare(args, env)
     except (ValueError, TypeError, OSError, ImportError) as e:
         print(f"splitmoe.serve: error: {e}", file=sys.stderr)
         return 2
     job = None
-    if launched:
+    if env.launcher != "single":
         init_method = rendezvous(env)
         if env.rank != 0:
-            return _work(config, env, init_method)
+            return _work(ready.config, env, init_method)
         job = LaunchedJob(init_method, env.local_rank, env.local_world_size)
+    return _serve(args, ready, job)
+
+
+def _prepare(args, env) -> _Prepared:
+    """The engine config (built once) and the server's parts; a ValueError (or OSError,
+    ImportError) names what is wrong."""
+    options = engine_args(args)
+    launched = env.launcher != "single"
+    if launched:
+        options["expert_ranks"] = env.world_size - options.get("attention_ranks", 1)
+        if options["expert_ranks"] < 0:
+            raise ValueError(
+                f"--attention-ranks {options['attention_ranks']} exceeds the {env.launcher} "
+                f"world size {env.world_size}; start at least that many processes"
+            )
+        if env.world_size < 2:
+            raise ValueError("started by a launcher with one process: run it directly instead")
+    if args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 0")
+    if args.frontend_cores < 0:
+        raise ValueError(f"--frontend-cores {args.frontend_cores} must be >= 0")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port {args.port} must be in 1..65535")
+    config = engine_config(args.model, **options)
+    if config.device_type == "cpu" and "threads_per_rank" not in options:
+        # The server process works too (HTTP, detokenizing): a thread of a rank's pool that
+        # loses its core to it stalls the pool's every barrier, while a core left to it idles
+        # between requests. --frontend-cores says how many the ranks leave it (none by
+        # default: the ranks serve more tokens with every core than with one left to the
+        # server; docs/serving.md has the figures).
+        ranks = env.local_world_size if launched else config.parallel.world_size
+        threads = rank_threads(len(available_cores()), args.frontend_cores, ranks)
+        config = dataclasses.replace(config, threads_per_rank=threads)
+    CheckpointReader(args.model)
+    if args.chat_template is not None:
+        chat_template = ChatTemplate.from_file(args.chat_template, args.model)
+    else:
+        chat_template = ChatTemplate.from_checkpoint(args.model)
+    parser = args.tool_call_parser
+    return _Prepared(
+        config,
+        Tokenizer.from_checkpoint(args.model),
+        chat_template,
+        None if parser is None else get_tool_parser(parser),
+        Limits.from_args(args),
+        _api_keys(args),
+    )
+
+
+def _serve(args, ready: _Prepared, job: LaunchedJob | None) -> int:
+    """Serves until SIGTERM (or Ctrl-C) has drained it; 1 if the engine failed."""
+    config, limits = ready.config, ready.limits
     # (never a path of this host in a response: the directory's name, the path accepted too)
     name = args.served_model_name or Path(args.model).resolve().name or "model"
-    alias = None if args.served_model_name else args.model
     metrics = ServerMetrics(name)
     state = ServerState(
-        engine=AsyncEngine(args.model, options, metrics, job, warmup=not args.no_warmup),
+        engine=AsyncEngine(config, ready.tokenizer, metrics, job, warmup=not args.no_warmup),
         config=config,
-        tokenizer=tokenizer,
-        chat_template=chat_template,
+        tokenizer=ready.tokenizer,
+        chat_template=ready.chat_template,
         served_model_name=name,
-        model_alias=alias,
-        api_keys=api_keys,
+        model_alias=None if args.served_model_name else args.model,
+        api_keys=ready.api_keys,
         max_queued_requests=args.max_queued_requests,
         metrics=metrics,
         limits=limits,
-        tool_parser=tool_parser,
+        tool_parser=ready.tool_parser,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -300,9 +329,9 @@ def _api_keys(args) -> tuple[str, ...]:
 
 
 def _work(config, env, init_method: str) -> int:
-    """A launched job's rank other than 0, until rank 0's server closes: its requests, commands
-    and answers travel with the step sync, relayed by rank 0 (see `RemoteChannel`)."""
-    channel = RemoteChannel(env.rank, takes_requests=env.rank < config.parallel.attention_ranks)
+    """A launched job's rank other than 0, until rank 0's server closes: connected to that
+    server directly (its address and token come through the job's rendezvous store)."""
+    channel = RankChannel(env.rank, takes_requests=env.rank < config.parallel.attention_ranks)
     try:
         run_rank(config, env.rank, init_method, channel, env.local_rank, env.local_world_size)
     except Exception as e:

@@ -119,3 +119,35 @@ def hf_ref():
         return list(have[:n])
 
     return get
+
+
+# Test modules that assert how long something takes (a deadline met, a stall bounded, a stream
+# never pausing) or kill and stop ranks on a timer: `scripts/test.sh` runs them alone, after the
+# rest has run in parallel (pytest-xdist), so that another test's processes on the same two
+# cores do not make their clocks lie.
+SERIAL_MODULES = {
+    "comm/test_membership.py",
+    "comm/test_nonblocking.py",
+    "kernels/test_cpu_choice.py",
+    "kernels/test_settle.py",
+    "pd/test_agent.py",
+    "pd/test_connector.py",
+    "pd/test_pd_edges.py",
+    "pd/test_pd_soak.py",
+    "server/test_metrics_scrape.py",
+    "server/test_schema_check.py",
+    "server/test_server_edges.py",
+    "server/test_server_fault_tolerance.py",
+    "server/test_tool_parser_bounds.py",
+    "test_fault_tolerance.py",
+    "test_lifecycle.py",
+    "test_micro_batch_choice.py",
+    "test_warm_up.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(TESTS_DIR).as_posix()
+        if rel in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)

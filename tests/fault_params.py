@@ -1,36 +1,37 @@
 """`SamplingParams` that raise inside a rank process, to test fault isolation.
 
-A rank unpickles the params it serves; these remember the process that built them and raise
-when a rank (another process) reads ``fault_on``, so the front end's checks pass and the fault
-strikes only where the engine handles the request."""
+Only declared data crosses to a rank (`splitmoe.engine.protocol`), so the fault travels as
+data: `FaultyParams` are plain `SamplingParams` whose ``cache_salt`` names the attribute to
+fail on. Rank processes started inside `armed_ranks` import ``tests/fault_hook/
+sitecustomize.py``, which makes such params raise `InjectedFault` when a rank reads that
+attribute (once they are built), so the front end's checks pass and the fault strikes only
+where the engine handles the request."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from dataclasses import dataclass
+from pathlib import Path
 
 from splitmoe import SamplingParams
 
+MARK = "inject-fault:"
+HOOK = Path(__file__).resolve().parent / "fault_hook"
 
-class InjectedFault(RuntimeError):
-    pass
+
+def FaultyParams(fault_on: str = "top_p", **kw) -> SamplingParams:  # noqa: N802 (a maker)
+    """Raise `InjectedFault` in a rank when it reads ``fault_on`` (a `SamplingParams`
+    attribute: ``"top_p"`` strikes in the sampler, ``"logprobs"`` in the logprobs, ``"seed"``
+    when the rank makes its generator, ``"ignore_eos"`` at admission)."""
+    return SamplingParams(cache_salt=MARK + fault_on, **kw)
 
 
-@dataclass(frozen=True)
-class FaultyParams(SamplingParams):
-    """Raises `InjectedFault` when a process other than its maker reads ``fault_on``
-    (a `SamplingParams` attribute: ``"top_p"`` strikes in the sampler, ``"logprobs"`` in the
-    logprobs, ``"seed"`` when the rank makes its generator)."""
+@contextlib.contextmanager
+def armed_ranks():
+    """Rank processes started meanwhile honour `FaultyParams`."""
+    with contextlib.ExitStack() as stack:
+        from pytest import MonkeyPatch
 
-    fault_on: str = "top_p"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "made_in", os.getpid())
-        super().__post_init__()
-
-    def __getattribute__(self, name: str):
-        if name == object.__getattribute__(self, "fault_on") and os.getpid() != (
-            object.__getattribute__(self, "made_in")
-        ):
-            raise InjectedFault(f"injected fault reading {name} in pid {os.getpid()}")
-        return object.__getattribute__(self, name)
+        mp = stack.enter_context(MonkeyPatch.context())
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(HOOK), os.environ.get("PYTHONPATH", "")]))
+        yield

@@ -57,8 +57,8 @@ def test_unknown_llm_option_names_the_closest(ckpt):
 
 def test_launcher_flags_are_the_engine_options(ckpt, tmp_path):
     """The launcher's engine flags are built from the same declarations as LLM's options."""
-    from splitmoe.config import engine_options
     from splitmoe.launch import LaunchEnv, build_parser, prepare
+    from splitmoe.options import engine_options
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_token_ids": [1, 2]}\n')

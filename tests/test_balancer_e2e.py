@@ -8,9 +8,9 @@ import torch
 from tiny_models import prompt_ids
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.config import ModelConfig
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.kernels.backends import moe_backend
+from splitmoe.models.config import ModelConfig
 
 PROMPTS = [prompt_ids(n, seed=300 + i) for i, n in enumerate((3, 9, 17, 5, 12, 1))]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -14,9 +14,10 @@ from tiny_models import cpu_llm, prompt_ids
 from splitmoe import SamplingParams
 from splitmoe.attention_nodes.compiled import CompiledPieces, GuardedCompile
 from splitmoe.attention_nodes.model import AttentionModel
-from splitmoe.config import ModelConfig, add_engine_args, engine_args, engine_config
 from splitmoe.kernels.backends import attention_backend
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.loader import load_attention_weights
+from splitmoe.options import add_engine_args, engine_args, engine_config
 
 CPU = torch.device("cpu")
 

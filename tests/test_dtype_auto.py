@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitmoe.config import EngineConfig, ModelConfig, cpu_native_bf16, resolve_dtype
+from splitmoe.config import EngineConfig, cpu_native_bf16, resolve_dtype
+from splitmoe.models.config import ModelConfig
 
 # torch._C._cpu._get_cpu_capability()'s keys on three kinds of x86 CPU
 SAPPHIRE_RAPIDS = {"avx512_bf16": True, "amx_bf16": True, "amx_tile": True, "avx512_f": True}

@@ -19,7 +19,7 @@ import torch
 from tiny_models import cpu_llm, prompt_ids
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 
 FAMILIES = ("glm4_moe", "minimax_m2")
 MAX_TOKENS = 10

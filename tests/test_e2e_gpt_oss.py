@@ -19,7 +19,7 @@ from quant_models import write_mxfp4_checkpoint
 from tiny_models import cpu_llm, hf_greedy, prompt_ids
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 
 MAX_TOKENS = 20
 PROMPTS = [prompt_ids(n, seed=40 + i) for i, n in enumerate((1, 6, 19, 33))]

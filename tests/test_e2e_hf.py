@@ -12,7 +12,7 @@ import pytest
 from tiny_models import FAMILIES, cpu_llm, prompt_ids
 
 from splitmoe import SamplingParams
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 
 MAX_TOKENS = 24
 PROMPT_LENGTHS = (1, 5, 17, 33)

@@ -15,7 +15,7 @@ import pytest
 from tiny_models import KV_LORA_RANK, ROPE_DIM, cpu_llm, prompt_ids
 
 from splitmoe import SamplingParams
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 
 MAX_TOKENS = 16
 PROMPTS = [prompt_ids(n, seed=i) for i, n in enumerate((1, 5, 17, 33))]

@@ -21,10 +21,10 @@ import pytest
 from tiny_models import cpu_llm, prompt_ids
 
 from splitmoe import SamplingParams
-from splitmoe.config import engine_config
 from splitmoe.llm import RankFailure
 from splitmoe.memory import engine_memory
 from splitmoe.models.default_model import write_default_model
+from splitmoe.options import engine_config
 
 N_REQUESTS = 48
 MAX_TOKENS = 12
@@ -62,7 +62,7 @@ def _fault_mid_decode(llm, faults: dict[int, signal.Signals]) -> tuple[dict, flo
         if faulted_at is None and all(len(t) >= 3 for t in tokens.values()):
             assert not finished, "requests finished before the fault: raise MAX_TOKENS"
             for rank, sig in faults.items():
-                os.kill(llm._procs[rank].pid, sig)
+                os.kill(llm.rank_pids[rank], sig)
             faulted_at = time.monotonic()
     assert faulted_at is not None and recovered_in is not None
     for rid, out in finished.items():
@@ -73,7 +73,7 @@ def _fault_mid_decode(llm, faults: dict[int, signal.Signals]) -> tuple[dict, flo
 def _assert_ended(llm, rank: int) -> None:
     """Rank ``rank``'s process was killed by the front end and reaped: not left stopped, nor a
     zombie."""
-    proc = llm._procs[rank]
+    proc = llm.engine.procs.procs[rank]
     assert proc.exitcode == -signal.SIGKILL, proc.exitcode
     assert not os.path.exists(f"/proc/{proc.pid}"), "the ended rank was not reaped"
 

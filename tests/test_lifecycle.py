@@ -45,7 +45,7 @@ def _wait_gone(pids, timeout=20.0) -> list[int]:
 
 def test_close_leaves_no_process(ckpt):
     llm = LLM(str(ckpt), attention_ranks=1, expert_ranks=2, device="cpu")
-    pids = [p.pid for p in llm._procs]
+    pids = list(llm.rank_pids)
     assert len(pids) == 3
     llm.generate([[1, 2]], SamplingParams(max_tokens=3))
     llm.close()
@@ -60,7 +60,7 @@ def test_close_leaves_no_process(ckpt):
 @pytest.mark.parametrize("victim,role", [(2, "expert"), (0, "attention")])
 def test_dead_rank_fails_generate_and_stops_all(ckpt, victim, role):
     llm = LLM(str(ckpt), attention_ranks=1, expert_ranks=2, device="cpu", timeout_s=30)
-    pids = [p.pid for p in llm._procs]
+    pids = list(llm.rank_pids)
     os.kill(pids[victim], signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(RankFailure, match=rf"rank {victim} \({role}\) died \(killed by SIGKILL\)"):
@@ -76,7 +76,7 @@ _SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # (the test's view of a hang)
         llm = LLM(sys.argv[1], attention_ranks=1, expert_ranks=1, device="cpu")
-        print(" ".join(str(p.pid) for p in llm._procs), flush=True)
+        print(" ".join(map(str, llm.rank_pids)), flush=True)
         while True:
             llm.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=40, ignore_eos=True))
     """

@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from splitmoe.config import ModelConfig, engine_config
 from splitmoe.kernels.quant import QuantizedWeight
 from splitmoe.memory import (
     GIB,
@@ -23,6 +22,8 @@ from splitmoe.memory import (
     linear_bytes,
     rank_memory,
 )
+from splitmoe.models.config import ModelConfig
+from splitmoe.options import engine_config
 from splitmoe.plan_memory import main as plan_memory
 from splitmoe.sim.hardware import load_profile
 from splitmoe.sim.model import CONFIG_DIR, ModelShape

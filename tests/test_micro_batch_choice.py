@@ -10,7 +10,7 @@ import pytest
 from tiny_models import prompt_ids
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.comm.control import StepSync
+from splitmoe.comm.control import StepRow, StepSync
 from splitmoe.config import ParallelConfig
 from splitmoe.scheduler.micro_batches import (
     EXPLORE_EVERY,
@@ -320,7 +320,7 @@ def test_timeline_times_count_nested_spans_once():
 
 def test_one_rank_exchange_carries_its_times():
     sync = StepSync(None, 1)
-    d = sync.exchange(4, False, times=StepTimes(1.5e-3, 2e-4, 3.25e-3))
+    d = sync.exchange(StepRow(4, False, times=StepTimes(1.5e-3, 2e-4, 3.25e-3)))
     assert d.times == (StepTimes(1.5e-3, 2e-4, 3.25e-3),)
 
 

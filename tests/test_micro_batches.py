@@ -8,7 +8,7 @@ import pytest
 from tiny_models import prompt_ids
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.attention_nodes.worker import split_micro_batches
+from splitmoe.attention_nodes.micro_batch import split_micro_batches
 from splitmoe.config import ParallelConfig
 
 PROMPTS = [prompt_ids(n, seed=80 + i) for i, n in enumerate((1, 7, 19, 4, 11, 2))]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitmoe.config import engine_config
+from splitmoe.options import engine_config
 from splitmoe.runtime import RANK_OMP_SPINCOUNT, available_cores, rank_openmp_env
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from fault_params import FaultyParams
+from fault_params import FaultyParams, armed_ranks
 from small_default import write_small_model
 
 from splitmoe import LLM, SamplingParams
@@ -53,9 +53,11 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module", params=[(1, 0), (1, 1)], ids=["1+0", "1+1"])
 def llm(request, ckpt):
     a, e = request.param
-    with LLM(
-        str(ckpt), attention_ranks=a, expert_ranks=e, device="cpu", dtype="float32", seed=7
-    ) as llm:
+    with armed_ranks():
+        llm = LLM(
+            str(ckpt), attention_ranks=a, expert_ranks=e, device="cpu", dtype="float32", seed=7
+        )
+    with llm:
         yield llm
 
 

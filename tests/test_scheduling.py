@@ -67,7 +67,7 @@ def test_requests_spread_over_attention_ranks(tiny_ckpt, hf_ref):
         steps = llm.step_records
         # every token a request added to its rank's load went back when it finished: the next
         # requests are routed as on an idle engine
-        assert llm._router.load == [0, 0]
+        assert llm.engine.router.load == [0, 0]
     ranks = [o.attention_rank for o in outs]
     assert set(ranks) == {0, 1}
     # least-load routing: the two long prompts go to different ranks
@@ -119,7 +119,7 @@ def test_stream_and_metrics_are_consistent(tiny_ckpt):
 def test_stream_text_deltas_add_up_without_decoding_everything(tiny_ckpt):
     """The incremental detokenizer's deltas join to the full decode at every step (also across
     tokens that split a character), decoding a window instead of the whole output."""
-    from splitmoe.llm import _Detokenizer
+    from splitmoe.engine.output import Detokenizer
     from splitmoe.outputs import RequestOutput
     from splitmoe.tokenizer import Tokenizer
 
@@ -132,7 +132,7 @@ def test_stream_text_deltas_add_up_without_decoding_everything(tiny_ckpt):
             decoded.append(len(window))
             return tok.decode(window)
 
-    d = _Detokenizer(Counting())
+    d = Detokenizer(Counting())
     out = RequestOutput(request_id=0, prompt_token_ids=[1])
     text = ""
     for i, t in enumerate(ids):

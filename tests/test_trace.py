@@ -8,7 +8,7 @@ import pytest
 from tiny_models import prompt_ids
 
 from splitmoe import LLM, SamplingParams
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 from splitmoe.timeline import KINDS, breakdown, chrome_trace
 
 PROMPTS = [prompt_ids(n, seed=120 + i) for i, n in enumerate((5, 9, 3, 12))]

@@ -49,9 +49,9 @@ if TYPE_CHECKING:
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
 
 # Limits on a client's schema, checked before xgrammar sees it. xgrammar 0.2's conversion time
-# grows about cubically with nesting (4x the depth, ~70x the time; a few thousand levels do not
-# finish), so nesting is capped; OpenAI's structured outputs allow 10 levels of objects, each
-# two levels of JSON here ("properties", then the property's schema).
+# grows about cubically with nesting (a few thousand levels do not finish), so nesting is
+# capped; OpenAI's structured outputs allow 10 levels of objects, each two levels of JSON here
+# ("properties", then the property's schema).
 MAX_SCHEMA_DEPTH = 64  # levels of JSON nesting in the schema document
 MAX_SCHEMA_CHARS = 128 * 1024  # of its canonical text
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from splitmoe.config import EngineConfig
+from splitmoe.scheduler.window_blocks import SlidingWindowBlocks
+
 
 class PagedKVCache:
     """``k[layer], v[layer]: [num_blocks, block_size, num_kv_heads, head_dim]``."""
@@ -28,7 +31,7 @@ class PagedKVCache:
         self.pool = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # each layer's views, made once (two indexings cost ~5 us, once per layer and step)
+        # each layer's views, made once rather than indexed again per layer and step
         self._layers = [(self.pool[i, 0], self.pool[i, -1]) for i in range(num_layers)]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,3 +75,32 @@ class GroupedKVCache:
     @property
     def nbytes(self) -> int:
         return self.full.nbytes + self.window.nbytes
+
+
+def kv_pools(cfg: EngineConfig, device: torch.device):
+    """The rank's paged KV cache (MHA or MLA latent), with the sliding-window layers' own
+    group when the model has them (`window_blocks`), and its full pool's block count."""
+    m, dtype, sched = cfg.model, cfg.torch_dtype, cfg.scheduler
+    block_size = cfg.cache.block_size
+    num_blocks = cfg.cache.resolve_num_blocks(
+        m, dtype, sched.max_num_seqs, cfg.max_model_len, sched.max_num_batched_tokens
+    )
+    n_sliding = len(m.sliding_layers)
+    kv_cache = PagedKVCache(
+        m.num_layers - n_sliding,
+        num_blocks,
+        block_size,
+        m.num_kv_heads,
+        m.kv_values_per_token if m.is_mla else m.head_dim,
+        dtype,
+        device,
+        latent=m.is_mla,
+    )
+    if not n_sliding:
+        return kv_cache, None, num_blocks
+    w_blocks = cfg.cache.window_pool_blocks(m, sched.max_num_seqs, sched.max_num_batched_tokens)
+    window_cache = PagedKVCache(
+        n_sliding, w_blocks, block_size, m.num_kv_heads, m.head_dim, dtype, device
+    )
+    grouped = GroupedKVCache(kv_cache, window_cache, m.sliding_layers)
+    return grouped, SlidingWindowBlocks(w_blocks, block_size, m.sliding_window), num_blocks

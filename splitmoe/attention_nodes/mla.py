@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from splitmoe.config import ModelConfig
 from splitmoe.kernels.quant import QuantizedWeight, permute_rows
+from splitmoe.models.config import ModelConfig
 
 Weight = torch.Tensor | QuantizedWeight
 

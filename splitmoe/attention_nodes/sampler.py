@@ -79,7 +79,7 @@ def sample(
     if logits.shape[0] == 0:
         return []
     # greedy rows keep these (the first of equal maxima, as torch's argmax); on CPU numpy's
-    # argmax, ~10x faster than torch's on one thread (128 x 512 logits: 6 vs 65 us)
+    # argmax, whose single-threaded loop costs a fraction of torch's at these sizes
     if logits.is_cpu:
         tokens = logits.numpy().argmax(-1).tolist()
     else:
@@ -123,9 +123,9 @@ def sample(
 def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
     """One token per row of ``probs [R, V]``, row r from ``generators[r]``: one uniform number
     each, through the row's cumulative distribution (`pick`). (``torch.multinomial`` draws V
-    exponential numbers per row instead: for 32 rows of 4096 tokens ~4 ms on a 2-core CPU, a
-    tenth of a decode step; of 151,936 tokens, 130 ms. A float64 cumulative sum of every row:
-    37 ms.)"""
+    exponential numbers per row instead, which at a vocabulary of 150k tokens costs more than a
+    decode step on a CPU; so would a float64 cumulative sum of every whole row, which `pick`'s
+    two levels avoid.)"""
     u = torch.cat([torch.rand(1, generator=g, device=g.device, dtype=torch.float64)
                    for g in generators])  # fmt: skip
     return pick(probs, u.to(probs.device)).tolist()
@@ -182,8 +182,9 @@ def add_logit_bias(
 ) -> torch.Tensor:
     """A float32 copy of ``logits[rows]`` (``logits [B, V]``) with ``params[j].logit_bias``
     added to row j, all rows in one ``index_add_`` over their precomputed
-    ``logit_bias_tensors`` (a whole-vocabulary bias built as a list per row and step took
-    ~88 ms a row at 152k tokens). Returns ``[R, V]``; ``logits`` is left as it is."""
+    ``logit_bias_tensors`` (built once per request: a whole-vocabulary bias built as a list
+    per row and step is a Python loop over the vocabulary, tens of milliseconds a row).
+    Returns ``[R, V]``; ``logits`` is left as it is."""
     out = logits[rows].to(torch.float32)  # [R, V] (a copy: indexing by a list gathers)
     V = out.shape[1]
     pairs = [p.logit_bias_tensors for p in params]

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import heapq
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -17,8 +15,10 @@ import torch
 from splitmoe.attention_nodes.compiled import CompiledPieces
 from splitmoe.attention_nodes.grammar import GrammarBackend, GrammarState, apply_grammar_masks
 from splitmoe.attention_nodes.graphs import DecodeGraphs
-from splitmoe.attention_nodes.kv_cache import GroupedKVCache, PagedKVCache
+from splitmoe.attention_nodes.kv_cache import kv_pools
+from splitmoe.attention_nodes.micro_batch import Lazy, select_rows, split_micro_batches
 from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
+from splitmoe.attention_nodes.remote_experts import RemoteExperts
 from splitmoe.attention_nodes.sampler import make_generator, sample, token_logprobs
 from splitmoe.comm.transport import Transport
 from splitmoe.config import EngineConfig
@@ -34,7 +34,6 @@ from splitmoe.outputs import RequestMetrics, request_error
 from splitmoe.scheduler.block_manager import BlockManager
 from splitmoe.scheduler.request import Request, RequestSpec
 from splitmoe.scheduler.scheduler import ScheduledBatch, Scheduler
-from splitmoe.scheduler.window_blocks import SlidingWindowBlocks
 from splitmoe.timeline import Timeline
 
 logger = logging.getLogger("splitmoe")
@@ -52,66 +51,6 @@ class RequestUpdate:
     metrics: RequestMetrics | None = None
     logprobs: list | None = None  # per new token, `sampler.token_logprobs`'s entry
     error: str | None = None
-
-
-class RemoteExperts:
-    """ExpertExecutor over a transport: `start` picks the replica of each (token, expert) with
-    the balancer and dispatches by slot to the expert ranks, `finish` combines their partial
-    sums."""
-
-    def __init__(self, transport: Transport, timeline: Timeline, balancer: Balancer):
-        self.transport = transport
-        self.timeline = timeline
-        self.balancer = balancer
-
-    def start(self, layer, x, topk_ids, topk_weights):
-        with self.timeline.span(f"balance L{layer}", "compute"):
-            slots = self.balancer.choose(layer, topk_ids)  # [T, k]
-        with self.timeline.span(f"dispatch L{layer}", "comm"):
-            return self.transport.dispatch(x, slots, topk_weights, layer=layer)
-
-    def finish(self, handle):
-        with self.timeline.span(f"combine L{handle.layer}", "wait"):
-            return self.transport.combine(handle)
-
-
-def split_micro_batches(num_tokens: list[int], m: int) -> list[list[int]]:
-    """Indices of the requests in each of ``m`` micro-batches, balanced by token count (longest
-    first onto the lightest micro-batch; ties to the lowest index), each in batch order. Some may
-    be empty: every micro-batch still takes part in the collectives."""
-    n = len(num_tokens)
-    if n and min(num_tokens) == max(num_tokens):  # (decode steps) this is round robin
-        return [list(range(j, n, m)) for j in range(m)]
-    loads = [(0, j) for j in range(m)]  # a heap of (tokens, micro-batch)
-    parts: list[list[int]] = [[] for _ in range(m)]
-    # longest first; sorted's stability keeps equal lengths in index order
-    for i in sorted(range(n), key=num_tokens.__getitem__, reverse=True):
-        load, j = loads[0]
-        heapq.heapreplace(loads, (load + num_tokens[i], j))
-        parts[j].append(i)
-    return [sorted(p) for p in parts]
-
-
-def _select_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``t[rows]`` for ascending ``rows``; ``t`` itself when they are all of its rows."""
-    return t if len(rows) == t.shape[0] else t[rows]
-
-
-class _Lazy(Sequence):
-    """``build(j)`` for j < n, each built once, on first access."""
-
-    def __init__(self, n: int, build: Callable[[int], object]):
-        self._n, self._build, self._items = n, build, {}
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, j: int):
-        if not 0 <= j < self._n:
-            raise IndexError(j)
-        if j not in self._items:
-            self._items[j] = self._build(j)
-        return self._items[j]
 
 
 class AttentionWorker:
@@ -145,32 +84,9 @@ class AttentionWorker:
             if transport is None
             else RemoteExperts(transport, self.timeline, balancer)
         )
-        block_size = cfg.cache.block_size
-        sched = cfg.scheduler
-        num_blocks = cfg.cache.resolve_num_blocks(
-            m, dtype, sched.max_num_seqs, cfg.max_model_len, sched.max_num_batched_tokens
-        )
+        block_size, sched = cfg.cache.block_size, cfg.scheduler
+        self.kv_cache, self.window_blocks, num_blocks = kv_pools(cfg, device)
         n_sliding = len(m.sliding_layers)
-        self.kv_cache = PagedKVCache(
-            m.num_layers - n_sliding,
-            num_blocks,
-            block_size,
-            m.num_kv_heads,
-            m.kv_values_per_token if m.is_mla else m.head_dim,
-            dtype,
-            device,
-            latent=m.is_mla,
-        )
-        self.window_blocks = None  # the sliding-window layers' own KV group (window_blocks.py)
-        if n_sliding:
-            w_blocks = cfg.cache.window_pool_blocks(
-                m, sched.max_num_seqs, sched.max_num_batched_tokens
-            )
-            window_cache = PagedKVCache(
-                n_sliding, w_blocks, block_size, m.num_kv_heads, m.head_dim, dtype, device
-            )
-            self.kv_cache = GroupedKVCache(self.kv_cache, window_cache, m.sliding_layers)
-            self.window_blocks = SlidingWindowBlocks(w_blocks, block_size, m.sliding_window)
         # A cached prefix holds the full-attention layers' blocks only: the sliding-window
         # layers' blocks of its last window are freed as it runs, so models with such layers
         # (GPT-OSS) run without prefix caching.
@@ -201,7 +117,7 @@ class AttentionWorker:
         # structured output: each such request's grammar state; the backend (the tokenizer's
         # vocabulary for xgrammar) is built when the first such request arrives. Both are made
         # on a thread beside the step loop (seconds for a large vocabulary or an intricate
-        # schema, which every running request used to wait through): meanwhile the request
+        # schema, which would otherwise stall every running request): meanwhile the request
         # stays out of the scheduler's queue, in `_compiling` (`_admit_compiled`).
         self.grammars: dict[int, GrammarState] = {}
         self._grammar_backend: GrammarBackend | None = None
@@ -210,6 +126,12 @@ class AttentionWorker:
         self._model_cfg = m  # (the grammar backend reads its tokenizer and vocabulary)
         self._batch = ScheduledBatch()
         self._step_record: StepRecord | None = None
+
+    def rebind(self, topo, transport: Transport, balance) -> int:
+        """After the job lost ranks (fault tolerance): dispatch through the rebuilt world's
+        ``transport`` and ``balance``; reads no weights (returns 0)."""
+        self.experts = RemoteExperts(transport, self.timeline, balance.balancer)
+        return 0
 
     @property
     def has_work(self) -> bool:
@@ -429,8 +351,8 @@ class AttentionWorker:
         )
 
     def _tensor(self, values: list[int], dtype: type) -> torch.Tensor:
-        """A list of ints as a 1-D tensor on this rank's device (via numpy: ~3x faster than
-        ``torch.tensor`` on a list)."""
+        """A list of ints as a 1-D tensor on this rank's device (via numpy, which converts a
+        list faster than ``torch.tensor`` does)."""
         return torch.from_numpy(np.array(values, dtype=dtype)).to(self.device)
 
     def _record(self, batch: ScheduledBatch) -> StepRecord | None:
@@ -480,7 +402,7 @@ class AttentionWorker:
                 self.scheduler.computed(req, n)
             if to_sample[j]:
                 with self.timeline.span("sample", "compute"):
-                    logits = self.model.logits(_select_rows(h, rows[j]))
+                    logits = self.model.logits(select_rows(h, rows[j]))
                     updates.extend(self._sample_logits(logits, to_sample[j]))
 
         graphed = None
@@ -488,7 +410,7 @@ class AttentionWorker:
             graphed = self.graphs.segment(batch.num_new_tokens)
         with self.timeline.span(f"forward m={micro_batches}", "compute"):
             self.model.forward(
-                _Lazy(micro_batches, build), self.kv_cache, self.experts, done, graphed
+                Lazy(micro_batches, build), self.kv_cache, self.experts, done, graphed
             )
         return updates, record
 

@@ -227,6 +227,12 @@ def _join(
     )
 
 
+def job_store(groups: Groups) -> dist.Store:
+    """The job's rendezvous store, which every rank joined (where a launched job's ranks learn
+    their front end's address, `engine.transport.FRONT_END_KEYS`)."""
+    return groups.store or dist.distributed_c10d._get_default_store()
+
+
 def shutdown_groups() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

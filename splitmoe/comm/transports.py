@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from splitmoe.comm.transport import FlatTransport, Transport
+from splitmoe.comm.flat import FlatTransport
+from splitmoe.comm.transport import Transport
 from splitmoe.comm.two_phase import AutoTransport, TwoPhaseTransport
 from splitmoe.config import TRANSPORT_NAMES
 

@@ -41,14 +41,10 @@ import torch
 
 from splitmoe.comm.cost_model import CostModel, Phase
 from splitmoe.comm.distributed import Collective
+from splitmoe.comm.handles import UNKNOWN_LAYER, DispatchHandle, ExpertBatch
+from splitmoe.comm.stats import SCHEMES
 from splitmoe.comm.topology import Topology
-from splitmoe.comm.transport import (
-    SCHEMES,
-    UNKNOWN_LAYER,
-    DispatchHandle,
-    ExpertBatch,
-    Transport,
-)
+from splitmoe.comm.transport import Transport
 
 
 def segment_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import torch
 
 from splitmoe.comm.transport import ExpertBatch
-from splitmoe.config import ModelConfig
 from splitmoe.expert_nodes.graphs import ExpertGraphs
 from splitmoe.kernels.backends import MoeBackend
 from splitmoe.kernels.quant import QuantizedWeight, held_bytes
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.loader import load_expert_weights
 
 

@@ -73,6 +73,11 @@ class ExpertWorker:
         self.experts.apply(staged, layer)
         self.placement = placement
 
+    def rebind(self, topo: Topology, transport: Transport, balance) -> int:
+        """After the job lost ranks (fault tolerance): its place in the rebuilt world, and the
+        placement of ``balance``; see `adopt`."""
+        return self.adopt(topo, transport, balance.placement)
+
     def adopt(self, topo: Topology, transport: Transport, placement: Placement) -> int:
         """After an expert rank was lost (fault tolerance): this rank's place in the rebuilt
         world, its new transport, and ``placement`` (`Placement.without`), whose changed slots

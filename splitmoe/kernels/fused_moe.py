@@ -5,11 +5,11 @@ Given tokens ``x [N, H]``, the experts each token uses *here* (``expert_ids [N, 
 ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over its local experts ``e = expert_ids[:, j]``.
 
 Backends: ``"torch"`` runs `fused_moe_cpu` on CPU (grouped MKL GEMMs or one oneDNN GEMM per
-expert, whichever layout measured fastest on this machine for the shape) and `fused_moe_ref`
-elsewhere. ``"triton"`` runs the fused Triton grouped GEMMs (`splitmoe.kernels.moe_gemm`); on
-CUDA it also measures ``torch._grouped_mm`` (CUTLASS grouped GEMM, where this torch build and
-GPU have it) once per (device, dtype, shapes, batch-size bucket) and keeps whichever is faster,
-provided both agree with each other.
+expert, whichever layout measured fastest on this machine for the shape before serving:
+`moe_trials`) and `fused_moe_ref` elsewhere. ``"triton"`` runs the fused Triton grouped GEMMs
+(`splitmoe.kernels.moe_gemm`); on CUDA it also measures ``torch._grouped_mm`` (CUTLASS grouped
+GEMM, where this torch build and GPU have it) once per (device, dtype, shapes, batch-size
+bucket) and keeps whichever is faster, provided both agree with each other.
 
 ``w13`` and ``w2`` may be `QuantizedWeight` (FP8 blocks or MXFP4, as released): the CPU paths
 then run one expert at a time, dequantizing its w13 and then its w2 (float32, then the run
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -28,9 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from splitmoe.kernels import moe_cpu
-from splitmoe.kernels.cpu_choice import Decision, KernelChoice, half_octave_bucket
+from splitmoe.kernels.cpu_choice import (
+    Candidates,
+    Decision,
+    KernelChoice,
+    Trial,
+    class_middles,
+    half_octave_bucket,
+)
 from splitmoe.kernels.expert_sort import check_moe_inputs, check_moe_shapes, count_keys
-from splitmoe.kernels.linear import linear
+from splitmoe.kernels.linear import linear, linear_trials
 from splitmoe.kernels.quant import QuantizedWeight, dequantize_reused
 
 log = logging.getLogger(__name__)
@@ -148,7 +157,8 @@ def _grouped_ffn(
     return y if bias is None else y.add_(bias[1])
 
 
-# `fused_moe_cpu`'s GEMM layouts, chosen per shape class by timing them (`cpu_choice`).
+# `fused_moe_cpu`'s GEMM layouts, chosen per shape class by timing them before serving
+# (`moe_trials`, `cpu_choice`); the first of `TORCH_MOE_PATHS` is the default.
 CPU_MOE_GEMMS = KernelChoice("moe_gemm")
 
 
@@ -182,36 +192,54 @@ def fused_moe_cpu(
     ``"per_expert"`` runs (the grouped layouts need dense stacks), nothing timed."""
     b13, b2 = ffn.pop("b13", None), ffn.pop("b2", None)
     act = {k: v for k, v in ffn.items() if v is not None}
-    E, k = w13.shape[0], expert_ids.shape[1]
-    flat = expert_ids.reshape(-1).cpu().numpy()
-    key = np.where(flat >= 0, flat, E).astype(np.uint16 if E < 1 << 16 else np.int64)
-    counts = np.bincount(key, minlength=E + 1)[:E]  # [E] pairs per expert
-    pairs = int(counts.sum())
+    rows = _sort_pairs(expert_ids, w13.shape[0])
+    pairs = len(rows.order)
     if pairs == 0:
         return torch.zeros_like(x)
-    order = np.argsort(key, kind="stable")[:pairs]  # [P] pair index, grouped by expert
-    rows = _SortedPairs(k, key, order, counts)
     if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
         if path not in (None, "per_expert"):
             raise ValueError(f"fused_moe_cpu: path {path!r} needs dense expert weights")
         return _moe_per_expert(x, w13, w2, weights, rows, b13, b2, act)
-    paths = TORCH_MOE_PATHS if _grouped_mm_fits(x, w13, w2) else ("per_expert",)
-    if moe_cpu.fits(x, w13, w2, b13, act):
-        paths += ("native",)
+    paths = _moe_paths(x, w13, w2, b13, act)
     shape = _moe_shape_class(w13, pairs, b13, act)
     if path is None:
         path = CPU_MOE_GEMMS.kept(shape, x.dtype)  # decided: build only that call
     elif path not in CPU_MOE_PATHS:
         raise ValueError(f"fused_moe_cpu: path {path!r} is not one of {CPU_MOE_PATHS}")
     paths = (path,) if path in paths else paths
-    calls = {
-        name: functools.partial(_MOE_LAYOUTS[name], x, w13, w2, weights, rows, b13, b2, act)
-        for name in paths
-    }
+    calls = _moe_calls(paths, x, w13, w2, weights, rows, b13, b2, act)
     return CPU_MOE_GEMMS.run(shape, x.dtype, calls)
 
 
-# the first is the reference the others must agree with (`KernelChoice.run`)
+def _sort_pairs(expert_ids: torch.Tensor, E: int) -> _SortedPairs:
+    """The (token, expert) pairs of ``expert_ids [N, k]`` (local ids, -1: elsewhere) sorted by
+    expert on the host: numpy's radix argsort of 16-bit keys."""
+    k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1).cpu().numpy()
+    key = np.where(flat >= 0, flat, E).astype(np.uint16 if E < 1 << 16 else np.int64)
+    counts = np.bincount(key, minlength=E + 1)[:E]  # [E] pairs per expert
+    pairs = int(counts.sum())
+    order = np.argsort(key, kind="stable")[:pairs]  # [P] pair index, grouped by expert
+    return _SortedPairs(k, key, order, counts)
+
+
+def _moe_paths(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13, act: dict) -> tuple:
+    """The layouts that take these dense experts, the default (``"per_expert"``) first."""
+    paths = TORCH_MOE_PATHS if _grouped_mm_fits(x, w13, w2) else ("per_expert",)
+    if moe_cpu.fits(x, w13, w2, b13, act):
+        paths += ("native",)
+    return paths
+
+
+def _moe_calls(paths, x, w13, w2, weights, rows, b13, b2, act) -> Candidates:
+    return {
+        name: functools.partial(_MOE_LAYOUTS[name], x, w13, w2, weights, rows, b13, b2, act)
+        for name in paths
+    }
+
+
+# the first is the reference the others must agree with (`KernelChoice.measure`) and the
+# default of a class not measured (`KernelChoice.run`)
 TORCH_MOE_PATHS = ("per_expert", "wleft", "xleft")
 CPU_MOE_PATHS = (*TORCH_MOE_PATHS, "native")  # (native: where `moe_cpu.fits`)
 
@@ -239,6 +267,76 @@ def cpu_moe_decision(
     act = {k: v for k, v in ffn.items() if v is not None and k not in ("b13", "b2")}
     pairs = int((expert_ids >= 0).sum())
     return CPU_MOE_GEMMS.decision(_moe_shape_class(w13, pairs, ffn.get("b13"), act), x.dtype)
+
+
+def moe_trials(
+    layers: Sequence[tuple[Weight, ...]],
+    act: dict,
+    pairs: Iterable[int],
+    slots_per_token: int,
+    top_k: int,
+    dtype: torch.dtype,
+) -> list[Trial]:
+    """The shape classes `fused_moe_cpu` meets for these experts, to settle before serving
+    (`splitmoe.kernels.cpu_choice.settle`). ``layers``: each MoE layer's ``(w13, w2)`` or
+    ``(w13, w2, b13, b2)`` as `LocalExperts` holds them; ``act``: GPT-OSS's clamped SwiGLU
+    (``swiglu_limit``, ``swiglu_alpha``); ``pairs``: the counts of (token, local expert) pairs
+    a call can have; ``slots_per_token``: the local experts of a token (at most ``top_k``, its
+    slots). One class per expert shape and class of pairs, timed at the middle of the class's
+    counts on made-up tokens, each routed to ``slots_per_token`` distinct random experts, each
+    timed call on the next layer's weights. Quantized experts give none (one layout runs
+    them)."""
+    groups: dict[tuple, list] = {}
+    for w13, w2, *bias in layers:
+        if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
+            continue
+        b13, b2 = bias or (None, None)
+        groups.setdefault((tuple(w13.shape), b13 is not None), []).append((w13, w2, b13, b2))
+    middles = class_middles(pairs, half_octave_bucket)
+    trials = []
+    for group in groups.values():
+        w13, w2, b13, _ = group[0]
+        E, H = w13.shape[0], w13.shape[2]
+        here = max(1, min(slots_per_token, top_k, E))
+        names = _moe_paths(torch.empty(1, H, dtype=dtype), w13, w2, b13, act)
+        for P in middles.values():
+            tokens = math.ceil(P / here)
+
+            def build(group=group, P=P, tokens=tokens, here=here, E=E, H=H, names=names):
+                gen = torch.Generator().manual_seed(P)
+                ids = torch.full((tokens, top_k), -1, dtype=torch.int32)
+                picks = torch.rand(tokens, E, generator=gen).argsort(dim=1)[:, :here]
+                ids[:, :here] = picks.to(torch.int32)
+                filled = (torch.arange(tokens * top_k) % top_k < here).nonzero().flatten()
+                ids.view(-1)[filled[P:]] = -1  # (exactly P pairs)
+                w = torch.rand(tokens, top_k, generator=gen).to(dtype)
+                x = torch.randn(tokens, H, generator=gen).to(dtype)
+                rows = _sort_pairs(ids, E)
+                return [
+                    _moe_calls(names, x, w13, w2, w, rows, b13, b2, act)
+                    for w13, w2, b13, b2 in group
+                ]
+
+            shape = _moe_shape_class(w13, P, b13, act)
+            trials.append(Trial(CPU_MOE_GEMMS, shape, dtype, names, build, tokens))
+    return trials
+
+
+def per_expert_linear_trials(
+    layers: Sequence[tuple[Weight, ...]], max_tokens: int, dtype: torch.dtype
+) -> list[Trial]:
+    """The classes of `linear` that the ``"per_expert"`` layout (the default) meets: each
+    expert's gate/up GEMM (with its bias, GPT-OSS) and down GEMM at its rows rounded up to
+    `ROW_ALIGN`, up to ``max_tokens`` rows (a token reaches an expert once)."""
+    weights = []
+    for w13, w2, *bias in layers:
+        b13 = bias[0] if bias else None
+        for e in range(w13.shape[0]):
+            w13e = w13.expert(e) if isinstance(w13, QuantizedWeight) else w13[e]
+            w2e = w2.expert(e) if isinstance(w2, QuantizedWeight) else w2[e]
+            weights += [(w13e, None if b13 is None else b13[e]), (w2e, None)]
+    top = -(-max(1, max_tokens) // ROW_ALIGN) * ROW_ALIGN
+    return linear_trials(weights, range(ROW_ALIGN, top + 1, ROW_ALIGN), dtype)
 
 
 def _moe_per_expert(x, w13, w2, weights, rows: _SortedPairs, b13, b2, act) -> torch.Tensor:
@@ -395,10 +493,9 @@ def _cuda_ms(fn, iters: int = 5) -> float:
 def _capturable(fn) -> bool:
     """Whether ``fn()`` captures in a CUDA graph: no host synchronisation or pageable copy
     inside. ``torch._grouped_mm`` copies between host and device in some dtypes and on some
-    GPUs (float32 on an H200 with torch 2.11), and capturing the experts of the realistic preset
-    in bfloat16 failed there until it was kept out where it does not capture. Ranks replaying
-    their experts from graphs (`splitmoe.expert_nodes.graphs`) run the kernels an eager call
-    picks, so a path that cannot be captured is not picked at all."""
+    GPUs (float32 on an H200 with torch 2.11), so it is kept out where it does not capture.
+    Ranks replaying their experts from graphs (`splitmoe.expert_nodes.graphs`) run the kernels
+    an eager call picks, so a path that cannot be captured is not picked at all."""
     if torch.cuda.is_current_stream_capturing():
         return False
     graph = torch.cuda.CUDAGraph()

@@ -85,8 +85,8 @@ def moe_tiles(
         return MoeTiles(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
     if per_expert <= 64:
         return MoeTiles(block_m=32, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
-    # Swept on an H100 (bf16, Qwen3-30B-A3B and DeepSeek-V3 layers, 1024-8192 tokens): 128 x 128
-    # beat 64 x 128 by 13-27% from 4096 tokens on, and tied it at 1024.
+    # Many rows per expert (prefill): 128 x 128 tiles, which on H100 (bf16, Qwen3-30B-A3B and
+    # DeepSeek-V3 layers) beat 64 x 128 from a few thousand tokens on and tie it below.
     return MoeTiles(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 

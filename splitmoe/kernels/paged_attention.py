@@ -24,6 +24,7 @@ the additive mask), so SDPA still does the work.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from splitmoe.kernels import attention_cpu
 from splitmoe.kernels.attention_metadata import AttentionMetadata, check_paged_inputs
-from splitmoe.kernels.cpu_choice import KernelChoice, pow2_bucket
+from splitmoe.kernels.cpu_choice import Candidates, KernelChoice, Trial, class_middles, pow2_bucket
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,8 @@ def _gather_keys(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``blocks`` as ``[B, num_kv_heads, length, head_dim]``: one ``index_select``
     of whole blocks each on the pool (as fast as one of every token's slot, with 1/block_size
-    as many indices). The copy is about half of decode attention's time on CPU (batch 32,
-    context 96, 8/2 heads of 64: 94 of 220 us per layer on two threads), and SDPA reading the
-    pool through the block table instead would need a kernel of its own."""
+    as many indices). The copy is a large part of decode attention's time on CPU, and SDPA
+    reading the pool through the block table instead would need a kernel of its own."""
     nkv, d = k_cache.shape[-2:]
     k = k_cache.index_select(0, blocks).view(-1, length, nkv, d)
     v = v_cache.index_select(0, blocks).view(-1, length, nkv, d)
@@ -101,9 +101,8 @@ def _decode_plan(
         lens = meta.seq_lens if everything else meta.seq_lens[idx]
         kpos = torch.arange(nblk * block_size, device=dev)[None, :]  # [1, L]
         start = torch.zeros_like(lens)  # [Bd] position of each row's first key in the plan
-        if window is not None and window < (nblk - 1) * block_size:
-            # only the blocks from each row's window's first on: (window - 1) // bs + 2 of them
-            nw = min(nblk, (window - 1) // block_size + 2)
+        nw = _window_blocks(nblk, block_size, window)
+        if nw is not None:  # only the blocks from each row's window's first on
             first = ((lens - window).clamp(min=0) // block_size)[:, None]  # [Bd, 1]
             cols = (first + torch.arange(nw, device=dev)[None, :]).clamp(max=nblk - 1)
             tables = tables.gather(1, cols)  # [Bd, nw]
@@ -120,6 +119,15 @@ def _decode_plan(
         spans = torch.stack([lo, lens - start], 1).long()  # [Bd, 2]
         plan = DecodePlan(rows=rows, blocks=blocks, length=L, mask=mask, spans=spans)
     return plan
+
+
+def _window_blocks(nblk: int, block_size: int, window: int | None) -> int | None:
+    """Blocks per row a decode plan reads when a window is shorter than its rows (of
+    ``nblk`` blocks): from each row's window's first, ``(window - 1) // bs + 2`` of them at most;
+    None: all ``nblk``."""
+    if window is not None and window < (nblk - 1) * block_size:
+        return min(nblk, (window - 1) // block_size + 2)
+    return None
 
 
 def store_kv(
@@ -231,9 +239,8 @@ def _batched_prefill(
     sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of every prompt chunk of a step in one SDPA call (see `PrefillPlan`), GQA by
-    SDPA's head groups (``enable_gqa``): as fast as folding a group's heads into the query rows
-    (32 chunks of 64 tokens, 8/2 heads of 64: 4.2 / 2.7 ms per layer on 1 / 2 threads), with a
-    mask ``g`` times smaller."""
+    SDPA's head groups (``enable_gqa``): as fast as folding a group's heads into the query rows,
+    with a mask ``g`` times smaller."""
     T, nh, d = q.shape
     Bp, Q, L = plan.mask.shape[0], plan.queries, plan.length
     k, v = _gather_keys(k_cache, v_cache, plan.blocks, L)  # [Bp, nkv, L, d]
@@ -296,12 +303,13 @@ def paged_attention_ref(
 # Decode rows gather at most this many bytes of K (as many of V) at a time. The whole batch at
 # once gathers every context of the layer: at batch 32, context 2048 (8/2 heads of 64), 34 MB
 # each, fresh memory past glibc's 32 MB mmap threshold, page-faulted on every layer, and read
-# back by SDPA from DRAM: 23 ms per layer on 2 threads, 4.3 in chunks of 4 MB (which stay in
-# cache between the gather and SDPA); at context 512, 1.32 -> 1.08 ms.
+# back by SDPA from DRAM; chunks of 4 MB come from glibc's heap and stay in cache between the
+# gather and SDPA, several times faster at long contexts.
 DECODE_GATHER_BYTES = 4 << 20
 
 
-# The kernels of decode rows on CPU, chosen per shape class by timing them (`cpu_choice`).
+# The kernels of decode rows on CPU, chosen per shape class by timing them before serving
+# (`decode_attention_trials`, `cpu_choice`); ``"sdpa"`` is the default.
 CPU_DECODE_KERNELS = KernelChoice("decode_attention")
 
 
@@ -315,20 +323,96 @@ def _decode_rows(
 ) -> torch.Tensor:
     """Attention of one-token rows ``qd [Bd, nkv, g, d]`` (a GQA group's heads as its query
     rows) over their blocks (`DecodePlan`). On CPU, where the native kernel builds
-    (`attention_cpu`), it and `_decode_sdpa` are timed per shape class (rows and keys rounded
-    up to powers of two, heads, sinks) and the faster is kept; elsewhere `_decode_sdpa`."""
+    (`attention_cpu`), it or `_decode_sdpa`, whichever measured faster for the shape class
+    (rows and keys rounded up to powers of two, heads, sinks); elsewhere `_decode_sdpa`."""
     if not attention_cpu.fits(qd, k_cache, v_cache):
         return _decode_sdpa(qd, k_cache, v_cache, plan, scale, sinks)
+    shape = _decode_shape_class(qd, plan, sinks)
+    calls = _decode_calls(qd, k_cache, v_cache, plan, scale, sinks)
+    kept = CPU_DECODE_KERNELS.kept(shape, qd.dtype)  # (decided: a dict lookup)
+    return calls[kept]() if kept else CPU_DECODE_KERNELS.run(shape, qd.dtype, calls)
+
+
+def _decode_shape_class(qd: torch.Tensor, plan: DecodePlan, sinks: torch.Tensor | None) -> tuple:
     Bd, nkv, g, d = qd.shape
-    shape = (pow2_bucket(Bd), pow2_bucket(plan.length), nkv, g, d, sinks is not None)
-    calls = {
+    return (pow2_bucket(Bd), pow2_bucket(plan.length), nkv, g, d, sinks is not None)
+
+
+def _decode_calls(qd, k_cache, v_cache, plan: DecodePlan, scale: float, sinks) -> Candidates:
+    return {
         "sdpa": lambda: _decode_sdpa(qd, k_cache, v_cache, plan, scale, sinks),
         "native": lambda: attention_cpu.decode(
             qd, k_cache, v_cache, plan.blocks, plan.spans, scale, sinks
         ),
     }
-    kept = CPU_DECODE_KERNELS.kept(shape, qd.dtype)  # (decided: a dict lookup)
-    return calls[kept]() if kept else CPU_DECODE_KERNELS.run(shape, qd.dtype, calls)
+
+
+def decode_attention_trials(
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    rows: Iterable[int],
+    contexts: Iterable[int],
+    pool_bytes: int,
+    *,
+    window: int | None = None,
+    sinks: bool = False,
+) -> list[Trial]:
+    """The shape classes of `_decode_rows` for layers of ``num_kv_heads`` KV heads of
+    ``group`` query heads each, ``head_dim`` wide (a ``window``, ``sinks``), to settle before
+    serving (`splitmoe.kernels.cpu_choice.settle`): one per class of decode rows (of
+    ``rows``) and of keys per row (whole blocks of ``contexts``, a window's at most), timed at
+    the middle of each class's counts: made-up queries over a made-up paged cache of
+    ``pool_bytes`` at most for K (as much for V; more than the CPU's caches, so that keys
+    stream from memory as in a step), each row's blocks scattered in it. None where the native
+    kernel does not take these (one kernel: nothing to choose)."""
+    nkv, g, d = num_kv_heads, group, head_dim
+    probe_q = torch.empty(1, nkv, g, d, dtype=dtype)
+    probe_kv = torch.empty(1, block_size, nkv, d, dtype=dtype)
+    if not attention_cpu.fits(probe_q, probe_kv, probe_kv):
+        return []
+
+    def keys(context: int) -> int:  # a row's keys in the plan
+        nblk = -(-context // block_size)
+        return (_window_blocks(nblk, block_size, window) or nblk) * block_size
+
+    by_rows = class_middles(rows)
+    by_keys = class_middles(contexts, lambda c: pow2_bucket(keys(c)))
+    block_bytes = block_size * nkv * d * probe_kv.element_size()
+    most = max(by_rows.values(), default=0) * max(map(keys, by_keys.values()), default=0)
+    pool_blocks = max(1, min(most // block_size, pool_bytes // block_bytes))
+    pool: list = []  # (k_cache, v_cache, scattered block order), made at the first build
+
+    def cache():
+        if not pool:
+            tile = torch.randn(1, block_size, nkv, d, generator=torch.Generator().manual_seed(0))
+            tile = tile.to(dtype).expand(pool_blocks, block_size, nkv, d)
+            order = torch.randperm(pool_blocks, generator=torch.Generator().manual_seed(1))
+            pool.extend([tile.contiguous(), tile.contiguous(), order.tolist()])
+        return pool
+
+    trials = []
+    for rows_top, Bd in by_rows.items():
+        for keys_top, context in by_keys.items():
+
+            def build(Bd=Bd, context=context) -> list[Candidates]:
+                k_cache, v_cache, order = cache()
+                nblk = -(-context // block_size)
+                tables = [
+                    [order[(i * nblk + j) % pool_blocks] for j in range(nblk)] for i in range(Bd)
+                ]
+                meta = AttentionMetadata.from_lists([1] * Bd, [context] * Bd, tables, [0] * Bd)
+                plan = decode_plan(meta, block_size, dtype, window)
+                gen = torch.Generator().manual_seed(Bd * 7919 + context)
+                qd = torch.randn(Bd, nkv, g, d, generator=gen).to(dtype)
+                sink = torch.randn(nkv * g, generator=gen) if sinks else None
+                return [_decode_calls(qd, k_cache, v_cache, plan, d**-0.5, sink)]
+
+            shape = (rows_top, keys_top, nkv, g, d, sinks)
+            trials.append(Trial(CPU_DECODE_KERNELS, shape, dtype, ("sdpa", "native"), build, Bd))
+    return trials
 
 
 def _decode_sdpa(
@@ -341,7 +425,7 @@ def _decode_sdpa(
 ) -> torch.Tensor:
     """`_decode_rows` by torch: each chunk of rows' blocks gathered into one tensor (at most
     `DECODE_GATHER_BYTES` of K), then SDPA's CPU path (softmax in float32 for float32 inputs)
-    with an additive mask (~1.6x faster than a boolean one at decode batch 32)."""
+    with an additive mask (`_additive_mask`: faster than a boolean one in this path)."""
     Bd, nkv, _, d = qd.shape
     L = plan.length
     nblk = L // k_cache.shape[1]
@@ -356,8 +440,8 @@ def _decode_sdpa(
         sink = sinks.view(1, nkv, g, 1)  # a GQA group's heads are the query rows here
         if qd.is_cpu:
             # SDPA's CPU kernel with its log-sum-exp: o * Z / (Z + e^sink) = o / (1 + e^(sink -
-            # lse)), no copy of K/V (appending the zero key doubled the decode time: batch 32,
-            # context 2048, 8/2 heads of 64, 2 threads: 24 -> 50 ms, this way 25)
+            # lse)), no copy of K/V (appending a zero key for the sink copies K/V, which about
+            # doubles decode attention's time)
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qd[s:e], k, v, 0.0, False, attn_mask=mask, scale=scale
             )  # [b, nkv, g, d], [b, nkv, g]

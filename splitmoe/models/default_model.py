@@ -11,7 +11,7 @@ Presets: ``"default"`` (H 128, 16 experts, 4 layers: ~7 MB, for tests and quick 
 ``"realistic"`` (H 512, 32 experts top-4 of I 256, 6 layers, 8 / 2 heads of 64, vocab 4096:
 ~330 MB float32, of which 302 MB are routed experts), the smallest shape on which speed-ups are
 kept (STYLE.md: hidden >= 512, >= 32 experts, >= 6 layers). At decode batch 32 nearly every
-expert is hit each step, so a step reads ~300 MB: ~12 ms at 26 GB/s.
+expert is hit each step, so a step reads ~300 MB: bound by the CPU's memory bandwidth.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from splitmoe.config import ModelConfig
 from splitmoe.kernels.quant import FP8_DTYPES, QuantizedWeight, dequantize_fp8
 from splitmoe.models import gpt_oss
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.families import (
     ATTENTION_KEYS,
     BIAS_KEYS,

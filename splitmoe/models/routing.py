@@ -56,7 +56,8 @@ def route(
     logit_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert ids ``[T, k]`` (int64) and weights ``[T, k]`` (``x``'s dtype) of ``x [T, H]``
-    under ``router [E, H]`` (+ ``logit_bias [E]``) (``cfg``: a `splitmoe.config.ModelConfig`)."""
+    under ``router [E, H]`` (+ ``logit_bias [E]``) (``cfg``: a
+    `splitmoe.models.config.ModelConfig`)."""
     k = cfg.top_k
     if cfg.scoring_func == "topk_softmax":
         top, ids = torch.topk(F.linear(x, router, logit_bias), k, dim=-1)  # [T, k]

@@ -68,9 +68,9 @@ class BlockManager:
     Blocks without cached contents are handed out as a stack: the most recently freed first (in
     the order their request held them), then the never-used ones lowest id first, so allocation
     order is deterministic (tests assert exact ids). Reusing warm blocks keeps a request's
-    writes on pages the cache already has; handed out oldest first, each run of a CPU benchmark
-    went on to fresh pages of the pool, zeroed by the kernel at first touch (~10% of a colocated
-    decode step in `perf`; batch 32 decoded 1.03x faster with the stack, CPU, paired runs).
+    writes on pages the cache already has; handed out oldest first, a run would keep moving on
+    to fresh pages of the pool, which the kernel zeroes at first touch (a visible share of a
+    colocated CPU decode step).
     Cached blocks that no request holds are taken only when that stack is empty, least recently
     released first (and then leave the cache).
     """

@@ -6,8 +6,8 @@ router), so exactly one thread calls it: `AsyncEngine`'s. Handlers never block o
 put on a command queue and the thread is woken (`LLM.wake` ends a `poll` at once); progress comes
 back in one `call_soon_threadsafe` per job and step. While no live job streams, the thread polls
 with ``every_step=False`` and the ranks wake it only when a request finishes, as
-`LLM.generate` does: waking the front end after every step cost ranks that share its cores
-~10% of their decode speed (see `splitmoe.llm._Outbox`).
+`LLM.generate` does: waking the front end after every step takes the cores it shares with
+ranks away from their decode.
 """
 
 from __future__ import annotations
@@ -15,15 +15,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from splitmoe.llm import LLM, LaunchedJob, RankFailure, _Detokenizer
+from splitmoe.config import EngineConfig
+from splitmoe.engine.client import RankFailure
+from splitmoe.engine.output import TextStream
+from splitmoe.engine.procs import LaunchedJob
+from splitmoe.llm import LLM
 from splitmoe.outputs import RequestOutput, request_error
 from splitmoe.sampling_params import SamplingParams
 from splitmoe.server.metrics import ServerMetrics
+from splitmoe.tokenizer import Tokenizer
 
 logger = logging.getLogger("splitmoe")
 
@@ -48,34 +52,6 @@ class Delta:
     output: RequestOutput | None = None
 
 
-class _TextStream:
-    """A streamed sequence's text deltas; with stop strings the last ``len(longest) - 1``
-    characters wait until it is sure they do not begin a stop string (the final text, cut
-    before the stop string, is a continuation of what was sent)."""
-
-    def __init__(self, tokenizer, params: SamplingParams):
-        self.detok = _Detokenizer(tokenizer) if tokenizer is not None else None
-        self.hold = max(map(len, params.stop), default=1) - 1
-        self.sent_text = 0  # characters sent
-        self.sent_tokens = 0
-
-    def delta(self, out: RequestOutput) -> tuple[list[int], str, list | None]:
-        tokens = out.token_ids[self.sent_tokens :]
-        lps = None if out.logprobs is None else out.logprobs[self.sent_tokens :]
-        self.sent_tokens = len(out.token_ids)
-        text = ""
-        if self.detok is not None:
-            if out.finished:
-                full = out.text or ""
-            else:
-                self.detok.delta(out)
-                full = self.detok.text
-                full = full[: max(self.sent_text, len(full) - self.hold)]
-            text = full[self.sent_text :]
-            self.sent_text = max(self.sent_text, len(full))
-        return tokens, text, lps
-
-
 @dataclass(eq=False)
 class Job:
     """One API request: its prompts (token ids) and per-sequence params (``n`` copies of each
@@ -93,6 +69,21 @@ class Job:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, items)
 
 
+@dataclass(frozen=True)
+class _Submit:
+    job: Job
+
+
+@dataclass(frozen=True)
+class _Abort:
+    job: Job
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
 class AsyncEngine:
     """Starts an `LLM` on its own thread and serves `Job`s through it.
 
@@ -102,15 +93,15 @@ class AsyncEngine:
 
     def __init__(
         self,
-        model: str,
-        options: dict,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
         metrics: ServerMetrics | None = None,
         launched: LaunchedJob | None = None,
         warmup: bool = False,
     ):
-        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
         self.warmup = warmup
-        self.options = options
         self.launched = launched
         self.metrics = metrics
         self.state = "starting"
@@ -118,7 +109,7 @@ class AsyncEngine:
         self.public_error: str | None = None  # the same in one line, for clients
         self.llm: LLM | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._seqs: dict[int, tuple[Job, int, _TextStream | None]] = {}
+        self._seqs: dict[int, tuple[Job, int, TextStream | None]] = {}
         self._streaming = 0  # live sequences of streaming jobs
         self._finished_since_reset = 0
         self._recoveries_seen = 0
@@ -135,13 +126,13 @@ class AsyncEngine:
     def submit(self, job: Job) -> None:
         if self.state != "ready":
             raise EngineError(self._unavailable())
-        self._command(("submit", job))
+        self._command(_Submit(job))
 
     def abort(self, job: Job) -> None:
         """The job's client went away: its sequences stop and free their KV blocks."""
         if not job.done:
             job.done = True
-            self._command(("abort", job))
+            self._command(_Abort(job))
 
     @property
     def health(self) -> str:
@@ -161,7 +152,7 @@ class AsyncEngine:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Fails what still runs, stops every rank and joins the thread."""
-        self._command(("stop",))
+        self._command(_Stop())
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -181,12 +172,12 @@ class AsyncEngine:
     # ---- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.llm = LLM(self.model, launched=self.launched, **self.options)
+            self.llm = LLM(self.config, launched=self.launched, tokenizer=self.tokenizer)
             if self.warmup:
                 ran = self.llm.warm_up()
                 logger.info("warmed up in %.1f s: %s", ran["seconds"], ran)
         except Exception as e:  # (bad options were checked before the server started)
-            self._fail(f"start-up failed: {e}")
+            self._fail(f"start-up failed: {e}", "start-up failed")
             if self.llm is not None:  # (the warm-up failed: its ranks are stopped)
                 self.llm.close()
             self._ready.set()
@@ -207,7 +198,7 @@ class AsyncEngine:
                             self.metrics.recovered(rec["seconds"])
                     self._recoveries_seen = len(recoveries)
         except RankFailure as e:
-            self._fail(str(e))
+            self._fail(str(e), e.public)
             return
         except Exception as e:  # a bug here must not leave clients waiting forever
             logger.exception("engine thread failed")
@@ -225,11 +216,12 @@ class AsyncEngine:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return True
-            if cmd[0] == "submit":
-                self._submit(cmd[1])
-            elif cmd[0] == "abort":  # (its sequences come back finished, "abort", unsent)
-                self.llm.abort(cmd[1].request_ids)
-            elif cmd[0] == "stop":
+            if isinstance(cmd, _Submit):
+                self._submit(cmd.job)
+            elif isinstance(cmd, _Abort):  # (its sequences come back finished, "abort", unsent)
+                self.llm.abort(cmd.job.request_ids)
+            else:
+                assert isinstance(cmd, _Stop), cmd
                 return False
 
     def _submit(self, job: Job) -> None:
@@ -244,7 +236,7 @@ class AsyncEngine:
         job.request_ids = rids
         tok = self.llm.tokenizer
         for i, (rid, params) in enumerate(zip(rids, job.params)):
-            self._seqs[rid] = (job, i, _TextStream(tok, params) if job.stream else None)
+            self._seqs[rid] = (job, i, TextStream(tok, params) if job.stream else None)
         if job.stream:
             self._streaming += len(rids)
 
@@ -306,9 +298,11 @@ class AsyncEngine:
                 self.metrics.finished(failed, now)
         return Delta(index, [], "", None, "error", failed)
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, public: str = "internal error") -> None:
+        """``public``: what a client may read of it (never a traceback, a path or an
+        exception's text: the log has those)."""
         self.state, self.error = "failed", message
-        self.public_error = public_failure(message)
+        self.public_error = public
         logger.error("engine failed: %s", message)
         self._fail_all(f"the engine failed: {self.public_error}; the server log has the details")
 
@@ -321,22 +315,8 @@ class AsyncEngine:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 break
-            if cmd[0] == "submit":
-                jobs.add(cmd[1])
+            if isinstance(cmd, _Submit):
+                jobs.add(cmd.job)
         for job in jobs:
             job.done = True
             job.send(EngineError(message))
-
-
-_RANK_FATE = re.compile(r"rank \d+ \((?:attention|expert)\) (?:failed|died(?: \([^)]*\))?)")
-
-
-def public_failure(message: str) -> str:
-    """What a client may read of a job's failure: which ranks failed or died, never a
-    traceback, a path or an exception's text (the log has those)."""
-    fates = list(dict.fromkeys(_RANK_FATE.findall(message)))
-    if fates:
-        return "; ".join(fates)
-    if message.startswith("start-up failed"):
-        return "start-up failed"
-    return "internal error"

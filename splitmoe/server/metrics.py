@@ -23,72 +23,85 @@ LATENCY_BUCKETS = (
 
 class ServerMetrics:
     def __init__(self, model_name: str):
-        self.registry = r = CollectorRegistry()
-        label = {"model_name": model_name}
-        self._label = label
-        names = ["model_name"]
+        self.registry = CollectorRegistry()
+        self._label = {"model_name": model_name}
+        self._request_metrics()
+        self._rank_gauges()
+        self._transfer_metrics()
+        self._queries = self._hits = 0
+        self._finished = 0  # requests counted: a scrape re-renders only when something moved
+        self._scraped: tuple[tuple, bytes] | None = None
 
-        def counter(name, doc, extra=()):
-            return Counter(f"splitmoe:{name}", doc, [*names, *extra], registry=r)
+    def _counter(self, name, doc, extra=()):
+        return Counter(f"splitmoe:{name}", doc, ["model_name", *extra], registry=self.registry)
 
-        def gauge(name, doc, extra=()):
-            return Gauge(f"splitmoe:{name}", doc, [*names, *extra], registry=r)
+    def _gauge(self, name, doc, extra=()):
+        return Gauge(f"splitmoe:{name}", doc, ["model_name", *extra], registry=self.registry)
 
-        def histogram(name, doc):
-            return Histogram(f"splitmoe:{name}", doc, names, buckets=LATENCY_BUCKETS, registry=r)
+    def _histogram(self, name, doc):
+        return Histogram(
+            f"splitmoe:{name}", doc, ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry
+        )
 
-        self.request_success = counter(
+    def _request_metrics(self) -> None:
+        self.request_success = self._counter(
             "request_success", "Finished requests by finish reason", ("finished_reason",)
         )
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = counter(
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = self._counter(
             "generation_tokens", "Generated tokens of finished requests"
         )
-        self.prefix_queries = counter(
+        self.prefix_queries = self._counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
         )
-        self.prefix_hits = counter(
+        self.prefix_hits = self._counter(
             "prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache"
         )
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
-        self.tbt = histogram("inter_token_latency_seconds", "Time between two output tokens")
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token")
-        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduling")
-        self.running = gauge("num_requests_running", "Requests in the attention ranks' batches")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache blocks in use (1 = all)")
-        self.prefix_hit_rate = gauge(
+        self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first token")
+        self.tbt = self._histogram("inter_token_latency_seconds", "Time between two output tokens")
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to last token")
+        self.queue = self._histogram("request_queue_time_seconds", "Arrival to first scheduling")
+
+    def _rank_gauges(self) -> None:
+        self.running = self._gauge(
+            "num_requests_running", "Requests in the attention ranks' batches"
+        )
+        self.waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "KV-cache blocks in use (1 = all)")
+        self.prefix_hit_rate = self._gauge(
             "prefix_cache_hit_rate", "Cached / looked-up prompt tokens since start-up"
         )
-        self.prefix_blocks = gauge(
+        self.prefix_blocks = self._gauge(
             "prefix_cache_blocks", "Full KV blocks indexed in the prefix cache", ("rank",)
         )
-        self.expert_tokens = gauge(
+        self.expert_tokens = self._gauge(
             "expert_rank_tokens", "Tokens an expert rank has served since start-up", ("rank",)
         )
-        self.imbalance = gauge(
+        self.imbalance = self._gauge(
             "expert_rank_imbalance",
             "Most loaded expert rank's tokens over the mean (1 = balanced; 0 when colocated)",
         )
-        self.preemptions = gauge("num_preemptions", "Preemptions since start-up")
-        self.stats_age = gauge(
+        self.preemptions = self._gauge("num_preemptions", "Preemptions since start-up")
+        self.stats_age = self._gauge(
             "rank_stats_age_seconds",
             "Age of the rank's latest published counters, which the gauges above read",
             ("rank",),
         )
+
+    def _transfer_metrics(self) -> None:
         # prefill-decode disaggregation (docs/pd.md): a decode instance's TTFT is its queue
         # time, the pull of the prompt's KV from the prefill instance and its first step; a
         # prefill instance's TTFT is the prefill (it computes one token per request)
-        self.kv_transfer_time = histogram(
+        self.kv_transfer_time = self._histogram(
             "kv_transfer_time_seconds", "Decode side: a request's pull of its prompt's KV"
         )
-        self.first_decode_step = histogram(
+        self.first_decode_step = self._histogram(
             "first_decode_step_seconds",
             "Decode side: TTFT less the queue time and the KV pull, for pulled requests",
         )
         # (the attention ranks' connector counters, summed; named as in their stats)
         self.kv_transfer_gauges = {
-            name: gauge(name, doc)
+            name: self._gauge(name, doc)
             for name, doc in (
                 ("kv_transfers", "Prompts' KV pulled from prefill instances since start-up"),
                 ("kv_transfer_failures", "Pulls that failed (the prompt was computed here)"),
@@ -99,19 +112,16 @@ class ServerMetrics:
                 ("kv_parked_expired", "Parked prompts nobody came for in time"),
             )
         }
-        self.kv_bandwidth = gauge(
+        self.kv_bandwidth = self._gauge(
             "kv_transfer_bandwidth_bytes_per_second",
             "Bytes pulled over the seconds spent pulling, since start-up (0 before any)",
         )
         # fault tolerance (docs/fault_tolerance.md): recoveries from a lost rank
-        self.recoveries = counter("recoveries", "Recoveries from a lost rank")
-        self.recovery_time = histogram(
+        self.recoveries = self._counter("recoveries", "Recoveries from a lost rank")
+        self.recovery_time = self._histogram(
             "recovery_time_seconds",
             "A recovery on attention rank 0: from the failure seen to the job rebuilt",
         )
-        self._queries = self._hits = 0
-        self._finished = 0  # requests counted: a scrape re-renders only when something moved
-        self._scraped: tuple[tuple, bytes] | None = None
 
     def recovered(self, seconds: float) -> None:
         """Counts a recovery from a lost rank (the engine thread calls this)."""

@@ -399,55 +399,9 @@ def sampling(
     n = req.n or 1
     if n > limits.max_n:
         raise BadRequest(f"'n' is {n}; at most {limits.max_n} is allowed (--max-n)", "n")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
-    if len(stop) > limits.max_stop_strings:
-        raise BadRequest(
-            f"'stop' has {len(stop)} strings; at most {limits.max_stop_strings} are allowed "
-            "(--max-stop-strings)",
-            "stop",
-        )
-    for s in stop:
-        if not s:
-            raise BadRequest("'stop' strings must not be empty", "stop")
-        if len(s) > limits.max_stop_string_chars:
-            raise BadRequest(
-                f"a 'stop' string has {len(s)} characters; at most "
-                f"{limits.max_stop_string_chars} are allowed (--max-stop-string-chars)",
-                "stop",
-            )
-    if chat:
-        if req.top_logprobs is not None and not req.logprobs:
-            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        logprobs = req.logprobs
-        if req.best_of not in (None, 1, n):
-            raise BadRequest("'best_of' other than 1 or n is not supported", "best_of")
-        if req.echo and logprobs is not None:
-            raise BadRequest(
-                "'echo' with 'logprobs' would need the prompt's log-probabilities, which this "
-                "server does not compute; drop one of them",
-                "echo",
-            )
-    bias = None
-    if req.logit_bias:
-        if len(req.logit_bias) > limits.max_logit_bias:
-            raise BadRequest(
-                f"'logit_bias' has {len(req.logit_bias)} entries; at most "
-                f"{limits.max_logit_bias} are allowed (--max-logit-bias)",
-                "logit_bias",
-            )
-        bias = {}
-        for key, value in req.logit_bias.items():
-            # (ASCII digits only, and few: int() takes "²" for a digit and refuses more than
-            # 4300 of them, both a ValueError that was a 500)
-            if not (key.isascii() and key.isdigit() and len(key) <= 19):
-                shown = key if len(key) <= 24 else key[:21] + "..."
-                raise BadRequest(
-                    f"'logit_bias' keys must be token ids (decimal strings); got {shown!r}",
-                    "logit_bias",
-                )
-            bias[int(key)] = value
+    stop = _stop_strings(req, limits)
+    logprobs = _logprobs(req, n)
+    bias = _logit_bias(req, limits)
     top_k = req.top_k if req.top_k not in (None, 0) else -1  # (0, as -1: no top-k)
     opts = dict(
         max_tokens=max_tokens if given else default_max_tokens,
@@ -489,6 +443,66 @@ def sampling(
         bool(req.return_token_ids),
         echo=bool(getattr(req, "echo", False)),
     )
+
+
+def _stop_strings(req, limits: Limits) -> list[str]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    if len(stop) > limits.max_stop_strings:
+        raise BadRequest(
+            f"'stop' has {len(stop)} strings; at most {limits.max_stop_strings} are allowed "
+            "(--max-stop-strings)",
+            "stop",
+        )
+    for s in stop:
+        if not s:
+            raise BadRequest("'stop' strings must not be empty", "stop")
+        if len(s) > limits.max_stop_string_chars:
+            raise BadRequest(
+                f"a 'stop' string has {len(s)} characters; at most "
+                f"{limits.max_stop_string_chars} are allowed (--max-stop-string-chars)",
+                "stop",
+            )
+    return stop
+
+
+def _logprobs(req, n: int) -> int | None:
+    """The top-k log-probabilities asked for (None: none), after the combinations refused."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if req.best_of not in (None, 1, n):
+        raise BadRequest("'best_of' other than 1 or n is not supported", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise BadRequest(
+            "'echo' with 'logprobs' would need the prompt's log-probabilities, which this "
+            "server does not compute; drop one of them",
+            "echo",
+        )
+    return req.logprobs
+
+
+def _logit_bias(req, limits: Limits) -> dict[int, float] | None:
+    if not req.logit_bias:
+        return None
+    if len(req.logit_bias) > limits.max_logit_bias:
+        raise BadRequest(
+            f"'logit_bias' has {len(req.logit_bias)} entries; at most "
+            f"{limits.max_logit_bias} are allowed (--max-logit-bias)",
+            "logit_bias",
+        )
+    bias = {}
+    for key, value in req.logit_bias.items():
+        # (ASCII digits only, and few: int() takes "²" for a digit and refuses more than
+        # 4300 of them, both a ValueError that was a 500)
+        if not (key.isascii() and key.isdigit() and len(key) <= 19):
+            shown = key if len(key) <= 24 else key[:21] + "..."
+            raise BadRequest(
+                f"'logit_bias' keys must be token ids (decimal strings); got {shown!r}",
+                "logit_bias",
+            )
+        bias[int(key)] = value
+    return bias
 
 
 def prompts_of(req: CompletionRequest, limits: Limits) -> list[str | list[int]]:

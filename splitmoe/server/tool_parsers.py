@@ -15,8 +15,8 @@ first place a call may start; at the end it parses what it held.
 
 Model output is as hostile as a client's body (a prompt can make a model write anything): every
 parser here is linear in its input (tags found with ``str.find`` from where the last one ended,
-never a regex of lazy groups that backtracks over unclosed tags: the glm45 regex took 5 s on
-10 KB of ``<arg_key>k</arg_key><arg_value>`` repeated, and grew with the cube), a stream's work
+never a regex of lazy groups that backtracks over unclosed tags: one for glm45 takes seconds
+on 10 KB of ``<arg_key>k</arg_key><arg_value>`` repeated, and grows with the cube), a stream's work
 per chunk is amortized constant, and the JSON read is strict (no NaN, no number past float's
 range; nesting past the interpreter's recursion limit is not a call).
 """

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from splitmoe.kernels.cpu_choice import classes_on_trial, half_octave_bucket, pow2_bucket
+from splitmoe.kernels.cpu_choice import half_octave_bucket, pow2_bucket, settle
 from splitmoe.sim.hardware import CURVES, HardwareProfile, Overheads
 
 ROOFLINE_CPU = HardwareProfile(
@@ -41,16 +41,12 @@ ROOFLINE_CPU = HardwareProfile(
 )
 
 
-# calls of a timed function at most before its kernel choices must have settled
-SETTLE_CALLS = 300
-
-
 # The runtime's CPU kernel choices hold per size class (`pow2_bucket` of rows for the
 # projections and the attention, `half_octave_bucket` of (token, expert) pairs for the
-# experts), and a size just above a class's top runs the next class's kernel: on the AVX-512
-# EPYC an attention layer took 0.27 ms at 4 sequences and 0.34 at 5, flat to 8 (0.36). A curve
-# through the tops alone (1, 2, 4, 8, ...) drew a line from 4 to 8 and under-charged the 5 and
-# 6 of a two-micro-batch step by a fifth, so both ends of every class are timed.
+# experts), and a size just above a class's top runs the next class's kernel: the cost steps up
+# there and stays about flat to the next top. A curve through the tops alone (1, 2, 4, 8, ...)
+# would draw a line from 4 to 8 and under-charge the sizes just past 4 (a two-micro-batch step's
+# 5 and 6), so both ends of every class are timed.
 def class_ends(limit: int, per: int = 1, bucket=pow2_bucket) -> tuple[int, ...]:
     """Counts of 1 to ``limit`` at both ends of each class ``bucket(count * per)`` (the first
     and the last count in it), and ``limit``."""
@@ -85,20 +81,10 @@ def expert_timed_tokens(top_k: int) -> tuple[int, ...]:
     return tuple(sorted(set(expert_grid_tokens(top_k) + EXPERT_PREFILL_TOKENS)))
 
 
-def _settle(fn) -> None:
-    """Calls ``fn`` until the CPU kernel choices its shapes meet have settled
-    (`classes_on_trial`; at most `SETTLE_CALLS`): while a class is on trial its calls run the
-    other candidates too, and the runtime runs only the kept one."""
-    fn()
-    for _ in range(SETTLE_CALLS):
-        if not classes_on_trial():
-            break
-        fn()
-
-
 def _median_time(fn, repeats: int = 7, inner: int = 1) -> float:
-    """Median seconds of ``fn`` over ``repeats`` (of ``inner`` calls each), once settled."""
-    _settle(fn)
+    """Median seconds of ``fn`` over ``repeats`` (of ``inner`` calls each), after one untimed
+    call."""
+    fn()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -111,15 +97,15 @@ def _median_time(fn, repeats: int = 7, inner: int = 1) -> float:
 def _interleaved_medians(points: dict, rounds: int = 9) -> dict:
     """Median of the seconds each of ``points`` (key -> a function returning the seconds of
     the work it timed) returns over ``rounds`` rounds, each calling every point in turn after
-    all have settled: a host whose speed drifts (a shared VM's does by a third within an hour)
-    then slows every point of a round alike, and the fits through them keep their shape, where
-    timing one point after another put the drift between the points. In each round a point is
-    called twice and the second call kept: the first call after another size's pays for what
-    that one left in the caches (the experts of 1 token a layer, AVX-512 EPYC: 0.51 ms first,
-    0.44 second and in a forward of decode steps), where an engine's steps of one size follow
-    each other."""
+    all have settled: a host whose speed drifts (a shared VM's can, by tens of percent within an
+    hour) then slows every point of a round alike, and the fits through them keep their shape, where
+    timing one point after another would put the drift between the points. In each round a point is
+    called twice and the second call kept: the first call after another size's pays for what that
+    one left in the caches (the second call costs what a forward of decode steps does), where an
+    engine's steps of one size follow each other. (The CPU kernel choices of the points' shapes are
+    settled before, as a rank settles them before serving: `measure_components`.)"""
     for fn in points.values():
-        _settle(fn)
+        fn()  # (one-off costs: allocations, oneDNN building its kernels)
     times: dict = {key: [] for key in points}
     for _ in range(rounds):
         for key, fn in points.items():
@@ -225,9 +211,10 @@ def fit_attention(
     step along the curve, and a prefill one that too)."""
     batches = sorted(decode)
     ys = [decode[b] - sim._attn(b, b, 0, context)[0] for b in batches]
-    # the cost is concave in the sequences (1 to 4 add ~3x what each of 4 to 16 adds; a line
-    # through all of them charged 1 sequence 30 % too much): the fixed part is where the small
-    # batches' line meets 0 sequences, the rest a curve through every measured batch
+    # the cost is concave in the sequences (each of the first few adds several times what a
+    # later one adds, so one line through all of them over-charges small batches): the fixed
+    # part is where the small batches' line meets 0 sequences, the rest a curve through every
+    # measured batch
     small = [i for i, b in enumerate(batches) if b <= 4]
     attn_layer_s, _ = _fit_line([batches[i] for i in small], [ys[i] for i in small])
     seqs_layer_s = [(b, max(0.0, y - attn_layer_s)) for b, y in zip(batches, ys)]
@@ -251,9 +238,9 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     from splitmoe.attention_nodes.kv_cache import PagedKVCache
     from splitmoe.attention_nodes.model import AttentionModel
     from splitmoe.attention_nodes.sampler import sample
-    from splitmoe.config import ModelConfig
     from splitmoe.expert_nodes.experts import LocalExperts
     from splitmoe.kernels.backends import attention_backend, moe_backend
+    from splitmoe.models.config import ModelConfig
     from splitmoe.models.loader import load_attention_weights
     from splitmoe.sampling_params import SamplingParams
     from splitmoe.sim.model import ModelShape
@@ -277,8 +264,8 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
         # an attention rank's per-layer work as a step runs it (`layer_segment`: norms, the
         # attention over the paged KV, the router) on the MoE layers, timed; each layer's
         # experts (and a dense layer whole) run untimed in between, as in a step, so the next
-        # layer's weights come from memory, not from the cache (realistic preset, 10 sequences,
-        # 1 thread: 1.6 ms a layer timed back to back, 1.8 in a forward's order)
+        # layer's weights come from memory, not from the cache (timed back to back, layers
+        # would look faster than a forward runs them)
         cos_sin = model.rope(pos, h.dtype)
         seconds = 0.0
         for i in range(L):
@@ -338,11 +325,19 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     batches = ATTENTION_GRID_SEQS
     grid_tokens = expert_grid_tokens(k)
     pre_b = [1, 4, 8]
+    moe_tokens = expert_timed_tokens(k)
+    # the runtime's kernel choices for every shape timed here, settled first as a rank settles
+    # them before serving (no time limit): what runs below is what a rank would run
+    from splitmoe.kernels.settle import Shapes, model_trials
+
+    most = max(max(batches), 16 * max(pre_b))  # rows of a step: decode rows, prompt chunks
+    shapes = Shapes(seqs=max(batches), tokens=most, context=context, block_size=16,
+                    expert_tokens=max(moe_tokens))  # fmt: skip
+    settle(model_trials(shapes, torch.float32, model, experts))
     points = {("decode", b): attn_point(b, context, 1) for b in batches}
     points.update({("prefill", b): attn_point(b, 16, 16) for b in pre_b})
     points.update({("head", b): head_point(b) for b in batches})
     active = {}
-    moe_tokens = expert_timed_tokens(k)
     for tokens in moe_tokens:
         points["moe", tokens], active[tokens] = moe_point(tokens)
     with torch.inference_mode():
@@ -362,8 +357,8 @@ def measure_components(checkpoint: str | Path, hw: HardwareProfile) -> dict[str,
     )
     # ... and the pairs' cost as what each timed call measured beyond the other two: the three
     # terms alone cannot hold the class steps (nor a prefill's GEMMs of many rows per expert,
-    # which run near the roofline: on the AVX-512 EPYC the fitted line, extrapolated, charged
-    # 1,024 pairs 2.5x what they took)
+    # which run near the roofline: the fitted line, extrapolated to a prefill's pairs, charges
+    # them more than twice what they take)
     pairs_layer_s = [
         (n * k, max(0.0, rest[n] - moe_layer_s - expert_s * active[n])) for n in moe_tokens
     ]

@@ -51,9 +51,9 @@ class Overheads:
     seqs_layer_s: where measured (the CPU calibration), the per-layer attention cost of ``n``
         sequences beyond ``attn_layer_s`` as points ``(n, seconds)``, linear between them (from
         ``(0, 0)``) and along the last two beyond, in place of ``seq_layer_s * n``: on a CPU the
-        cost is concave at small batches (1 to 4 sequences add ~3x what each of 4 to 16 adds)
-        and steps where the kernels' size classes do (both ends of each class are measured);
-        empty on the GPU profiles;
+        cost is concave at small batches (each of the first few sequences adds several times what a
+        later one adds) and steps where the kernels' size classes do (both ends of each class are
+        measured); empty on the GPU profiles;
     prefill_seq_layer_s: extra per prefill chunk and layer (chunks are computed one by one);
     moe_layer_s: per MoE layer where experts run (sort, scatter, launches);
     expert_s: per activated expert and layer (one GEMM pair per expert on the reference path;
@@ -65,8 +65,8 @@ class Overheads:
         pairs beyond ``moe_layer_s`` and ``expert_s`` each, as points ``(p, seconds)`` read as
         ``seqs_layer_s`` is, in place of ``pair_s * p``: it steps where the kernels' classes of
         pairs do, and the per-pair cost of a decode step's few rows per expert is all but gone
-        from a prefill's many (on the AVX-512 EPYC 1,024 pairs a layer took 9.8 ms in process
-        where ``pair_s`` from 4-192 pairs charged 24.6); empty on the GPU profiles;
+        from a prefill's many (``pair_s`` fitted on decode-sized calls charges a prefill's
+        pairs more than twice what they take); empty on the GPU profiles;
     head_rows_s: where measured (the CPU calibration), what the LM head and greedy sampling of
         one micro-batch of ``r`` rows cost, as points ``(r, seconds)`` read as ``seqs_layer_s``
         is, in place of the head's roofline GEMM: the runtime samples each micro-batch when it
@@ -83,10 +83,9 @@ class Overheads:
         by their own processes anyway);
     busy_attention_step_s: there, per step and attention rank after the first with sequences:
         the step waits for the slowest of the ranks with work, whose step times each vary (an
-        idle one is at the all-gather first). On the 2-core AVX-512 EPYC, two colocated ranks
-        measured 1-3 ms a step beyond their components at 16 sequences and about as much at 49
-        to 63, while the front end's CPU time was 5-15 us a sequence and step: a cost per
-        step, not per sequence; 0 on the GPU profiles;
+        idle one is at the all-gather first). What two colocated ranks add beyond their
+        components does not grow with the sequences, and the front end's own work per sequence
+        is microseconds: a cost per step, not per sequence; 0 on the GPU profiles;
     proc_seq_step_s: per sequence and step where the experts are in other rank processes
         (attention-FFN disaggregation: each sequence's rows go through the expert ranks and
         back at every layer); 0 on the GPU profiles;
@@ -101,11 +100,10 @@ class Overheads:
     shared_attention_step_s: what each attention rank after the first adds to the step
         boundary there (it samples and trades tokens and requests with the driver, one more
         process on the cores, while the rest of the instance waits; an expert rank only joins
-        the all-gather, and one attention rank's share is in ``shared_step_s``). In every
-        quiet held-out set on the 2-core AVX-512 EPYC, 2A+1E's decode steps at 3 to 40
-        sequences took 0-5 ms (median 2.9) more than 1A+2E's constants said at one
-        micro-batch, and less at two (median 1.3; as much at 3 sequences): a cost per step,
-        not per exchange; 0 on the GPU profiles;
+        the all-gather, and one attention rank's share is in ``shared_step_s``). What 2A+1E's
+        decode steps take beyond 1A+2E's constants does not grow with the sequences, and is
+        smaller with two micro-batches than with one: a cost per step, not per exchange; 0 on
+        the GPU profiles;
     """
 
     step_s: float = 0.0
@@ -186,7 +184,7 @@ class HardwareProfile:
     cores: ranks that can compute at once on one host (None: a device per rank, no contention);
     oversubscribed: the slow-down of every rank's compute once more rank processes than
         ``cores`` share the host (each holds a core while it computes or polls a peer, so the
-        OS time-slices them: measured here as a step, the same at 3 and 4 processes on 2 cores);
+        OS time-slices them: one factor, the same however many processes exceed ``cores``);
     cache_bytes: the host's last-level cache (this machine: read from sysfs); a model whose
         weights all fit stays there between uses, and its kernels' weight reads are not bound by
         ``mem_bytes_per_s`` (0: not modelled, as on the GPU profiles, whose models are far

@@ -117,7 +117,7 @@ class ModelShape:
     # ---- per token ----------------------------------------------------------------------------
     def kv_bytes_per_token(self, elem: int = 2) -> int:
         """KV cache bytes per token and layer, by the runtime's rule (`kv_values_per_token`)."""
-        from splitmoe.config import kv_values_per_token
+        from splitmoe.models.config import kv_values_per_token
 
         if self.attention == "mla":
             return kv_values_per_token(1, self.qk_rope_dim, self.kv_lora_rank) * elem

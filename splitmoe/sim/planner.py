@@ -176,7 +176,8 @@ class CompareSpace:
     micro_batches: tuple[int, ...] = (2, 3)
     colocated_sizes: tuple[int, ...] = (8, 16, 32, 64)
     # one micro-batch or two: two re-read every expert's weights per step, which loses where
-    # weight reads bind (Mixtral-8x22B on H100: EP8 m=2 328 tok/s/GPU, EP16 m=1 834)
+    # weight reads bind (the model's Mixtral-8x22B on H100: EP16 m=1 serves more than twice
+    # EP8 m=2's tokens per GPU)
     colocated_micro_batches: tuple[int, ...] = (1, 2)
     transport: str = "gpu_a2a"
     batches: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384,

@@ -492,12 +492,12 @@ class Simulator:
         # the experts' cost is concave in the tokens (distinct experts saturate): the mean of
         # the micro-batches' two sizes' costs, not the cost of the mean
         te = _split_mean(t_mb, experts_at)
-        # More rank processes than a host's cores (`HardwareProfile.contention`; 1 on GPUs):
-        # every rank's work that grows with its tokens runs slower, the fixed per-layer host
-        # cost does not (on this machine 1+2 ranks at 1 sequence cost their fixed work and
-        # wake-ups, at 16 sequences the per-token work 1.9x as long); and the transport's waits
-        # sleep (they spin only on a core of one's own), so dispatch wakes each expert rank and
-        # combine each attention rank with sequences (an empty one's answer is there first).
+        # More rank processes than a host's cores (`HardwareProfile.contention`; 1 on GPUs): every
+        # rank's work that grows with its tokens runs slower, the fixed per-layer host cost does not
+        # (a step of few sequences is its fixed work and wake-ups, one of many its time-sliced
+        # per-token work); and the transport's waits sleep (they spin only on a core of one's own),
+        # so dispatch wakes each expert rank and combine each attention rank with sequences (an
+        # empty one's answer is there first).
         slow = hw.contention(dep.ranks)
         sleeping = slow > 1 and not dep.colocated
         wakes = dep.expert_ranks + busy_attention if sleeping else 0.0
@@ -704,11 +704,11 @@ def shared_cores_compute(
     micro-batch of the slower side (the bottleneck, which keeps computing) runs beside one of
     the faster side, woken by an exchange. The bottleneck's ranks keep their cores (a running
     task is not moved) and the woken ranks compute on the cores left free, sharing them; where
-    none is left, their work takes turns with the bottleneck's. Measured on 2 cores
-    (`scripts/trace_step.py`, 2 attention ranks + 1 expert rank, two micro-batches): the expert
-    rank computed 86% of the step, each micro-batch's experts 4% slower than 1 + 1's, and the
-    attention ranks' compute took twice as long as at one micro-batch (two ranks on the one core
-    left): ``max(te, 2 ta)``. 1 + 2 (no core left): ``te + ta / 2``; 2 + 2: ``te + ta``.
+    none is left, their work takes turns with the bottleneck's. On 2 cores with 2 attention
+    ranks + 1 expert rank and two micro-batches (`scripts/trace_step.py` shows it), the expert
+    rank computes nearly the whole step at its own speed and the two attention ranks share the
+    one core left, each at half speed: ``max(te, 2 ta)``. 1 + 2 (no core left):
+    ``te + ta / 2``; 2 + 2: ``te + ta``.
     """
     phase_a = ta * max(1.0, attention / cores)
     phase_e = te * max(1.0, experts / cores)

@@ -15,12 +15,13 @@ from tiny_models import make_tiny_checkpoint
 from splitmoe.attention_nodes.graphs import DecodeGraphs, pad_meta
 from splitmoe.attention_nodes.kv_cache import PagedKVCache
 from splitmoe.attention_nodes.model import AttentionModel, MicroBatch
-from splitmoe.config import ModelConfig, engine_config
 from splitmoe.cuda_graphs import RerunSegment, bucket_for, capture_sizes, pad_rows
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.kernels.attention_metadata import AttentionMetadata
 from splitmoe.kernels.backends import attention_backend, moe_backend
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.loader import load_attention_weights
+from splitmoe.options import engine_config
 
 CPU = torch.device("cpu")
 BLOCK = 4

@@ -25,7 +25,7 @@ from splitmoe import LLM, RankFailure, SamplingParams
 from splitmoe.comm.local_job import run_ranks
 from splitmoe.comm.shm import ShmHub, host_shm_supported
 from splitmoe.comm.topology import Topology
-from splitmoe.comm.transport import _ThreadPoster
+from splitmoe.comm.transfer import _ThreadPoster
 from splitmoe.comm.transports import TRANSPORTS
 from splitmoe.config import ParallelConfig
 from splitmoe.kernels.fused_moe import fused_moe_ref
@@ -147,7 +147,7 @@ def test_rank_killed_with_transfers_in_flight_fails_the_job(tmp_path, shared_mem
         shared_memory=shared_memory,
         timeout_s=60,
     )
-    pids = [p.pid for p in llm._procs]
+    pids = list(llm.rank_pids)
     stop, served, failure = threading.Event(), threading.Event(), []
 
     def serve() -> None:

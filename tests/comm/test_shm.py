@@ -568,7 +568,7 @@ def test_engine_tokens_same_with_and_without_shared_memory(tiny_ckpt, hf_ref):
             shared_memory=shared_memory,
         ) as llm:
             # which rank processes hold shared-memory lanes (LLM keeps no public list of them)
-            mapped[shared_memory] = [_mapped_lanes(p.pid) > 0 for p in llm._procs]
+            mapped[shared_memory] = [_mapped_lanes(pid) > 0 for pid in llm.rank_pids]
             outs = llm.generate(PROMPTS, params)
         tokens[shared_memory] = [list(o.token_ids) for o in outs]
     assert mapped == {False: [False, False], True: [True, True]}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from splitmoe.comm.flat import FlatTransport
 from splitmoe.comm.local_job import run_ranks
 from splitmoe.comm.topology import Topology
-from splitmoe.comm.transport import FlatTransport
 from splitmoe.config import ParallelConfig
 from splitmoe.kernels.fused_moe import fused_moe_ref
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from tiny_models import make_tiny_checkpoint
 
-from splitmoe.config import ModelConfig
 from splitmoe.cuda_graphs import RerunSegment
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.expert_nodes.graphs import ExpertGraphs
 from splitmoe.kernels.backends import moe_backend
+from splitmoe.models.config import ModelConfig
 
 CPU = torch.device("cpu")
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from tiny_models import quantize_fp8_checkpoint
 
-from splitmoe.config import ModelConfig
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.kernels.backends import moe_backend
 from splitmoe.kernels.quant import QuantizedWeight
+from splitmoe.models.config import ModelConfig
 
 CPU = torch.device("cpu")
 

@@ -1,6 +1,7 @@
 """The CPU kernel chooser (`splitmoe.kernels.cpu_choice`) on a fake clock: it keeps the fastest
 candidate, times each shape class only until decided, persists its decisions, survives a broken
-cache file, and keys them by everything a kernel's speed depends on. And no kernel choice in
+cache file, and keys them by everything a kernel's speed depends on; classes are settled before
+serving, within a time budget, and serving never times a candidate. And no kernel choice in
 `splitmoe/` is a constant again."""
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import torch
 from splitmoe.kernels.cpu_choice import (
     ChoiceFile,
     KernelChoice,
+    Trial,
     choice_key,
-    classes_on_trial,
+    class_middles,
     half_octave_bucket,
     pow2_bucket,
+    settle,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,12 +67,11 @@ class FakeClock:
 
 
 def decide(choice, shape, clock, outs=None, dtype=torch.float32):
-    """Calls ``choice`` for ``shape`` until it has decided; the last call's output."""
-    for _ in range(100):
-        out = choice.run(shape, dtype, clock.candidates(outs))
-        if choice.decision(shape, dtype) is not None:
-            return out
-    raise AssertionError(f"{shape}: never decided")
+    """Settles ``shape`` (`KernelChoice.measure`, as a settle step does); the decision."""
+    decision = choice.measure(shape, dtype, clock.candidates(outs))
+    if decision is None:
+        raise AssertionError(f"{shape}: never decided")
+    return decision
 
 
 def _chooser(tmp_path, clock, op="op", rounds=2, budget_s=0.0):
@@ -88,11 +90,9 @@ def _chooser(tmp_path, clock, op="op", rounds=2, budget_s=0.0):
 def test_picks_the_fastest_and_times_once(tmp_path):
     clock = FakeClock({"a": 3e-3, "b": 1e-3, "c": 2e-3})
     choice = _chooser(tmp_path, clock)
-    choice.run((8, 64), torch.float32, clock.candidates())
-    assert clock.calls == {"a": 1, "b": 1, "c": 1}  # the first call runs each once, untimed
     assert choice.decision((8, 64), torch.float32) is None
     decide(choice, (8, 64), clock)
-    # then one candidate a call, until each was timed twice
+    # each once untimed, then one candidate a call, until each was timed twice
     assert clock.calls == {"a": 3, "b": 3, "c": 3}
     decision = choice.decision((8, 64), torch.float32)
     assert decision.choice == "b" and decision.source == "timed"
@@ -101,6 +101,8 @@ def test_picks_the_fastest_and_times_once(tmp_path):
         choice.run((8, 64), torch.float32, clock.candidates())
     assert clock.calls == {"a": 3, "b": 6, "c": 3}
     decide(choice, (16, 64), clock)  # a new shape class is timed
+    assert clock.calls == {"a": 6, "b": 9, "c": 6}
+    decide(choice, (16, 64), clock)  # ... once
     assert clock.calls == {"a": 6, "b": 9, "c": 6}
 
 
@@ -115,20 +117,23 @@ def test_one_lucky_call_does_not_win(tmp_path):
     assert decision.ms == {"steady": 2.0, "lucky": 3.0}
 
 
-def test_classes_on_trial_counts_every_chooser_until_decided(tmp_path):
-    # (what the simulator's calibration waits on before it times the runtime's own code)
-    before = classes_on_trial()
-    clock = FakeClock({"a": 3e-3, "b": 1e-3})
-    first, second = _chooser(tmp_path, clock, "op1"), _chooser(tmp_path, clock, "op2")
-    first.run((8,), torch.float32, clock.candidates())
-    second.run((8,), torch.float32, clock.candidates())
-    second.run((16,), torch.float32, clock.candidates())
-    assert classes_on_trial() == before + 3
-    decide(first, (8,), clock)
-    decide(second, (16,), clock)
-    assert classes_on_trial() == before + 1
-    del second  # (a chooser gone is not waited on)
-    assert classes_on_trial() == before
+def test_serving_never_runs_a_candidate_on_trial(tmp_path):
+    """After settling, `run` calls the kept candidate and nothing else, call after call; a
+    class nobody settled runs the default (the first candidate, the reference), never a
+    trial, and keeps running it: its outputs never change."""
+    clock = FakeClock({"ref": 3e-3, "fast": 1e-3, "mid": 2e-3})
+    choice = _chooser(tmp_path, clock)
+    decide(choice, (8,), clock)
+    settled = dict(clock.calls)
+    for _ in range(50):
+        choice.run((8,), torch.float32, clock.candidates())
+    assert clock.calls == {**settled, "fast": settled["fast"] + 50}
+    for _ in range(50):  # a class met only now
+        choice.run((16,), torch.float32, clock.candidates())
+    assert clock.calls == {"ref": settled["ref"] + 50, "fast": settled["fast"] + 50,
+                           "mid": settled["mid"]}  # fmt: skip
+    assert choice.decision((16,), torch.float32) is None  # (nothing was timed)
+    assert choice.defaulted() == [((16,), torch.float32, torch.get_num_threads())]
 
 
 def test_short_kernels_get_more_rounds(tmp_path):
@@ -158,9 +163,9 @@ def test_a_disagreeing_candidate_is_never_chosen(tmp_path, caplog):
     outs = {"ref": torch.tensor([1.0, 2.0]), "wrong": torch.tensor([1.0, 2.5])}
     choice = _chooser(tmp_path, clock)
     with caplog.at_level(logging.WARNING):
-        got = choice.run((1,), torch.float32, clock.candidates(outs))
+        decide(choice, (1,), clock, outs)
+    got = choice.run((1,), torch.float32, clock.candidates(outs))
     assert got is outs["ref"] and "disagrees" in caplog.text
-    decide(choice, (1,), clock, outs)
     assert choice.decision((1,), torch.float32).choice == "ref"
 
 
@@ -173,6 +178,7 @@ def test_the_cache_file_round_trips(tmp_path):
     clock2 = FakeClock({"a": 1e-3, "b": 3e-3})
     later = _chooser(tmp_path, clock2)
     decide(later, (4,), clock2)
+    later.run((4,), torch.float32, clock2.candidates())
     assert clock2.calls == {"a": 0, "b": 1}
     decision = later.decision((4,), torch.float32)
     assert decision.choice == "b" and decision.source == "cache file"
@@ -291,10 +297,7 @@ def test_a_kernel_added_since_a_decision_is_measured(tmp_path):
     decide(_chooser(tmp_path, clock), (4, 4), clock)
     clock = FakeClock({"a": 2e-3, "b": 3e-3, "new": 1e-3})
     choice = _chooser(tmp_path, clock)
-    for _ in range(20):
-        choice.run((4, 4), torch.float32, clock.candidates())
-        if choice.kept((4, 4), torch.float32) is not None:
-            break
+    decide(choice, (4, 4), clock)
     assert choice.kept((4, 4), torch.float32) == "new"
     assert set(choice.decision((4, 4), torch.float32).ms) == {"a", "b", "new"}
     # a candidate dropped for disagreeing is remembered: no new trial in the next process
@@ -367,10 +370,7 @@ def test_a_failing_candidate_is_dropped_and_all_failing_raises(tmp_path, caplog)
     clock = FakeClock({"ref": 2e-3, "broken": 1e-3, "fast": 1.5e-3})
     choice = _chooser(tmp_path, clock)
     with caplog.at_level(logging.WARNING):
-        for _ in range(100):
-            choice.run((1,), torch.float32, failing(clock.candidates(), "broken"))
-            if choice.decision((1,), torch.float32) is not None:
-                break
+        choice.measure((1,), torch.float32, failing(clock.candidates(), "broken"))
     got = choice.decision((1,), torch.float32)
     assert got.choice == "fast" and got.dropped == ("broken",)
     assert "'broken' failed (RuntimeError" in caplog.text
@@ -382,10 +382,117 @@ def test_a_failing_candidate_is_dropped_and_all_failing_raises(tmp_path, caplog)
     clock = FakeClock({"ref": 2e-3, "other": 1e-3})
     outs = {"ref": torch.tensor([1.0]), "other": torch.tensor([7.0])}
     choice = _chooser(tmp_path / "b", clock)
+    choice.measure((2,), torch.float32, failing(clock.candidates(outs), "ref"))
     assert choice.run((2,), torch.float32, failing(clock.candidates(outs), "ref")) is outs["other"]
 
     # every candidate fails: the first's error, nothing decided
     choice = _chooser(tmp_path / "c", clock)
     with pytest.raises(RuntimeError, match="ref: could not"):
-        choice.run((3,), torch.float32, failing(clock.candidates(), "ref", "other"))
+        choice.measure((3,), torch.float32, failing(clock.candidates(), "ref", "other"))
     assert choice.decision((3,), torch.float32) is None
+
+
+def _trials(choice, clock, classes, builds=None):
+    """A `Trial` per shape class ``(n,)`` of ``classes`` on ``clock``'s candidates (``builds``
+    counts each class's builds)."""
+
+    def build(n):
+        if builds is not None:
+            builds[n] = builds.get(n, 0) + 1
+        return [clock.candidates()]
+
+    names = tuple(clock.costs)
+    return [Trial(choice, (n,), torch.float32, names, lambda n=n: build(n), n) for n in classes]
+
+
+def test_settle_respects_its_time_budget(tmp_path):
+    """A settle step with a budget stops measuring when it is spent (overrun by one call at
+    most), smallest classes first; the classes it left run their default (the first
+    candidate) when met, never a trial."""
+    clock = FakeClock({"ref": 3e-3, "fast": 1e-3})  # 4 ms a round, 12 ms a class
+    choice = _chooser(tmp_path, clock)
+    report = settle(_trials(choice, clock, [64, 1, 16, 2, 32, 4, 8]), 0.05, timer=clock)
+    assert report.seconds <= 0.05 + 3e-3
+    decided = [c.shape for c in report.classes if c.decision is not None]
+    left = [c.shape for c in report.left]
+    assert decided == [(1,), (2,), (4,), (8,)] and left == [(16,), (32,), (64,)]
+    assert all(c.decision.choice == "fast" for c in report.classes if c.decision is not None)
+    assert choice.decision((32,), torch.float32) is None
+    calls = dict(clock.calls)
+    for _ in range(5):
+        choice.run((32,), torch.float32, clock.candidates())
+    assert clock.calls == {"ref": calls["ref"] + 5, "fast": calls["fast"]}
+    assert "4 timed, 3 left to the default kernel" in report.summary()
+
+
+def test_settle_takes_decisions_from_the_file_at_no_cost(tmp_path):
+    """A later start finds the decided classes in the file (nothing built or run for them)
+    and spends its budget on the ones left: start after start, every class gets measured."""
+    clock = FakeClock({"ref": 3e-3, "fast": 1e-3})
+    classes = [1, 2, 4, 8, 16, 32, 64]
+    first = settle(_trials(_chooser(tmp_path, clock), clock, classes), 0.03, timer=clock)
+    assert 0 < len(first.left) < len(classes)
+    builds: dict = {}
+    clock2 = FakeClock({"ref": 3e-3, "fast": 1e-3})
+    later = _chooser(tmp_path, clock2)
+    second = settle(_trials(later, clock2, classes, builds), None, timer=clock2)
+    assert second.left == [] and second.count("cache file") == len(classes) - len(first.left)
+    assert set(builds) == {c.shape[0] for c in first.left}  # (only those were built)
+    assert clock2.calls["ref"] == 3 * len(first.left)  # 1 untimed + 2 timed calls of each
+
+
+def test_settle_with_no_time_decides_nothing_and_serving_runs_the_reference(tmp_path):
+    clock = FakeClock({"ref": 3e-3, "fast": 1e-3})
+    choice = _chooser(tmp_path, clock)
+    report = settle(_trials(choice, clock, [1, 2]), 0.0, timer=clock)
+    assert len(report.left) == 2 and sum(clock.calls.values()) == 0
+    assert choice.run((1,), torch.float32, clock.candidates()) is not None
+    assert clock.calls == {"ref": 1, "fast": 0}
+
+
+def test_class_middles():
+    """The count a settle step times a class at: the middle of the counts in it."""
+    assert class_middles(range(1, 20)) == {1: 1, 2: 2, 4: 4, 8: 7, 16: 13, 32: 18}
+    pairs = [4 * t for t in range(1, 9)]  # a colocated call's pairs: tokens x top-4
+    assert class_middles(pairs, half_octave_bucket) == {
+        4: 4, 8: 8, 12: 12, 16: 16, 24: 24, 32: 32
+    }  # fmt: skip
+
+
+def test_one_process_measures_at_a_time(tmp_path):
+    """`ChoiceFile.turn`: while one holder has the machine's turn another waits, until its
+    deadline at most; once the turn is given back the next one gets it."""
+    import time
+
+    first, second = ChoiceFile(tmp_path / "c.json"), ChoiceFile(tmp_path / "c.json")
+    with first.turn() as got:
+        assert got
+        t = time.perf_counter()
+        with second.turn(t + 0.05) as waited:
+            assert not waited and time.perf_counter() - t >= 0.05
+    with second.turn(time.perf_counter() + 1.0) as got:
+        assert got
+
+
+def test_a_class_too_slow_for_the_budget_leaves_it_to_the_next(tmp_path):
+    """A class whose timings would end past the deadline gives up as soon as its calls tell,
+    and the classes after it get the time (a slow class does not stall every start)."""
+    clock = FakeClock({"ref": 0.0, "fast": 0.0})
+    choice = _chooser(tmp_path, clock)
+
+    def build(scale):
+        def call(cost):
+            def run():
+                clock.now += cost * scale
+                clock.cpu_s += cost * scale * torch.get_num_threads()
+                return torch.ones(3)
+
+            return run
+
+        return lambda: [{"ref": call(3e-3), "fast": call(1e-3)}]
+
+    slow = Trial(choice, (1,), torch.float32, ("ref", "fast"), build(100.0), 1)
+    cheap = [Trial(choice, (n,), torch.float32, ("ref", "fast"), build(1.0), n) for n in (2, 4)]
+    report = settle([slow, *cheap], 1.0, timer=clock)
+    assert [c.shape for c in report.left] == [(1,)]  # (0.4 s of warm-up, then it gave up)
+    assert report.count("timed") == 2 and report.seconds < 0.45

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import splitmoe.kernels.fused_moe as fm
+from splitmoe.kernels.cpu_choice import settle
 from splitmoe.kernels.fused_moe import fused_moe, fused_moe_grouped_mm, fused_moe_ref
 
 PATHS = ("wleft", "xleft", "per_expert", "native")
@@ -87,18 +88,18 @@ def test_grouped_mm_path_matches_the_reference():
 
 
 def test_measured_choice_matches_the_reference():
-    """Unforced, the calls of a shape class on trial run each layout in turn, then the kept one
-    alone: every output matches the reference, and once decided they repeat bit for bit."""
+    """Unforced, a shape class runs its default layout until it is settled (`moe_trials`,
+    measured on made-up tokens before serving), then the kept one alone: every output matches
+    the reference, and once decided they repeat bit for bit."""
     x, w13, w2, ids, w = _case(32, 8, 32, 16, 4, skew=1.0, skip=0.2, seed=11)
     want = fused_moe_ref(x, w13, w2, ids, w)
-    for _ in range(len(fm.CPU_MOE_PATHS) * 20 + 1):  # at most max_rounds timings of each
-        got = fused_moe(x, w13, w2, ids, w, "torch")
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        decision = fm.cpu_moe_decision(x, w13, ids)
-        if decision is not None:
-            break
+    torch.testing.assert_close(fused_moe(x, w13, w2, ids, w, "torch"), want, rtol=1e-5, atol=1e-5)
+    pairs = int((ids >= 0).sum())
+    settle(fm.moe_trials([(w13, w2)], {}, [pairs], 4, 4, x.dtype))
+    decision = fm.cpu_moe_decision(x, w13, ids)
     assert decision is not None and decision.choice in fm.CPU_MOE_PATHS
     kept = fused_moe(x, w13, w2, ids, w, "torch")
+    torch.testing.assert_close(kept, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(fused_moe(x, w13, w2, ids, w, "torch"), kept)
     forced = fm.fused_moe_cpu(x, w13, w2, ids, w, path=decision.choice)
     assert torch.equal(kept, forced)

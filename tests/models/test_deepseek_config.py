@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 from splitmoe.sim.model import CONFIG_DIR, ModelShape
 
 

@@ -15,7 +15,7 @@ from tiny_models import hf_greedy, make_tiny_checkpoint, quantize_fp8_checkpoint
 
 from splitmoe import LLM, SamplingParams
 from splitmoe.chat import ChatTemplate
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 from splitmoe.sim.model import CONFIG_DIR
 from splitmoe.tokenizer import TiktokenTokenizer, Tokenizer
 

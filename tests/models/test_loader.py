@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from small_default import write_small_model
 
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.loader import (
     CheckpointError,
     CheckpointReader,

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from quant_models import write_fp8_experts, write_mxfp4_checkpoint
 from tiny_models import quantize_fp8_checkpoint
 
-from splitmoe.config import ModelConfig
 from splitmoe.expert_nodes.experts import LocalExperts
 from splitmoe.kernels.backends import moe_backend
 from splitmoe.kernels.fused_moe import cpu_moe_decision, fused_moe, fused_moe_cpu, fused_moe_ref
@@ -26,6 +25,7 @@ from splitmoe.kernels.quant import (
     held_bytes,
     permute_rows,
 )
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.gpt_oss import quantize_mxfp4
 from splitmoe.models.loader import (
     CheckpointError,
@@ -232,7 +232,7 @@ _PEAK_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import torch
-    from splitmoe.config import ModelConfig
+    from splitmoe.models.config import ModelConfig
     from splitmoe.kernels.quant import held_bytes
     from splitmoe.models.loader import load_expert_weights
 

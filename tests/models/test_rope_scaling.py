@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitmoe import LLM
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.rope import parse_rope, rope_inv_freq, yarn_softmax_scale
 
 # DeepSeek-V3's released rope_scaling (old "type" spelling), and variants

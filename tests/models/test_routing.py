@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitmoe.config import ModelConfig
+from splitmoe.models.config import ModelConfig
 from splitmoe.models.routing import route
 
 E, H, T = 16, 32, 64

@@ -164,6 +164,7 @@ def test_a_client_that_leaves_aborts_the_decode_request(pd, stream):
             model="m",
             prompt=prompt_ids(40, seed=7),
             max_tokens=200,
+            n=16,  # (decoding long enough to be caught at it)
             ignore_eos=True,
             temperature=0,
             stream=stream,
@@ -183,7 +184,7 @@ def test_a_client_that_leaves_aborts_the_decode_request(pd, stream):
     else:  # the decode instance works on it: then hang up
         while running(decode) == 0:
             assert time.monotonic() < deadline
-            time.sleep(0.05)
+            time.sleep(0.02)
     s.close()
     while aborted(decode) == before:
         assert time.monotonic() < deadline, "the decode request ran on"

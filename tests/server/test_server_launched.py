@@ -1,5 +1,5 @@
 """The server under torchrun: rank 0 serves (its attention rank 0 a child process), rank 1 is an
-attention rank in another process (reached through rank 0's relay on the step sync), rank 2 an
+attention rank in another process (connected to rank 0's server directly), rank 2 an
 expert rank; HF's tokens come back from both attention ranks, whole and streamed; /metrics
 shows both ranks' prefix caches and the expert rank's load; SIGTERM to rank 0 drains and ends
 the whole job."""
@@ -95,7 +95,7 @@ def test_torchrun_rank0_serves_two_attention_ranks(tiny_ckpt, hf_ref, tmp_path):
         choices = sorted(r.json()["choices"], key=lambda c: c["index"])
         assert [c["token_ids"] for c in choices] == [hf_ref(ckpt, p, 8) for p in prompts]
         # (each rank's counters are published about a second after they change, rank 1's
-        # relayed through rank 0's step sync: poll until both show the prompts' blocks)
+        # published by each rank on its own: poll until both show the prompts' blocks)
         deadline = time.monotonic() + 15
         while True:
             text = httpx.get(url + "/metrics", timeout=30).text
@@ -105,7 +105,7 @@ def test_torchrun_rank0_serves_two_attention_ranks(tiny_ckpt, hf_ref, tmp_path):
             assert time.monotonic() < deadline, cached
             time.sleep(0.3)
         assert _gauges(text, "splitmoe:expert_rank_tokens")["2"] > 0
-        # streamed, both ranks busy at once: tokens relayed from rank 1 as they come
+        # streamed, both ranks busy at once: rank 1's tokens come as they are made
         with httpx.Client(timeout=60) as client:
             with client.stream(
                 "POST",

@@ -1,6 +1,6 @@
 """Tool calls reach the client: a chat choice whose text holds Hermes ``<tool_call>`` blocks
 comes back as OpenAI's ``message.tool_calls`` (``finish_reason`` "tool_calls"), whole or
-streamed, through the server's own response code (`splitmoe.server.app`)."""
+streamed, through the server's own response code (`splitmoe.server.reply`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 from splitmoe.outputs import RequestOutput
 from splitmoe.sampling_params import SamplingParams
-from splitmoe.server.app import _Reply, _tool_delta, _ToolCalls
 from splitmoe.server.protocol import Sampling
+from splitmoe.server.reply import Reply, ToolCalls, tool_delta
 from splitmoe.server.tool_parsers import get_tool_parser
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
@@ -19,11 +19,11 @@ TEXT = (
 )
 
 
-def _reply() -> _Reply:
+def _reply() -> Reply:
     state = SimpleNamespace(served_model_name="m", tokenizer=None)
     s = Sampling([SamplingParams()], 1, False, False, None, True, False)
-    calls = _ToolCalls(get_tool_parser("hermes"), TOOLS)
-    return _Reply(state, [[1, 2]], s, True, "req-1", None, calls)
+    calls = ToolCalls(get_tool_parser("hermes"), TOOLS)
+    return Reply(state, [[1, 2]], s, True, "req-1", None, calls)
 
 
 def test_whole_response_has_tool_calls():
@@ -41,12 +41,12 @@ def test_whole_response_has_tool_calls():
 
 
 def test_streamed_deltas_hold_the_call_back_then_send_it():
-    calls = _ToolCalls(get_tool_parser("hermes"), TOOLS).stream()
+    calls = ToolCalls(get_tool_parser("hermes"), TOOLS).stream()
     sent, extra, reason = "", {}, None
     pieces = [TEXT[i : i + 5] for i in range(0, len(TEXT), 5)]
     for k, piece in enumerate(pieces):
         last = k == len(pieces) - 1
-        text, extra, reason = _tool_delta(calls, piece, "stop" if last else None)
+        text, extra, reason = tool_delta(calls, piece, "stop" if last else None)
         sent += text
         if not last:
             assert "<tool" not in sent and not extra

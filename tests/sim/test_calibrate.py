@@ -155,7 +155,7 @@ def test_components_measure_a_checkpoint(tiny_ckpt, name):
     constant measured is a non-negative number of seconds."""
     import math
 
-    from splitmoe.config import ModelConfig
+    from splitmoe.models.config import ModelConfig
     from splitmoe.sim.calibrate import (
         ATTENTION_GRID_SEQS,
         ROOFLINE_CPU,

@@ -1,0 +1,211 @@
+"""The rank processes a front end starts: spawning, watching, ending.
+
+A front end starts every rank of its job as a spawned child (or, under a launcher, attention
+rank 0 alone: the launcher started the others). Each child runs `rank_main`: it dies with its
+parent (Linux), ignores Ctrl-C (the front end handles it and stops them all), talks to the
+front end over its own `RankChannel`, and reports how it ended: `protocol.Exited`, or
+`protocol.RankError` / `protocol.Evicted` before a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+
+from splitmoe.comm.control import RankEvicted
+from splitmoe.comm.distributed import shutdown_groups
+from splitmoe.config import EngineConfig
+from splitmoe.engine.channel import RankChannel
+from splitmoe.host import rank_openmp_env
+
+
+@dataclass(frozen=True)
+class LaunchedJob:
+    """A job whose ranks a launcher (torchrun, mpirun) started, this process being rank 0's: an
+    `LLM` built with it spawns only attention rank 0 (as a child that joins the launcher's
+    rendezvous), and the other ranks run `splitmoe.runtime.run_rank` in their own processes,
+    each connected to this front end directly."""
+
+    init_method: str
+    local_rank: int
+    local_world_size: int
+
+
+_MAIN_GUARD = 'if __name__ == "__main__":'
+
+
+def check_not_bootstrapping() -> None:
+    """Refuses to build an `LLM` in a process that multiprocessing is still starting.
+
+    `LLM` starts its ranks with the "spawn" method, whose new process first runs the parent's
+    main script again (as module ``__mp_main__``): a script that builds its LLM at its top
+    level, outside the main guard, builds one in every rank, which multiprocessing then stops
+    with a message naming neither splitmoe nor the fix. ``_inheriting`` is the flag that
+    multiprocessing's own check reads (``multiprocessing.spawn._check_not_importing_main``)."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "LLM(...) was called while multiprocessing was starting this process with the "
+            "'spawn' method, the way LLM starts its rank processes: a new process first runs "
+            "the main script again, and this script creates an LLM at its top level. Put the "
+            f"code that creates and uses the LLM under `{_MAIN_GUARD}`:\n\n"
+            "    from splitmoe import LLM\n\n"
+            f"    {_MAIN_GUARD}\n"
+            "        llm = LLM(...)\n"
+            "        outputs = llm.generate(...)\n"
+        )
+
+
+def _die_with_parent() -> None:
+    try:  # Linux: the kernel kills this rank if the front end dies (even by SIGKILL).
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def rank_main(
+    cfg: EngineConfig,
+    rank: int,
+    init_method: str,
+    address: str,
+    token: str,
+    launched: LaunchedJob | None = None,
+) -> None:
+    """A spawned rank, start to end."""
+    from splitmoe.runtime import run_rank  # (the rank's own imports: torch, the model...)
+
+    _die_with_parent()
+    # Ctrl-C reaches the whole terminal process group: the front end handles it and stops the
+    # ranks, so a rank ignores it instead of dying mid-collective with a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    role = "attention" if rank < cfg.parallel.attention_ranks else "expert"
+    channel = RankChannel(rank, role == "attention", address, token, announce=bool(launched))
+    where = (launched.local_rank, launched.local_world_size) if launched else (None, None)
+    try:
+        run_rank(cfg, rank, init_method, channel, *where)
+        shutdown_groups()
+    except RankEvicted as e:  # (the others went on without this rank: not the job's failure)
+        channel.evicted(role, str(e))
+        sys.exit(1)
+    except BaseException as e:  # report every failure, Ctrl-C included, then exit non-zero
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        channel.failed(role, detail, traceback.format_exc())
+        sys.exit(1)
+    channel.close(role)
+
+
+class RankProcesses:
+    """The rank processes this front end started, in rank order (rank ``r`` is ``procs[r]``)."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        init_method: str,
+        address: str,
+        token: str,
+        launched: LaunchedJob | None,
+    ):
+        self.cfg = cfg
+        ctx = mp.get_context("spawn")
+        local = 1 if launched is not None else cfg.parallel.world_size
+        self.procs: list[mp.Process] = []
+        # (a spawned process takes this process's environment as it is when it starts; the
+        # variables are set only where the user has not set them)
+        omp = rank_openmp_env(cfg, launched.local_world_size if launched else local)
+        os.environ.update(omp)
+        try:
+            for rank in range(local):
+                p = ctx.Process(
+                    target=rank_main,
+                    args=(cfg, rank, init_method, address, token, launched),
+                    name=f"splitmoe-rank{rank}",
+                    daemon=True,
+                )
+                p.start()
+                self.procs.append(p)
+        finally:
+            for k in omp:
+                os.environ.pop(k, None)
+        self._finalizer = weakref.finalize(self, kill_all, list(self.procs))
+        atexit.register(self._finalizer)
+
+    def role(self, rank: int) -> str:
+        return "attention" if rank < self.cfg.parallel.attention_ranks else "expert"
+
+    def exited(self) -> list[int]:
+        """Ranks of this host whose process has ended."""
+        return [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+
+    def died(self, exclude: set[int], grace_s: float = 0.5) -> str:
+        """Ranks that died without reporting (killed, out of memory), but ``exclude``: usually
+        the root cause when a peer reports a broken connection; "" when none."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [
+                (r, p.exitcode)
+                for r, p in enumerate(self.procs)
+                if r not in exclude and p.exitcode is not None and p.exitcode != 0
+            ]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        return "; ".join(
+            f"rank {r} ({self.role(r)}) died "
+            + (f"(killed by {signal.Signals(-c).name})" if c < 0 else f"(exit code {c})")
+            for r, c in dead
+        )
+
+    def end(self, rank: int) -> bool:
+        """Ends rank ``rank`` if this process started it and it still runs (stopped, hung, or
+        woken after its peers went on: a SIGSTOPped process takes SIGKILL too) and reaps it;
+        whether it was still running."""
+        if rank >= len(self.procs):
+            return False
+        p = self.procs[rank]
+        running = p.exitcode is None
+        if running:
+            p.kill()
+        p.join(timeout=5)
+        return running
+
+    def spawn_failure_hint(self) -> str:
+        """The start-up failure's hint when ranks exited with an error code without reporting
+        it: `rank_main` reports every failure, so they failed before it ran, while
+        multiprocessing was starting them, which runs the main script again."""
+        script = getattr(sys.modules.get("__main__"), "__file__", None)
+        if script is None or not any(p.exitcode and p.exitcode > 0 for p in self.procs):
+            return ""
+        return (
+            f", before reporting in. A rank process first runs the main script {script} again "
+            "(multiprocessing's 'spawn' start method); a failure there ends it (see the rank's "
+            "traceback on stderr). If the script creates the LLM at its top level, put that "
+            f"code under `{_MAIN_GUARD}`."
+        )
+
+    def join(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+
+    def kill(self) -> None:
+        kill_all(self.procs)
+        self._finalizer.detach()
+
+
+def kill_all(procs: list[mp.Process]) -> None:
+    """Stops the ranks (SIGTERM, then SIGKILL for one that does not go) and reaps them."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
