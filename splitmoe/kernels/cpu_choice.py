@@ -420,28 +420,10 @@ class KernelChoice:
         def late() -> bool:
             return deadline is not None and self.timer() >= deadline
 
-        outputs, errors, first = {}, {}, {}
-        for name in names:
-            if late():
-                return None
-            t = self.timer()
-            try:
-                outputs[name] = variants[0][name]()
-            except Exception as e:  # (e.g. oneDNN without a kernel for the dtype on this CPU)
-                errors[name] = e
-            first[name] = self.timer() - t
-        if not outputs:  # (every kernel refuses the call: the caller's problem, not theirs)
-            raise next(iter(errors.values()))
-        for name, e in errors.items():
-            log.warning("%s %s: kernel %r failed (%s: %s); not used", self.op, shape, name,
-                        type(e).__name__, e)  # fmt: skip
-        alive = list(outputs)
-        for name in alive[1:]:
-            if not outputs_agree(outputs[alive[0]], outputs[name]):
-                log.warning("%s %s: kernel %r disagrees with %r; not used", self.op, shape,
-                            name, alive[0])  # fmt: skip
-                alive.remove(name)
-        del outputs
+        tried = self._try_each(shape, variants[0], late)
+        if tried is None:
+            return None
+        alive, first = tried
         dropped = tuple(n for n in names if n not in alive)
         times: dict[str, list[tuple[float, bool]]] = {name: [] for name in alive}
 
@@ -486,6 +468,34 @@ class KernelChoice:
             times[name].append((elapsed, not lost))
         typical = {n: statistics.median(clean(n) or [s for s, _ in times[n]]) for n in times}
         return self._decide(mem_key, typical, dropped, contended=any(not clean(n) for n in times))
+
+    def _try_each(
+        self, shape: tuple, candidates: Candidates, late: Callable[[], bool]
+    ) -> tuple[list[str], dict[str, float]] | None:
+        """Calls each candidate once, untimed; returns those that ran and agree with the first
+        that ran, with each call's time (None when ``late`` turned true on the way)."""
+        outputs, errors, first = {}, {}, {}
+        for name in candidates:
+            if late():
+                return None
+            t = self.timer()
+            try:
+                outputs[name] = candidates[name]()
+            except Exception as e:  # (e.g. oneDNN without a kernel for the dtype on this CPU)
+                errors[name] = e
+            first[name] = self.timer() - t
+        if not outputs:  # (every kernel refuses the call: the caller's problem, not theirs)
+            raise next(iter(errors.values()))
+        for name, e in errors.items():
+            log.warning("%s %s: kernel %r failed (%s: %s); not used", self.op, shape, name,
+                        type(e).__name__, e)  # fmt: skip
+        alive = list(outputs)
+        for name in alive[1:]:
+            if not outputs_agree(outputs[alive[0]], outputs[name]):
+                log.warning("%s %s: kernel %r disagrees with %r; not used", self.op, shape,
+                            name, alive[0])  # fmt: skip
+                alive.remove(name)
+        return alive, first
 
     def _decide(
         self, mem_key: tuple, typical: dict[str, float], dropped: tuple, contended: bool
