@@ -116,6 +116,29 @@ def test_stream_and_metrics_are_consistent(tiny_ckpt):
     assert agg.seqs_per_step_max == 2 and agg.num_steps >= 9
 
 
+def test_a_late_poll_reports_each_request_once_with_all_its_steps(tiny_ckpt):
+    """The ranks ran many steps before the front end looked: one `poll` takes them all in,
+    and still names each request once (finished once), its new tokens those steps' in order."""
+    ckpt = tiny_ckpt("olmoe")
+    with cpu_llm(ckpt, 1, 0) as llm:
+        want = llm.generate(["hello world", "abc"], SamplingParams(max_tokens=12, **GREEDY))
+        rids = llm.submit(["hello world", "abc"], SamplingParams(max_tokens=12, **GREEDY))
+        time.sleep(3)  # (every step done, waiting to be read)
+        seen, finished = {rid: [] for rid in rids}, []
+        deadline = time.monotonic() + 30
+        while len(finished) < len(rids):
+            assert time.monotonic() < deadline
+            got = llm.poll(timeout=1)
+            assert len({out.request_id for out, _ in got}) == len(got)
+            for out, new in got:
+                seen[out.request_id] += new
+                if out.finished:
+                    finished.append(out)
+    assert sorted(o.request_id for o in finished) == sorted(rids)
+    for out, w in zip(sorted(finished, key=lambda o: o.request_id), want):
+        assert seen[out.request_id] == out.token_ids == w.token_ids
+
+
 def test_stream_text_deltas_add_up_without_decoding_everything(tiny_ckpt):
     """The incremental detokenizer's deltas join to the full decode at every step (also across
     tokens that split a character), decoding a window instead of the whole output."""

@@ -87,11 +87,21 @@ class RequestState:
 
 @dataclass
 class Progress:
-    """What one read of the ranks brought: ``advanced`` (request output, new token ids) and
-    the outputs that ``finished``."""
+    """What one read of the ranks brought: ``advanced`` (request output, new token ids), one
+    entry per request however many of its steps the read took in, and the outputs that
+    ``finished``."""
 
     advanced: list[tuple[RequestOutput, list[int]]] = field(default_factory=list)
     finished: list[RequestOutput] = field(default_factory=list)
+    _at: dict[int, int] = field(default_factory=dict)  # id(output) -> its entry in `advanced`
+
+    def advance(self, out: RequestOutput, new: list[int]) -> None:
+        i = self._at.get(id(out))
+        if i is None:
+            self._at[id(out)] = len(self.advanced)
+            self.advanced.append((out, new))
+        else:  # (a later step of the same request: its tokens join the entry)
+            self.advanced[i] = (out, self.advanced[i][1] + new)
 
 
 class EngineClient:
@@ -407,7 +417,7 @@ class EngineClient:
                     if st.stop.hit[0] == len(out.token_ids) and new:  # (it just appeared)
                         self.send(st.rank, AbortRequests([rid]))
                     continue  # (nothing past a stop string is reported)
-            got.advanced.append((out, new))
+            got.advance(out, new)
             reported.add(rid)
         self.router.add(rank, sum(map(len, step.new_tokens)))
         for f in step.finished:
@@ -437,7 +447,7 @@ class EngineClient:
         if reason not in ("abort", "error"):
             self.finished.append(out)
         if not reported:  # (its last tokens were held back: it ends with none new)
-            got.advanced.append((out, []))
+            got.advance(out, [])
         got.finished.append(out)
 
     def _request_fault(self, st: RequestState, stage: str, error: Exception) -> None:
