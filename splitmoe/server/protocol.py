@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from splitmoe.attention_nodes.grammar import json_depth
 from splitmoe.outputs import RequestOutput
 from splitmoe.sampling_params import SamplingParams
 
@@ -115,19 +116,6 @@ _Strict = ConfigDict(strict=True, extra="forbid")
 def _integral(v):
     """JSON Schema's integers include 2.0: taken as 2 (strict mode refuses other floats)."""
     return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**63 else v
-
-
-def json_depth(value: object) -> int:
-    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion, in time linear
-    in its size."""
-    depth, level = 0, [value]
-    while level:
-        nested = [v for v in level if isinstance(v, (dict, list))]
-        if not nested:
-            break
-        depth += 1
-        level = [c for v in nested for c in (v.values() if isinstance(v, dict) else v)]
-    return depth
 
 
 def _shallow(value):

@@ -25,7 +25,12 @@ from pathlib import Path
 
 import torch
 
-from splitmoe.kernels.cpu_choice import half_octave_bucket, pow2_bucket, settle
+from splitmoe.kernels.cpu_choice import (
+    half_octave_bucket,
+    last_level_cache_bytes,
+    pow2_bucket,
+    settle,
+)
 from splitmoe.sim.hardware import CURVES, HardwareProfile, Overheads
 
 ROOFLINE_CPU = HardwareProfile(
@@ -166,22 +171,6 @@ def measure_roofline() -> tuple[float, float]:
     dst = torch.empty_like(src)
     bw = 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src), inner=2)
     return flops, bw
-
-
-def last_level_cache_bytes(cpu: int = 0) -> float:
-    """Size of the largest unified cache of ``cpu`` (Linux sysfs; 0 where unknown)."""
-    best = 0.0
-    for index in Path(f"/sys/devices/system/cpu/cpu{cpu}/cache").glob("index*"):
-        try:
-            if (index / "type").read_text().strip() == "Instruction":
-                continue
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        n = float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
-        best = max(best, n)
-    return best
 
 
 # ---- in-process components --------------------------------------------------------------------
@@ -576,7 +565,7 @@ def measure_hardware(checkpoint: str | Path, log=print) -> HardwareProfile:
     log(f"roofline: {flops / 1e9:.1f} GFLOP/s fp32 GEMM, {bw / 1e9:.1f} GB/s copy (1 thread)")
     cache = last_level_cache_bytes()
     log(f"last-level cache: {cache / 2**20:.0f} MiB")
-    hw = replace(ROOFLINE_CPU, peak_flops=flops, mem_bytes_per_s=bw, cache_bytes=cache)
+    hw = replace(ROOFLINE_CPU, peak_flops=flops, mem_bytes_per_s=bw, cache_bytes=float(cache))
     comp = measure_components(checkpoint, hw)
 
     def us(v) -> str:  # (the curves: count:us pairs)
