@@ -43,19 +43,29 @@ from splitmoe.models.default_model import default_model_path  # noqa: E402
 
 
 def spawned_ranks(pid: int) -> list[int]:
-    """A server's rank processes (multiprocessing's spawned children), in rank order (the
-    front end starts them in that order)."""
+    """A server's rank processes, in rank order (the front end starts them in that order): its
+    spawned children, and the children of its fork server (`splitmoe.engine.procs`)."""
+
+    def kids(parent: int) -> list[tuple[int, int, bytes]]:  # (start time, pid, command line)
+        out = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                cmdline = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat[1]) == parent:
+                out.append((int(stat[19]), int(d.name), cmdline))
+        return out
+
     ranks = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (d / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat[1]) == pid and b"spawn_main" in cmdline:
-            ranks.append((int(stat[19]), int(d.name)))
+    for started, child, cmdline in kids(pid):
+        if b"spawn_main" in cmdline:
+            ranks.append((started, child))
+        elif b"multiprocessing.forkserver" in cmdline:
+            ranks += [(s, p) for s, p, _ in kids(child)]
     return [p for _, p in sorted(ranks)]
 
 

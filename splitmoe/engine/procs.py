@@ -1,9 +1,11 @@
 """The rank processes a front end starts: spawning, watching, ending.
 
-A front end starts every rank of its job as a spawned child (or, under a launcher, attention
-rank 0 alone: the launcher started the others). Each child runs `rank_main`: it dies with its
-parent (Linux), ignores Ctrl-C (the front end handles it and stops them all), talks to the
-front end over its own `RankChannel`, and reports how it ended: `protocol.Exited`, or
+A front end starts every rank of its job as a child process (or, under a launcher, attention
+rank 0 alone: the launcher started the others): CPU ranks fork from a server process that
+imported torch and the runtime once (`start_context`), other ranks are spawned. Each runs
+`rank_main`: it dies with the process that started it (Linux; the fork server ends with the
+front end), ignores Ctrl-C (the front end handles it and stops them all), talks to the front
+end over its own `RankChannel`, and reports how it ended: `protocol.Exited`, or
 `protocol.RankError` / `protocol.Evicted` before a non-zero exit.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import multiprocessing as mp
+import multiprocessing.forkserver as forkserver
 import os
 import signal
 import sys
@@ -45,17 +48,17 @@ _MAIN_GUARD = 'if __name__ == "__main__":'
 def check_not_bootstrapping() -> None:
     """Refuses to build an `LLM` in a process that multiprocessing is still starting.
 
-    `LLM` starts its ranks with the "spawn" method, whose new process first runs the parent's
-    main script again (as module ``__mp_main__``): a script that builds its LLM at its top
-    level, outside the main guard, builds one in every rank, which multiprocessing then stops
-    with a message naming neither splitmoe nor the fix. ``_inheriting`` is the flag that
+    `LLM` starts its ranks with the "forkserver" or "spawn" method, whose new process first runs
+    the parent's main script again (as module ``__mp_main__``): a script that builds its LLM at
+    its top level, outside the main guard, builds one in every rank, which multiprocessing then
+    stops with a message naming neither splitmoe nor the fix. ``_inheriting`` is the flag that
     multiprocessing's own check reads (``multiprocessing.spawn._check_not_importing_main``)."""
     if getattr(mp.current_process(), "_inheriting", False):
         raise RuntimeError(
             "LLM(...) was called while multiprocessing was starting this process with the "
-            "'spawn' method, the way LLM starts its rank processes: a new process first runs "
-            "the main script again, and this script creates an LLM at its top level. Put the "
-            f"code that creates and uses the LLM under `{_MAIN_GUARD}`:\n\n"
+            "'forkserver' or 'spawn' method, the way LLM starts its rank processes: a new "
+            "process first runs the main script again, and this script creates an LLM at its top "
+            f"level. Put the code that creates and uses the LLM under `{_MAIN_GUARD}`:\n\n"
             "    from splitmoe import LLM\n\n"
             f"    {_MAIN_GUARD}\n"
             "        llm = LLM(...)\n"
@@ -64,7 +67,14 @@ def check_not_bootstrapping() -> None:
 
 
 def _die_with_parent() -> None:
-    try:  # Linux: the kernel kills this rank if the front end dies (even by SIGKILL).
+    # A rank forked from the fork server holds its copy of the front end's end of the server's
+    # liveness pipe (so that it could ask the server for processes of its own): the server ends
+    # only when every holder is gone. Let go of it, so the server ends with the front end.
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    try:  # Linux: the kernel kills this rank if its parent (front end, fork server) dies.
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
@@ -77,8 +87,13 @@ def rank_main(
     address: str,
     token: str,
     launched: LaunchedJob | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
-    """A spawned rank, start to end."""
+    """A rank process, start to end (``env``: the front end's environment when it started the
+    rank, which a rank forked from the preloaded server takes over)."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     from splitmoe.runtime import run_rank  # (the rank's own imports: torch, the model...)
 
     _die_with_parent()
@@ -101,6 +116,33 @@ def rank_main(
     channel.close(role)
 
 
+# What a rank process reads from its environment as it starts, before `rank_main` runs: the
+# interpreter's (PYTHONPATH: sitecustomize), OpenMP's and the allocator's (read as torch loads).
+_LOAD_VARS = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "MALLOC_")
+_PRELOAD = ["splitmoe.runtime"]
+_forkserver_env: dict[str, str] | None = None  # the load variables the fork server started with
+
+
+def _load_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_LOAD_VARS)}
+
+
+def start_context(cfg: EngineConfig, omp: dict[str, str]):
+    """How this front end starts CPU ranks: forked from a server process that imported torch
+    and the runtime once (multiprocessing's "forkserver"; started here the first time), so a
+    rank starts in milliseconds instead of importing them again, where the ranks need no
+    OpenMP settings of their own (``omp``: `rank_openmp_env`) and the server started with the
+    same load variables (`_LOAD_VARS`) as now; otherwise, and for GPU ranks, spawned afresh."""
+    global _forkserver_env
+    if cfg.device_type != "cpu" or omp or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    if _forkserver_env is None:
+        mp.set_forkserver_preload(_PRELOAD)
+        forkserver.ensure_running()
+        _forkserver_env = _load_env()
+    return mp.get_context("forkserver" if _load_env() == _forkserver_env else "spawn")
+
+
 class RankProcesses:
     """The rank processes this front end started, in rank order (rank ``r`` is ``procs[r]``)."""
 
@@ -113,18 +155,18 @@ class RankProcesses:
         launched: LaunchedJob | None,
     ):
         self.cfg = cfg
-        ctx = mp.get_context("spawn")
         local = 1 if launched is not None else cfg.parallel.world_size
         self.procs: list[mp.Process] = []
         # (a spawned process takes this process's environment as it is when it starts; the
         # variables are set only where the user has not set them)
         omp = rank_openmp_env(cfg, launched.local_world_size if launched else local)
+        ctx = start_context(cfg, omp)
         os.environ.update(omp)
         try:
             for rank in range(local):
                 p = ctx.Process(
                     target=rank_main,
-                    args=(cfg, rank, init_method, address, token, launched),
+                    args=(cfg, rank, init_method, address, token, launched, dict(os.environ)),
                     name=f"splitmoe-rank{rank}",
                     daemon=True,
                 )
@@ -184,9 +226,9 @@ class RankProcesses:
             return ""
         return (
             f", before reporting in. A rank process first runs the main script {script} again "
-            "(multiprocessing's 'spawn' start method); a failure there ends it (see the rank's "
-            "traceback on stderr). If the script creates the LLM at its top level, put that "
-            f"code under `{_MAIN_GUARD}`."
+            "(multiprocessing's 'forkserver' and 'spawn' start methods); a failure there ends "
+            "it (see the rank's traceback on stderr). If the script creates the LLM at its top "
+            f"level, put that code under `{_MAIN_GUARD}`."
         )
 
     def join(self, timeout_s: float) -> None:

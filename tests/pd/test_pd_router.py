@@ -26,7 +26,7 @@ from pd.pd_setup import (  # noqa: E402
     near_tie,
     wait_all_free,
 )
-from server.server_proc import Server, children  # noqa: E402
+from server.server_proc import Server, descendants  # noqa: E402
 from tiny_models import prompt_ids  # noqa: E402
 
 NUM_REQUESTS = 32
@@ -189,7 +189,7 @@ def test_pd_survives_a_dead_prefill_instance(pd, tiny_ckpt):
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(run, p) for p in prompts]
             time.sleep(0.5)
-            ranks = children(victim.proc.pid)
+            ranks = descendants(victim.proc.pid)
             victim.proc.kill()
             for pid in ranks:
                 try:

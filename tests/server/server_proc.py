@@ -36,6 +36,38 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Live processes below ``pid``: its children, theirs, and so on."""
+    out, todo = [], children(pid)
+    while todo:
+        out.append(todo.pop())
+        todo += children(out[-1])
+    return out
+
+
+def rank_processes(pid: int) -> list[int]:
+    """The rank processes front end ``pid`` started, oldest first (it starts them in rank
+    order): its spawned children, and the children of its fork server (`engine.procs`)."""
+    found = []
+    for child in children(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd:
+            found.append(child)
+        elif b"multiprocessing.forkserver" in cmd:
+            found += children(child)
+    started = []
+    for p in found:
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        started.append((int(stat.rsplit(")", 1)[1].split()[19]), p))
+    return [p for _, p in sorted(started)]
+
+
 class Server:
     def __init__(
         self,

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_proc import Server, children
+from server_proc import Server, rank_processes
 from tiny_models import prompt_ids
 
 MODEL = "tiny"
@@ -104,14 +104,7 @@ def test_scrape_storm_changes_no_token_and_fails_nothing(server):
 
 
 def _ranks(server) -> list[int]:
-    def spawned(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return b"spawn_main" in f.read()
-        except OSError:
-            return False
-
-    return [pid for pid in children(server.proc.pid) if spawned(pid)]
+    return rank_processes(server.proc.pid)
 
 
 def test_metrics_answer_while_the_ranks_are_stopped(server):

@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_proc import Server, children
+from server_proc import Server, descendants
 from tiny_models import prompt_ids
 
 MODEL = "tiny"
@@ -75,7 +75,7 @@ def test_full_queue_is_503(server):
 def test_sigterm_drains(server):
     """SIGTERM during a load run: every in-flight request finishes (or gets an error), the
     server exits, and no rank process remains."""
-    ranks = children(server.proc.pid)
+    ranks = descendants(server.proc.pid)
     assert len(ranks) >= 2
     body = {"model": MODEL, "max_tokens": 30, "ignore_eos": True, "stream": True}
 

@@ -15,27 +15,15 @@ import signal
 
 import httpx
 import pytest
-from server_proc import Server, children
+from server_proc import Server, rank_processes
 from tiny_models import prompt_ids
 
 MAX_TOKENS = 40
 
 
 def _spawned_in_start_order(pid: int) -> list[int]:
-    """The server's rank processes (multiprocessing's spawned children), oldest first: the
-    front end starts them in rank order."""
-    ranks = []
-    for child in children(pid):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawn_main" not in f.read():
-                    continue
-            with open(f"/proc/{child}/stat") as f:
-                started = int(f.read().rsplit(")", 1)[1].split()[19])
-        except OSError:
-            continue
-        ranks.append((started, child))
-    return [p for _, p in sorted(ranks)]
+    """The server's rank processes, oldest first: the front end starts them in rank order."""
+    return rank_processes(pid)
 
 
 @pytest.mark.parametrize(
