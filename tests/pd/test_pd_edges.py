@@ -30,13 +30,14 @@ from pd.pd_setup import (  # noqa: E402
     wait_all_free,
 )
 from pd.test_agent import GARBAGE, FakeAgent  # noqa: E402
-from server.server_proc import Server, children  # noqa: E402
+from server.server_proc import Server, descendants  # noqa: E402
 from tiny_models import prompt_ids  # noqa: E402
 
 from splitmoe.kv_transfer.auth import HEADER  # noqa: E402
 
 PREFILL = ("--attention-ranks", "1", "--kv-role", "prefill", *MOONCAKE, *NAME)
-DECODE = ("--attention-ranks", "1", "--kv-role", "decode", *MOONCAKE, *NAME)
+# (four sequences at a time: a request of many copies decodes in waves, long enough to leave)
+DECODE = ("--attention-ranks", "1", "--kv-role", "decode", "--max-num-seqs", "4", *MOONCAKE, *NAME)
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +317,7 @@ def test_a_malformed_or_silent_upstream_stream_ends_with_an_error_and_done(tail,
 
 
 def _signal_all(server: Server, sig: int) -> None:
-    for pid in [server.proc.pid, *children(server.proc.pid)]:
+    for pid in [server.proc.pid, *descendants(server.proc.pid)]:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:

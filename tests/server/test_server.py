@@ -10,12 +10,13 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
 
 import httpx
 import openai
 import pytest
-from server_proc import Server, children
+from server_proc import Server, rank_processes
 from tiny_models import prompt_ids
 
 KEY = "test-key"
@@ -273,6 +274,48 @@ def test_disconnect_frees_blocks(server):
     assert res.status_code == 200
 
 
+def _aborted(server) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "splitmoe:request_success_total" and s.labels.get("finished_reason") == "abort"
+    )
+
+
+def test_a_non_streamed_client_that_leaves_aborts_its_busy_request(server):
+    """Its request makes progress every step: the server still notices the client left."""
+    before = _aborted(server)
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": prompt_ids(40, seed=3),
+            "max_tokens": 1000,
+            "n": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    ).encode()
+    auth = "".join(f"{k}: {v}\r\n" for k, v in server.headers.items())
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    deadline = time.monotonic() + 30
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(head.encode() + body)
+        while server.metrics().get("splitmoe:num_requests_running", 0) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    while _aborted(server) < before + 4:  # (each of its n sequences)
+        assert time.monotonic() < deadline, "the request ran on after its client left"
+        time.sleep(0.1)
+    _wait_kv_idle(server)
+
+
 BAD = [
     ("not json", "{bad", 400, "not valid JSON"),
     ("array body", "[1, 2]", 400, "JSON object"),
@@ -391,7 +434,7 @@ def test_metrics_parse(server):
 def test_rank_failure_fails_requests_not_hangs(server):
     """Killing the attention rank mid-request: running requests (streamed or not) get an
     error, /health says 503, new requests get 503 (this server is done after it)."""
-    ranks = [pid for pid in children(server.proc.pid) if _is_rank(pid)]
+    ranks = rank_processes(server.proc.pid)
     assert ranks
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True}
 
@@ -418,11 +461,3 @@ def test_rank_failure_fails_requests_not_hangs(server):
     assert h.status_code == 503 and h.json()["status"] == "failed"
     r = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers)
     assert r.status_code == 503
-
-
-def _is_rank(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"spawn_main" in f.read()
-    except OSError:
-        return False
