@@ -117,30 +117,40 @@ def rank_main(
 
 
 # What a rank process reads from its environment as it starts, before `rank_main` runs: the
-# interpreter's (PYTHONPATH: sitecustomize), OpenMP's and the allocator's (read as torch loads).
-_LOAD_VARS = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "MALLOC_")
+# interpreter's (PYTHONPATH: sitecustomize), OpenMP's, the allocator's and Triton's (read as
+# torch and triton load).
+_LOAD_VARS = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "MALLOC_", "TRITON_")
 _PRELOAD = ["splitmoe.runtime"]
-_forkserver_env: dict[str, str] | None = None  # the load variables the fork server started with
 
 
 def _load_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(_LOAD_VARS)}
 
 
+_BASE_ENV = _load_env()  # this process's, as it imported splitmoe: the fork server's
+_forkserver_started = False
+
+
 def start_context(cfg: EngineConfig, omp: dict[str, str]):
     """How this front end starts CPU ranks: forked from a server process that imported torch
     and the runtime once (multiprocessing's "forkserver"; started here the first time), so a
-    rank starts in milliseconds instead of importing them again, where the ranks need no
-    OpenMP settings of their own (``omp``: `rank_openmp_env`) and the server started with the
-    same load variables (`_LOAD_VARS`) as now; otherwise, and for GPU ranks, spawned afresh."""
-    global _forkserver_env
-    if cfg.device_type != "cpu" or omp or "forkserver" not in mp.get_all_start_methods():
+    rank starts in milliseconds instead of importing them again. That is where a fresh process
+    would load alike: the ranks need no OpenMP settings of their own (``omp``:
+    `rank_openmp_env`) and the load variables (`_LOAD_VARS`) are as this process had them when
+    it imported splitmoe (the fork server's). Otherwise, and for GPU ranks, they are spawned."""
+    global _forkserver_started
+    if (
+        cfg.device_type != "cpu"
+        or omp
+        or _load_env() != _BASE_ENV
+        or "forkserver" not in mp.get_all_start_methods()
+    ):
         return mp.get_context("spawn")
-    if _forkserver_env is None:
+    if not _forkserver_started:
         mp.set_forkserver_preload(_PRELOAD)
         forkserver.ensure_running()
-        _forkserver_env = _load_env()
-    return mp.get_context("forkserver" if _load_env() == _forkserver_env else "spawn")
+        _forkserver_started = True
+    return mp.get_context("forkserver")
 
 
 class RankProcesses:
